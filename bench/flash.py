@@ -1,0 +1,290 @@
+"""Flash attention benchmark: jattn's Triton-lowered kernel against cuDNN, plain XLA,
+JAX's example Pallas kernel and torch SDPA (through the DLPack bridge), in one run.
+
+    python bench/flash.py --out bench/results            # the issue's shapes
+    python bench/flash.py --sweep                        # block-config sweep
+    python bench/flash.py --long                         # 131072-token causal fwd+bwd
+
+Writes flash.json / flash.md / flash.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.common import attention_flops, environment, jax_peak_bytes, time_jax, time_torch, write_results  # noqa: E402
+import jattn  # noqa: E402
+from pallas_kernels.flash import FlashBlockConfig  # noqa: E402
+
+SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64)]
+DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+def jax_impls(causal, config=None):
+  from jax.experimental.pallas.ops.gpu import attention as jax_example
+
+  def ours(q, k, v):
+    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_triton", config=config)
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+  def xla(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+  def example(q, k, v):
+    return jax_example.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
+
+  return {"jattn_triton": ours, "cudnn": cudnn, "xla": xla, "jax_example": example}
+
+
+def fwd_bwd(fn):
+  def run(q, k, v, do):
+    _, pullback = jax.vjp(fn, q, k, v)
+    return pullback(do)
+  return run
+
+
+def time_jax_impl(fn, mode, q, k, v, do):
+  if mode == "fwd":
+    f, args = jax.jit(fn), (q, k, v)
+  else:
+    f, args = jax.jit(fwd_bwd(fn)), (q, k, v, do)
+  seconds = time_jax(f, *args)
+  return seconds, jax_peak_bytes(f, *args)
+
+
+def time_torch_impl(backend_name, causal, mode, q, k, v, do):
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+
+  from interop import to_torch
+
+  backend = {"torch_sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+             "torch_sdpa_flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+  qt, kt, vt, dot = (to_torch(x).permute(0, 2, 1, 3) for x in (q, k, v, do))
+  qt, kt, vt = (x.detach().requires_grad_(mode != "fwd") for x in (qt, kt, vt))
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def fwd():
+    with sdpa_kernel(backend):
+      return sdpa(qt, kt, vt, is_causal=causal)
+
+  def both():
+    with sdpa_kernel(backend):
+      o = sdpa(qt, kt, vt, is_causal=causal)
+    return torch.autograd.grad(o, (qt, kt, vt), dot)
+
+  fn = fwd if mode == "fwd" else both
+  fn()
+  torch.cuda.synchronize()
+  base = torch.cuda.memory_allocated()
+  torch.cuda.reset_peak_memory_stats()
+  fn()
+  torch.cuda.synchronize()
+  peak = torch.cuda.max_memory_allocated() - base
+  inputs = sum(x.numel() * x.element_size() for x in (qt, kt, vt)) + (
+      0 if mode == "fwd" else dot.numel() * dot.element_size())
+  return time_torch(fn), peak + inputs
+
+
+def inputs(shape, dtype, seed=0):
+  b, s, h, d = shape
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return [jax.random.normal(kk, (b, s, h, d), dtype) for kk in keys]
+
+
+def run_table(shapes, dtypes, impls, modes, torch_impls):
+  rows = []
+  for shape, dname, causal, mode in itertools.product(shapes, dtypes, (False, True), modes):
+    q, k, v, do = inputs(shape, DTYPES[dname])
+    flops = attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, mode)
+    named = {**{n: ("jax", f) for n, f in jax_impls(causal).items() if n in impls},
+             **{n: ("torch", n) for n in torch_impls}}
+    for name, (kind, fn) in named.items():
+      row = {"impl": name, "shape": list(shape), "dtype": dname, "causal": causal, "mode": mode}
+      try:
+        if kind == "jax":
+          seconds, peak = time_jax_impl(fn, mode, q, k, v, do)
+        else:
+          seconds, peak = time_torch_impl(fn, causal, mode, q, k, v, do)
+        row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=None if peak is None else peak / 2**20)
+      except Exception as e:  # a peer lacking a feature or memory is recorded, not fatal
+        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+      rows.append(row)
+      print(_fmt_row(row), flush=True)
+  return rows
+
+
+def _fmt_row(r):
+  head = f"{r['impl']:>17} {str(tuple(r['shape'])):>20} {r['dtype']} causal={int(r['causal'])} {r['mode']:>7}"
+  if "error" in r:
+    return f"{head}  ERROR {r['error']}"
+  mem = "" if r.get("peak_mib") is None else f" {r['peak_mib']:9.0f} MiB"
+  return f"{head} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s{mem}"
+
+
+def markdown(rows, env):
+  lines = [f"# Flash attention, {env['device']} (jax {env['jax']}, {env['time']})", "",
+           "TFLOP/s (median; FLOPs per DESIGN.md), peak memory in MiB; ratio = jattn / peer.", ""]
+  keys = sorted({(tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]) for r in rows})
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  lines.append("| shape B,S,H,D | dtype | causal | mode | " + " | ".join(impls) + " | jattn/jax_example | jattn/cudnn |")
+  lines.append("|" + "---|" * (len(impls) + 6))
+  for key in keys:
+    by = {r["impl"]: r for r in rows if (tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]) == key}
+    cells = []
+    for i in impls:
+      r = by.get(i)
+      if r is None:
+        cells.append("")
+      elif "error" in r:
+        cells.append("n/a")
+      else:
+        mem = "" if r.get("peak_mib") is None else f" ({r['peak_mib']:.0f} MiB)"
+        cells.append(f"{r['tflops']:.0f}{mem}")
+    def ratio(peer):
+      a, b = by.get("jattn_triton"), by.get(peer)
+      if a and b and "tflops" in a and "tflops" in b:
+        return f"{a['tflops'] / b['tflops']:.2f}x"
+      return ""
+    shape = ",".join(map(str, key[0]))
+    lines.append(f"| {shape} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | " + " | ".join(cells)
+                 + f" | {ratio('jax_example')} | {ratio('cudnn')} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [r for r in rows if "tflops" in r and r["dtype"] == "fp16"]
+  groups = list(dict.fromkeys((tuple(r["shape"]), r["causal"], r["mode"]) for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.3), 4.5))
+  width = 0.8 / max(len(impls), 1)
+  for n, impl in enumerate(impls):
+    vals = [next((r["tflops"] for r in rows if r["impl"] == impl and (tuple(r["shape"]), r["causal"], r["mode"]) == g), 0)
+            for g in groups]
+    ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+  ax.set_xticklabels([f"{','.join(map(str, g[0]))}\n{'causal' if g[1] else 'full'} {g[2]}" for g in groups], fontsize=7)
+  ax.set_ylabel("TFLOP/s (fp16)")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def _time_config(shape, causal, mode, cand, q, k, v, do):
+  """TFLOP/s of our kernel with one candidate config, or None if it fails to compile."""
+  try:
+    fn = jax_impls(causal, FlashBlockConfig(**cand))["jattn_triton"]
+    seconds, _ = time_jax_impl(fn, mode, q, k, v, do)
+  except Exception as e:  # e.g. tiles that exceed shared memory
+    print("  fail", cand, type(e).__name__, str(e).splitlines()[0][:100], flush=True)
+    return None
+  return attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, mode) / seconds / 1e12
+
+
+def sweep(shapes, modes):
+  """Times candidate block configs of our kernel; prints the best per shape.
+
+  Forward: a full grid. Backward: the dK/dV tiles with the launch parameters
+  first, then the dQ tiles with the winner's (a coordinate search: the two
+  kernels share num_warps/num_stages).
+  """
+  fwd_cands = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+               for bq, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))
+               if not (bq == 64 and w == 8)]
+  dkv_cands = [dict(block_q_dkv=a, block_k_dkv=b, bwd_num_warps=w, bwd_num_stages=st)
+               for (a, b), w, st in itertools.product(
+                   ((64, 128), (128, 128), (64, 64), (32, 128), (128, 64)), (4, 8), (2, 3))]
+  results = []
+  for shape, causal in itertools.product(shapes, (False, True)):
+    q, k, v, do = inputs(shape, jnp.float16)
+    if "fwd" in modes:
+      best = _best(results, shape, causal, "fwd", fwd_cands, q, k, v, do)
+      print(f"BEST {shape} causal={causal} fwd: {best}", flush=True)
+    if "fwd+bwd" in modes:
+      best = _best(results, shape, causal, "fwd+bwd", dkv_cands, q, k, v, do)
+      dq_cands = [dict(best[1], block_q_dq=a, block_k_dq=b)
+                  for a, b in ((128, 64), (64, 64), (128, 128), (64, 128))]
+      best = max(best, _best(results, shape, causal, "fwd+bwd", dq_cands, q, k, v, do),
+                 key=lambda t: t[0])
+      print(f"BEST {shape} causal={causal} fwd+bwd: {best}", flush=True)
+  return results
+
+
+def _best(results, shape, causal, mode, cands, q, k, v, do):
+  best = (0.0, None)
+  for cand in cands:
+    tf = _time_config(shape, causal, mode, cand, q, k, v, do)
+    if tf is None:
+      continue
+    results.append({"shape": shape, "causal": causal, "mode": mode, "config": cand, "tflops": tf})
+    if tf > best[0]:
+      best = (tf, cand)
+  return best
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument("--sweep", action="store_true")
+  parser.add_argument("--sweep-shapes", default="0,2", help="indices into SHAPES to sweep")
+  parser.add_argument("--long", action="store_true", help="131072-token causal fwd+bwd at (1,131072,8,128)")
+  parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--impls", default="jattn_triton,cudnn,xla,jax_example")
+  parser.add_argument("--dtypes", default="fp16,bf16")
+  parser.add_argument("--modes", default="fwd,fwd+bwd")
+  parser.add_argument("--stem", default="flash", help="output file stem")
+  parser.add_argument("--merge", nargs="+", metavar="JSON",
+                      help="combine the rows of earlier runs (same device) into --stem")
+  args = parser.parse_args()
+  if args.merge:
+    runs = [json.load(open(path)) for path in args.merge]
+    rows = [row for run in runs for row in run["rows"]]
+    env = runs[0]["env"]
+    write_results(args.out, args.stem, {"env": env, "rows": rows, "merged_from": args.merge},
+                  markdown(rows, env))
+    plot(rows, os.path.join(args.out, f"{args.stem}.png"))
+    return
+  env = environment()
+  modes = args.modes.split(",")
+  if args.sweep:
+    res = sweep([SHAPES[i] for i in map(int, args.sweep_shapes.split(","))], modes)
+    write_results(args.out, "flash_sweep", {"env": env, "results": res}, "")
+    return
+  if args.long:
+    shape = (1, 131072, 8, 128)
+    q, k, v, do = inputs(shape, jnp.float16)
+    fn = jax_impls(True)["jattn_triton"]
+    seconds, peak = time_jax_impl(fn, "fwd+bwd", q, k, v, do)
+    tf = attention_flops(*shape[:2], shape[1], *shape[2:], True, "fwd+bwd") / seconds / 1e12
+    row = {"impl": "jattn_triton", "shape": list(shape), "dtype": "fp16", "causal": True,
+           "mode": "fwd+bwd", "ms": seconds * 1e3, "tflops": tf, "peak_mib": peak / 2**20}
+    print(_fmt_row(row))
+    write_results(args.out, "flash_long", {"env": env, "rows": [row]},
+                  f"# 131072-token causal fwd+bwd, {env['device']}\n\n{_fmt_row(row)}\n")
+    return
+  torch_impls = [] if args.no_torch else ["torch_sdpa_cudnn", "torch_sdpa_flash"]
+  rows = run_table(SHAPES, args.dtypes.split(","), args.impls.split(","), modes, torch_impls)
+  md = markdown(rows, env)
+  write_results(args.out, args.stem, {"env": env, "rows": rows}, md)
+  plot(rows, os.path.join(args.out, f"{args.stem}.png"))
+  print(md)
+
+
+if __name__ == "__main__":
+  main()

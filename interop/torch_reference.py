@@ -1,0 +1,74 @@
+"""PyTorch references of the jattn ops, computed independently of JAX.
+
+Tensors use jattn's layout ``[batch, seq, heads, head_dim]``; the functions
+transpose to torch's ``[batch, heads, seq, head_dim]`` internally.
+"""
+
+from __future__ import annotations
+
+
+def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
+                         q_segment_ids=None, kv_segment_ids=None, device=None):
+  """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask, True where a query may attend.
+
+  Same semantics as ``jattn.flash_attention``: queries aligned bottom-right
+  (query ``i`` at key position ``i + kv_len - q_len``).
+  """
+  import torch
+
+  q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+  k_pos = torch.arange(kv_len, device=device)[None, :]
+  mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+  left, right = local_window if local_window is not None else (None, None)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  if right is not None:
+    mask &= k_pos <= q_pos + right
+  if left is not None:
+    mask &= k_pos >= q_pos - left
+  mask = mask[None, None]
+  if q_segment_ids is not None:
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    mask = mask & same[:, None]
+  return mask
+
+
+def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
+                          kv_segment_ids=None, local_window=None, softcap=None):
+  """Attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``
+      torch tensors (GQA handled by repeating kv heads).
+    Other arguments as ``jattn.flash_attention``. ``softcap`` cannot be expressed
+    as an SDPA mask, so that case computes the softmax explicitly in torch.
+
+  Returns:
+    ``[batch, q_len, q_heads, head_dim]``; rows that see no key are zeros.
+  """
+  import torch
+  import torch.nn.functional as F
+
+  q_len, q_heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  scale = head_dim ** -0.5 if scale is None else scale
+  qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+  if kv_heads != q_heads:
+    kt = kt.repeat_interleave(q_heads // kv_heads, dim=1)
+    vt = vt.repeat_interleave(q_heads // kv_heads, dim=1)
+  mask = flash_attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                              device=q.device)
+  # SDPA turns a row with no allowed key into NaN; open such rows up and zero
+  # their output afterwards (the zeroing also stops their gradient).
+  empty = ~mask.any(dim=-1, keepdim=True)
+  mask = mask | empty
+  if softcap is None:
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+  else:
+    logits = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * scale
+    logits = softcap * torch.tanh(logits / softcap)
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.matmul(probs, vt.float()).to(q.dtype)
+  out = out.masked_fill(empty, 0.0)
+  return out.transpose(1, 2)

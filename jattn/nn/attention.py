@@ -1,0 +1,77 @@
+"""Multi-head attention layer (Flax NNX) on top of ``jattn.flash_attention``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn.flash import flash_attention
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head (or grouped-query) attention with flash attention inside.
+
+  Projections are named ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``, as
+  in most PyTorch attention modules, so torch checkpoints map over by name.
+
+  Args:
+    embed_dim: model width; ``x: [batch, seq, embed_dim]``.
+    num_heads: query heads; ``embed_dim`` must divide evenly among them unless
+      ``head_dim`` is given.
+    num_kv_heads: key/value heads (default ``num_heads``); fewer gives GQA/MQA.
+    head_dim: per-head width (default ``embed_dim // num_heads``).
+    causal, local_window, softcap: passed to ``flash_attention``.
+    use_bias: biases on the four projections.
+    backend: ``flash_attention`` backend.
+    dtype: computation dtype (params stay in ``param_dtype``).
+    rngs: ``nnx.Rngs`` for initialisation.
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+               head_dim: int | None = None, causal: bool = False, local_window=None,
+               softcap: float | None = None, use_bias: bool = True, backend: str = "auto",
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                       f"({num_kv_heads})")
+    if head_dim is None:
+      if embed_dim % num_heads:
+        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
+                         "or pass head_dim")
+      head_dim = embed_dim // num_heads
+    self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+    self.head_dim = head_dim
+    self.causal, self.local_window, self.softcap = causal, local_window, softcap
+    self.backend, self.dtype = backend, dtype
+    linear = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, dtype=dtype,
+                                     param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = linear(embed_dim, num_heads * head_dim)
+    self.k_proj = linear(embed_dim, num_kv_heads * head_dim)
+    self.v_proj = linear(embed_dim, num_kv_heads * head_dim)
+    self.out_proj = linear(num_heads * head_dim, embed_dim)
+
+  def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None):
+    """Attends from ``x: [batch, q_len, embed_dim]`` to ``context`` (default ``x``).
+
+    ``segment_ids: [batch, q_len]`` / ``context_segment_ids: [batch, kv_len]``
+    restrict attention to equal ids (packed sequences); for self-attention the
+    context ids default to ``segment_ids``. Returns ``[batch, q_len, embed_dim]``.
+    """
+    if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+      raise ValueError(f"x must be [batch, seq, {self.embed_dim}], got shape {x.shape}")
+    context = x if context is None else context
+    if context.ndim != 3 or context.shape[-1] != self.embed_dim:
+      raise ValueError(f"context must be [batch, seq, {self.embed_dim}], got {context.shape}")
+    if segment_ids is not None and context_segment_ids is None:
+      if context is not x:
+        raise ValueError("cross-attention with segment_ids needs context_segment_ids too")
+      context_segment_ids = segment_ids
+    b, q_len, kv_len = x.shape[0], x.shape[1], context.shape[1]
+    q = self.q_proj(x).reshape(b, q_len, self.num_heads, self.head_dim)
+    k = self.k_proj(context).reshape(b, kv_len, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(context).reshape(b, kv_len, self.num_kv_heads, self.head_dim)
+    o = flash_attention(q, k, v, causal=self.causal, local_window=self.local_window,
+                        softcap=self.softcap, q_segment_ids=segment_ids,
+                        kv_segment_ids=context_segment_ids, backend=self.backend)
+    return self.out_proj(o.reshape(b, q_len, self.num_heads * self.head_dim))

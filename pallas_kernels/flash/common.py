@@ -1,0 +1,46 @@
+"""Pieces shared by the forward and backward flash kernels: the logit transform
+(scale, soft-cap, base-2 exponent) and matmuls in the precision each dtype needs."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Stand-in for -inf in the saved log-sum-exp of rows that see no key: finite, so
+# that merging or subtracting it never produces NaN.
+EMPTY_ROW_LSE = -1e30
+
+
+def dot(a, b, contract_a: int, contract_b: int):
+  """2-D matmul contracting ``a``'s and ``b``'s given axes, accumulating in fp32.
+
+  fp32 operands use IEEE fp32 products (not TF32), so fp32 calls are as exact
+  as the reference.
+  """
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                         precision=precision, preferred_element_type=jnp.float32)
+
+
+def log2_logits(qk, scale: float, softcap: float | None):
+  """Raw q.k products -> ``(s, c, t)`` with ``s * c`` the logits in base-2 units.
+
+  Without a soft-cap ``s`` is ``qk`` itself and the multiply by ``c`` is left to
+  the caller, where it fuses with the max subtraction; with one, ``c = 1`` and
+  ``t = tanh(.)`` is kept for the VJP.
+  """
+  if softcap is None:
+    return qk, scale * LOG2E, None
+  t = jnp.tanh(qk * (scale / softcap))
+  return t * (softcap * LOG2E), 1.0, t
+
+
+def logit_grad(ds, tanh_value):
+  """d(loss)/d(scaled logit) from d(loss)/d(capped logit)."""
+  if tanh_value is None:
+    return ds
+  return ds * (1.0 - tanh_value * tanh_value)

@@ -1,0 +1,141 @@
+"""Masking shared by every flash kernel: which (query, key) pairs may attend, and
+which key (or query) blocks a tile must visit, with or without element masks.
+
+Positions are absolute: query row ``i`` sits at key position ``i + offset`` with
+``offset = kv_len - q_len`` (bottom-right alignment, as flash-attn does).
+Causal attention is the window ``right = 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """Static description of the attention pattern.
+
+  Attributes:
+    q_len, kv_len: true (unpadded) sequence lengths.
+    left, right: window bounds; query at absolute position ``a`` sees keys in
+      ``[a - left, a + right]``. ``None`` means unbounded on that side.
+    kv_padded: whether keys past ``kv_len`` exist in the padded buffers.
+    segments: whether segment ids restrict attention further.
+  """
+
+  q_len: int
+  kv_len: int
+  left: int | None = None
+  right: int | None = None
+  kv_padded: bool = False
+  segments: bool = False
+
+  @property
+  def offset(self) -> int:
+    return self.kv_len - self.q_len
+
+  @staticmethod
+  def build(q_len, kv_len, *, causal, local_window, kv_padded, segments) -> "MaskSpec":
+    left, right = local_window if local_window is not None else (None, None)
+    if causal:
+      right = 0 if right is None else min(right, 0)
+    return MaskSpec(q_len, kv_len, left, right, kv_padded, segments)
+
+
+def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
+  """Boolean mask for broadcastable query-row and key indices (and segment ids),
+  or None when the spec restricts nothing."""
+  q_abs = q_idx + spec.offset
+  mask = None
+
+  def conj(m, new):
+    return new if m is None else jnp.logical_and(m, new)
+
+  if spec.kv_padded:
+    mask = conj(mask, k_idx < spec.kv_len)
+  if spec.right is not None:
+    mask = conj(mask, k_idx <= q_abs + spec.right)
+  if spec.left is not None:
+    mask = conj(mask, k_idx >= q_abs - spec.left)
+  if spec.segments:
+    mask = conj(mask, q_seg == k_seg)
+  return mask
+
+
+def apply_mask(x, fill, spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
+  """``x`` where the pattern allows attention, ``fill`` elsewhere."""
+  mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg)
+  return x if mask is None else jnp.where(mask, x, fill)
+
+
+def _div_nonneg(x, d: int):
+  # Kernel-side integer division; the callers clamp so that a negative numerator
+  # and 0 lead to the same final block bound.
+  return lax.div(jnp.maximum(x, 0), jnp.int32(d))
+
+
+def _cdiv_nonneg(x, d: int):
+  return _div_nonneg(x + (d - 1), d)
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_k: int):
+  """Key blocks a query tile starting at row ``q_start`` visits.
+
+  Returns int32 scalars ``lo <= full_lo <= full_hi <= hi``: blocks in
+  ``[full_lo, full_hi)`` need no element mask, the rest of ``[lo, hi)`` does.
+  """
+  q_first = q_start + spec.offset
+  q_last = q_first + (block_q - 1)
+  lo = jnp.int32(0)
+  hi = jnp.int32(-(-spec.kv_len // block_k))
+  if spec.left is not None:
+    lo = _div_nonneg(q_first - spec.left, block_k)
+  if spec.right is not None:
+    hi = jnp.minimum(hi, _cdiv_nonneg(q_last + spec.right + 1, block_k))
+  hi = jnp.maximum(hi, lo)
+  if spec.segments:
+    return lo, lo, lo, hi
+  full_lo = lo
+  full_hi = jnp.int32(spec.kv_len // block_k) if spec.kv_padded else hi
+  if spec.left is not None:
+    full_lo = _cdiv_nonneg(q_last - spec.left, block_k)
+  if spec.right is not None:
+    full_hi = jnp.minimum(full_hi, _div_nonneg(q_first + spec.right + 1, block_k))
+  full_lo = _clamp(full_lo, lo, hi)
+  full_hi = _clamp(full_hi, full_lo, hi)
+  return lo, full_lo, full_hi, hi
+
+
+def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
+  """Query blocks a key tile starting at key ``k_start`` is seen by (dK/dV pass).
+
+  Same contract as :func:`kv_block_range`, over query blocks.
+  """
+  k_first = k_start
+  k_last = k_start + (block_k - 1)
+  lo = jnp.int32(0)
+  hi = jnp.int32(-(-spec.q_len // block_q))
+  if spec.right is not None:
+    lo = _div_nonneg(k_first - spec.right - spec.offset, block_q)
+  if spec.left is not None:
+    hi = jnp.minimum(hi, _cdiv_nonneg(k_last + spec.left - spec.offset + 1, block_q))
+  hi = jnp.maximum(hi, lo)
+  if spec.segments:
+    return lo, lo, lo, hi
+  full_lo, full_hi = lo, hi
+  if spec.right is not None:
+    full_lo = _cdiv_nonneg(k_last - spec.right - spec.offset, block_q)
+  if spec.left is not None:
+    full_hi = jnp.minimum(full_hi, _div_nonneg(k_first + spec.left - spec.offset + 1, block_q))
+  if spec.kv_padded:
+    full_hi = jnp.where(k_last < spec.kv_len, full_hi, full_lo)
+  full_lo = _clamp(full_lo, lo, hi)
+  full_hi = _clamp(full_hi, full_lo, hi)
+  return lo, full_lo, full_hi, hi

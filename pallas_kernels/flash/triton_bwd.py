@@ -1,0 +1,162 @@
+"""Backward flash attention kernels, lowered through Triton.
+
+Two kernels, no atomics, so gradients are bitwise reproducible:
+- dK/dV: grid (key blocks, batch, kv heads); each program owns one key/value
+  tile and loops over the query heads of its group and the query blocks that see
+  it, so grouped-query heads are summed in a fixed order.
+- dQ: grid (query blocks, batch, query heads); loops over key blocks.
+Both recompute probabilities from the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash.common import LOG2E, dot, log2_logits, logit_grad
+from pallas_kernels.flash.config import FlashBlockConfig
+from pallas_kernels.flash.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
+                dk_ref, dv_ref, *, spec: MaskSpec, scale: float, softcap: float | None,
+                block_q: int, block_k: int, group: int):
+  k_start = pl.program_id(0) * block_k
+  kv_head = pl.program_id(2)
+  k = k_ref[...]
+  v = v_ref[...]
+  # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
+  k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+  k_seg = kv_seg_ref[...][:, None] if spec.segments else None
+
+  def body(head, masked: bool, i, carry):
+    dk, dv = carry
+    q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+    q = q_ref[q_slice, head, :]
+    do = do_ref[q_slice, head, :]
+    lse = lse_ref[head, q_slice] * LOG2E
+    delta = delta_ref[head, q_slice]
+    s_t, c, tanh_t = log2_logits(dot(k, q, 1, 1), scale, softcap)
+    p_t = jnp.exp2(s_t * c - lse[None, :])
+    if masked:
+      q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+      q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
+      p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg)
+    dv = dv + dot(p_t.astype(do.dtype), do, 1, 0)
+    dp_t = dot(v, do, 1, 1)
+    ds_t = logit_grad(p_t * (dp_t - delta[None, :]), tanh_t)
+    dk = dk + dot(ds_t.astype(q.dtype), q, 1, 0)
+    return dk, dv
+
+  lo, full_lo, full_hi, hi = q_block_range(spec, k_start, block_k, block_q)
+
+  def per_head(g, carry):
+    head = kv_head * group + g
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, head, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, head, False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, head, True), carry)
+
+  d = k_ref.shape[-1]
+  zeros = jnp.zeros((block_k, d), jnp.float32)
+  dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
+               dq_ref, *, spec: MaskSpec, scale: float, softcap: float | None,
+               block_q: int, block_k: int):
+  q_start = pl.program_id(0) * block_q
+  q = q_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...] * LOG2E
+  delta = delta_ref[...]
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  q_seg = q_seg_ref[...][:, None] if spec.segments else None
+
+  def body(masked: bool, j, dq):
+    k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k = k_ref[k_slice, :]
+    v = v_ref[k_slice, :]
+    s, c, tanh_s = log2_logits(dot(q, k, 1, 1), scale, softcap)
+    p = jnp.exp2(s * c - lse[:, None])
+    if masked:
+      k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+      k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
+      p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg)
+    dp = dot(do, v, 1, 1)
+    ds = logit_grad(p * (dp - delta[:, None]), tanh_s)
+    return dq + dot(ds.astype(k.dtype), k, 1, 0)
+
+  lo, full_lo, full_hi, hi = kv_block_range(spec, q_start, block_q, block_k)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dq = lax.fori_loop(lo, full_lo, functools.partial(body, True), dq)
+  dq = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), dq)
+  dq = lax.fori_loop(full_hi, hi, functools.partial(body, True), dq)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
+                   softcap: float | None, config: FlashBlockConfig, blocks, interpret: bool):
+  """Runs the dK/dV and dQ kernels on padded inputs.
+
+  Args:
+    q, do: ``[batch, q_len_p, q_heads, d_p]``; k, v: ``[batch, kv_len_p, kv_heads, d_p]``.
+    lse, delta: ``[batch, q_heads, q_len_p]`` float32; delta is ``rowsum(o * do)``
+      minus any cotangent of the returned log-sum-exp.
+    blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``, dividing the
+      padded lengths.
+
+  Returns:
+    ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+  """
+  batch, q_len_p, q_heads, d = q.shape
+  kv_len_p, kv_heads = k.shape[1], k.shape[2]
+  group = q_heads // kv_heads
+  bq_dkv, bk_dkv, bq_dq, bk_dq = blocks
+  params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
+                                num_stages=config.bwd_num_stages)
+
+  full_q = pl.BlockSpec((None, q_len_p, q_heads, d), lambda j, b, h: (b, 0, 0, 0))
+  full_rows = pl.BlockSpec((None, q_heads, q_len_p), lambda j, b, h: (b, 0, 0))
+  kv_tile = pl.BlockSpec((None, bk_dkv, None, d), lambda j, b, h: (b, j, h, 0))
+  seg_specs = [None, None]
+  if spec.segments:
+    seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),
+                 pl.BlockSpec((None, bk_dkv), lambda j, b, h: (b, j))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, spec=spec, scale=scale, softcap=softcap,
+                        block_q=bq_dkv, block_k=bk_dkv, group=group),
+      grid=(kv_len_p // bk_dkv, batch, kv_heads),
+      in_specs=[full_q, kv_tile, kv_tile, full_q, full_rows, full_rows, *seg_specs],
+      out_specs=[kv_tile, kv_tile],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params,
+      interpret=interpret,
+      name="jattn_flash_bwd_dkv",
+  )(q, k, v, do, lse, delta, q_seg, kv_seg)
+
+  q_tile = pl.BlockSpec((None, bq_dq, None, d), lambda i, b, h: (b, i, h, 0))
+  row_tile = pl.BlockSpec((None, None, bq_dq), lambda i, b, h: (b, h, i))
+  full_kv = pl.BlockSpec((None, kv_len_p, None, d), lambda i, b, h: (b, 0, h // group, 0))
+  seg_specs = [None, None]
+  if spec.segments:
+    seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
+                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, spec=spec, scale=scale, softcap=softcap,
+                        block_q=bq_dq, block_k=bk_dq),
+      grid=(q_len_p // bq_dq, batch, q_heads),
+      in_specs=[q_tile, full_kv, full_kv, q_tile, row_tile, row_tile, *seg_specs],
+      out_specs=q_tile,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params,
+      interpret=interpret,
+      name="jattn_flash_bwd_dq",
+  )(q, k, v, do, lse, delta, q_seg, kv_seg)
+  return dq, dk, dv
