@@ -1,8 +1,10 @@
-"""Flash attention benchmark: jattn's Triton-lowered kernel against cuDNN, plain XLA,
-JAX's example Pallas kernel and torch SDPA (through the DLPack bridge), in one run.
+"""Flash attention benchmark: jattn's kernels (Triton-lowered and Hopper Mosaic GPU)
+against cuDNN, plain XLA, JAX's example Pallas kernels, tokamax's Mosaic GPU kernel
+and torch SDPA (through the DLPack bridge), in one run.
 
     python bench/flash.py --out bench/results            # the issue's shapes
-    python bench/flash.py --sweep                        # block-config sweep
+    python bench/flash.py --sweep                        # Triton block-config sweep
+    python bench/flash.py --sweep-mosaic                 # Hopper tile sweep
     python bench/flash.py --long                         # 131072-token causal fwd+bwd
 
 Writes flash.json / flash.md / flash.png under --out.
@@ -24,17 +26,40 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.common import attention_flops, environment, jax_peak_bytes, time_jax, time_torch, write_results  # noqa: E402
 import jattn  # noqa: E402
-from pallas_kernels.flash import FlashBlockConfig  # noqa: E402
+from pallas_kernels.flash import FlashBlockConfig, MosaicBlockConfig  # noqa: E402
 
 SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64)]
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 
-def jax_impls(causal, config=None):
+# (ours, peer) pairs the markdown table reports as ratios, where both were run.
+RATIOS = [("jattn_triton", "jax_example"), ("jattn_triton", "cudnn"), ("jattn_mosaic", "cudnn"),
+          ("jattn_mosaic", "tokamax_mosaic"), ("jattn_mosaic", "jax_example_mgpu")]
+
+
+def jax_impls(causal, config=None, mosaic_config=None):
   from jax.experimental.pallas.ops.gpu import attention as jax_example
 
   def ours(q, k, v):
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_triton", config=config)
+
+  def ours_mosaic(q, k, v):
+    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
+                                 config=mosaic_config)
+
+  def tokamax_mosaic(q, k, v):
+    import tokamax
+
+    return tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
+
+  def example_mgpu(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+
+    d = q.shape[-1]
+    config = mgpu.TuningConfig(block_q=64, block_kv=128 if d <= 128 else 64,
+                               max_concurrent_steps=2, causal=causal, block_q_dkv=64,
+                               block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    return mgpu.attention(q * d ** -0.5, k, v, config)
 
   def cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
@@ -45,7 +70,9 @@ def jax_impls(causal, config=None):
   def example(q, k, v):
     return jax_example.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
 
-  return {"jattn_triton": ours, "cudnn": cudnn, "xla": xla, "jax_example": example}
+  return {"jattn_triton": ours, "jattn_mosaic": ours_mosaic, "cudnn": cudnn, "xla": xla,
+          "jax_example": example, "jax_example_mgpu": example_mgpu,
+          "tokamax_mosaic": tokamax_mosaic}
 
 
 def fwd_bwd(fn):
@@ -139,8 +166,10 @@ def markdown(rows, env):
            "TFLOP/s (median; FLOPs per DESIGN.md), peak memory in MiB; ratio = jattn / peer.", ""]
   keys = sorted({(tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]) for r in rows})
   impls = list(dict.fromkeys(r["impl"] for r in rows))
-  lines.append("| shape B,S,H,D | dtype | causal | mode | " + " | ".join(impls) + " | jattn/jax_example | jattn/cudnn |")
-  lines.append("|" + "---|" * (len(impls) + 6))
+  ratios = [(a, b) for a, b in RATIOS if a in impls and b in impls]
+  lines.append("| shape B,S,H,D | dtype | causal | mode | " + " | ".join(impls) + " | "
+               + " | ".join(f"{a}/{b}" for a, b in ratios) + " |")
+  lines.append("|" + "---|" * (len(impls) + len(ratios) + 4))
   for key in keys:
     by = {r["impl"]: r for r in rows if (tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]) == key}
     cells = []
@@ -153,14 +182,14 @@ def markdown(rows, env):
       else:
         mem = "" if r.get("peak_mib") is None else f" ({r['peak_mib']:.0f} MiB)"
         cells.append(f"{r['tflops']:.0f}{mem}")
-    def ratio(peer):
-      a, b = by.get("jattn_triton"), by.get(peer)
+    def ratio(ours, peer):
+      a, b = by.get(ours), by.get(peer)
       if a and b and "tflops" in a and "tflops" in b:
         return f"{a['tflops'] / b['tflops']:.2f}x"
       return ""
     shape = ",".join(map(str, key[0]))
     lines.append(f"| {shape} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | " + " | ".join(cells)
-                 + f" | {ratio('jax_example')} | {ratio('cudnn')} |")
+                 + " | " + " | ".join(ratio(a, b) for a, b in ratios) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -226,6 +255,101 @@ def sweep(shapes, modes):
   return results
 
 
+def sweep_mosaic(shapes, modes, dtype=jnp.float16):
+  """Times Hopper tile candidates: forward tiles on fwd, then backward tiles on fwd+bwd."""
+  from jattn.autotune import TUNABLE, Problem
+  from jattn.gpu import gpu_info
+
+  info = gpu_info()
+  results = []
+  for shape, causal in itertools.product(shapes, (False, True)):
+    q, k, v, do = inputs(shape, dtype)
+    d = shape[3]
+    # The autotuner's cost model drops tiles that cannot fit shared memory or registers.
+    forward_fits = TUNABLE[("flash_attention", "pallas_mosaic")].stages[0].fits
+    problem = Problem(q_len=shape[1], head_dim=d, dtype=dtype, causal=causal)
+    fwd = [dict(block_q=bq, block_kv=bk, stages=st)
+           for bq, bk, st in itertools.product((64, 128), (64, 128, 192, 256), (2, 3))
+           if forward_fits(MosaicBlockConfig(block_q=bq, block_kv=bk, stages=st), problem,
+                           info)[0]]
+    best_fwd = (0.0, {})
+    if "fwd" in modes:
+      best_fwd = _best_mosaic(results, shape, causal, "fwd", fwd, q, k, v, do)
+      print(f"BEST {shape} causal={causal} fwd: {best_fwd}", flush=True)
+    if "fwd+bwd" in modes:
+      bwd = [dict(best_fwd[1], block_q_dq=a, block_kv_dq=b, block_q_dkv=c, block_kv_dkv=e,
+                  bwd_stages=st)
+             for (a, b), (c, e), st in itertools.product(((64, 64), (64, 128)),
+                                                        ((64, 64), (128, 64)), (2, 3))]
+      best = _best_mosaic(results, shape, causal, "fwd+bwd", bwd, q, k, v, do)
+      print(f"BEST {shape} causal={causal} fwd+bwd: {best}", flush=True)
+  return results
+
+
+def _best_mosaic(results, shape, causal, mode, cands, q, k, v, do):
+  best = (0.0, None)
+  flops = attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, mode)
+  for cand in cands:
+    try:
+      fn = jax_impls(causal, mosaic_config=MosaicBlockConfig(**cand))["jattn_mosaic"]
+      seconds, _ = time_jax_impl(fn, mode, q, k, v, do)
+    except Exception as e:  # e.g. tiles that exceed shared memory or registers
+      print("  fail", cand, type(e).__name__, str(e).splitlines()[0][:100], flush=True)
+      continue
+    tf = flops / seconds / 1e12
+    print(f"  {shape} causal={int(causal)} {mode} {cand}: {tf:.1f} TFLOP/s", flush=True)
+    results.append({"shape": shape, "causal": causal, "mode": mode, "config": cand, "tflops": tf})
+    if tf > best[0]:
+      best = (tf, cand)
+  return best
+
+
+def breakdown(shapes, dtype=jnp.float16):
+  """Where a Hopper fwd+bwd step goes: each kernel timed alone on the same inputs."""
+  from pallas_kernels.flash import default_mosaic_config
+  from pallas_kernels.flash.common import LOG2E, backward_delta
+  from pallas_kernels.flash.masking import MaskSpec
+  from pallas_kernels.flash.mosaic_bwd import mosaic_dkv, mosaic_dq
+  from pallas_kernels.flash.mosaic_fwd import mosaic_forward
+
+  rows = []
+  for shape, causal in itertools.product(shapes, (False, True)):
+    q, k, v, do = inputs(shape, dtype)
+    cfg = default_mosaic_config(shape[3])
+    spec = MaskSpec.build(shape[1], shape[1], causal=causal, local_window=None,
+                          kv_padded=False, segments=False)
+    scale = shape[3] ** -0.5
+    fwd = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, spec=spec, scale=scale,
+                                                 block_q=cfg.block_q, block_kv=cfg.block_kv,
+                                                 stages=cfg.stages))
+    o, lse = fwd(q, k, v)
+    lse2 = lse * LOG2E
+    delta = jax.jit(backward_delta)(o, do, jnp.zeros_like(lse))
+    kw = dict(spec=spec, scale=scale, stages=cfg.bwd_stages)
+    parts = {
+        "fwd kernel": (fwd, (q, k, v)),
+        "delta (XLA)": (jax.jit(backward_delta), (o, do, jnp.zeros_like(lse))),
+        "dq kernel": (jax.jit(lambda *a: mosaic_dq(*a, block_q=cfg.block_q_dq,
+                                                   block_kv=cfg.block_kv_dq, **kw)),
+                      (q, k, v, do, lse2, delta)),
+        "dkv kernel": (jax.jit(lambda *a: mosaic_dkv(*a, block_q=cfg.block_q_dkv,
+                                                     block_kv=cfg.block_kv_dkv, **kw)),
+                       (q, k, v, do, lse2, delta)),
+    }
+    full = jax_impls(causal)["jattn_mosaic"]
+    total_ms = time_jax_impl(full, "fwd+bwd", q, k, v, do)[0] * 1e3
+    row = {"shape": list(shape), "causal": causal, "fwd+bwd ms": total_ms}
+    flops = attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, "fwd")
+    for name, (fn, args) in parts.items():
+      row[f"{name} ms"] = time_jax(fn, *args) * 1e3
+    # Matmul work of each kernel in units of the forward's two matmuls.
+    for name, matmuls in (("fwd kernel", 2), ("dq kernel", 3), ("dkv kernel", 4)):
+      row[f"{name} TFLOP/s"] = flops * matmuls / 2 / (row[f"{name} ms"] / 1e3) / 1e12
+    print(row, flush=True)
+    rows.append(row)
+  return rows
+
+
 def _best(results, shape, causal, mode, cands, q, k, v, do):
   best = (0.0, None)
   for cand in cands:
@@ -242,10 +366,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--sweep", action="store_true")
+  parser.add_argument("--sweep-mosaic", action="store_true")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="time each Hopper kernel of a fwd+bwd step alone")
   parser.add_argument("--sweep-shapes", default="0,2", help="indices into SHAPES to sweep")
   parser.add_argument("--long", action="store_true", help="131072-token causal fwd+bwd at (1,131072,8,128)")
   parser.add_argument("--no-torch", action="store_true")
-  parser.add_argument("--impls", default="jattn_triton,cudnn,xla,jax_example")
+  parser.add_argument("--impls", default="jattn_mosaic,jattn_triton,cudnn,tokamax_mosaic,"
+                      "jax_example_mgpu,jax_example,xla")
+  parser.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
   parser.add_argument("--dtypes", default="fp16,bf16")
   parser.add_argument("--modes", default="fwd,fwd+bwd")
   parser.add_argument("--stem", default="flash", help="output file stem")
@@ -262,6 +391,20 @@ def main():
     return
   env = environment()
   modes = args.modes.split(",")
+  if args.breakdown:
+    rows = breakdown([SHAPES[i] for i in map(int, args.shapes.split(","))])
+    cols = list(rows[0])
+    md = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + "".join(
+        "| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+        + " |\n" for r in rows)
+    write_results(args.out, "flash_mosaic_breakdown", {"env": env, "rows": rows},
+                  f"# Hopper fwd+bwd breakdown (fp16), {env['device']}\n\n" + md)
+    print(md)
+    return
+  if args.sweep_mosaic:
+    res = sweep_mosaic([SHAPES[i] for i in map(int, args.sweep_shapes.split(","))], modes)
+    write_results(args.out, "flash_sweep_mosaic", {"env": env, "results": res}, "")
+    return
   if args.sweep:
     res = sweep([SHAPES[i] for i in map(int, args.sweep_shapes.split(","))], modes)
     write_results(args.out, "flash_sweep", {"env": env, "results": res}, "")
@@ -279,7 +422,8 @@ def main():
                   f"# 131072-token causal fwd+bwd, {env['device']}\n\n{_fmt_row(row)}\n")
     return
   torch_impls = [] if args.no_torch else ["torch_sdpa_cudnn", "torch_sdpa_flash"]
-  rows = run_table(SHAPES, args.dtypes.split(","), args.impls.split(","), modes, torch_impls)
+  shapes = [SHAPES[i] for i in map(int, args.shapes.split(","))]
+  rows = run_table(shapes, args.dtypes.split(","), args.impls.split(","), modes, torch_impls)
   md = markdown(rows, env)
   write_results(args.out, args.stem, {"env": env, "rows": rows}, md)
   plot(rows, os.path.join(args.out, f"{args.stem}.png"))

@@ -1,12 +1,14 @@
 """jattn: fast, differentiable attention kernels for JAX, written in Pallas."""
 
-from jattn import nn
+from jattn import autotune, gpu, nn
 from jattn.backends import BACKENDS, usable_backends
 from jattn.flash import flash_attention
+from jattn.gpu import benchmark_backends, gpu_info, recommended_dtype, select_backend
 from jattn.reference import flash_attention_reference
-from pallas_kernels.flash import EMPTY_ROW_LSE, FlashBlockConfig
+from pallas_kernels.flash import EMPTY_ROW_LSE, FlashBlockConfig, MosaicBlockConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "EMPTY_ROW_LSE", "FlashBlockConfig", "flash_attention",
-           "flash_attention_reference", "nn", "usable_backends"]
+__all__ = ["BACKENDS", "EMPTY_ROW_LSE", "FlashBlockConfig", "MosaicBlockConfig", "autotune",
+           "benchmark_backends", "flash_attention", "flash_attention_reference", "gpu",
+           "gpu_info", "nn", "recommended_dtype", "select_backend", "usable_backends"]

@@ -8,8 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from jattn.backends import resolve_backend
+from jattn.gpu import select_backend
 from jattn.reference import flash_attention_reference
-from pallas_kernels.flash import FlashBlockConfig, default_config, flash_attention_triton
+from pallas_kernels.flash import (FlashBlockConfig, MosaicBlockConfig, default_config,
+                                  default_mosaic_config, flash_attention_mosaic,
+                                  flash_attention_triton)
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 MAX_PALLAS_HEAD_DIM = 256
@@ -61,8 +64,9 @@ def _validate(q, k, v, q_segment_ids, kv_segment_ids, local_window, softcap, sca
                        f"None (unbounded), got {local_window!r}")
   if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
     raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-  if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-    raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+  if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                and scale > 0):
+    raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
 
 
 def _cudnn(q, k, v, *, causal, scale, q_segment_ids, local_window, softcap, return_lse):
@@ -86,11 +90,34 @@ def _cudnn(q, k, v, *, causal, scale, q_segment_ids, local_window, softcap, retu
                                       local_window_size=window, implementation="cudnn")
 
 
+_CONFIG_TYPES = {"pallas_triton": FlashBlockConfig, "pallas_mosaic": MosaicBlockConfig}
+
+
+def _pallas_config(backend, config, q, k, causal):
+  """The tiles a Pallas backend runs with: the caller's, the tuned ones, or defaults."""
+  expected = _CONFIG_TYPES[backend]
+  if config is not None:
+    if not isinstance(config, expected):
+      raise TypeError(f"config for backend={backend!r} must be a {expected.__name__}, "
+                      f"got {type(config).__name__}")
+    return config
+  from jattn.autotune import lookup_config
+
+  head_dim = q.shape[-1]
+  tuned = lookup_config("flash_attention", backend, dtype=q.dtype, head_dim=head_dim,
+                        q_len=q.shape[1], kv_len=k.shape[1], causal=causal)
+  if tuned is not None:
+    return tuned
+  if backend == "pallas_mosaic":
+    return default_mosaic_config(head_dim)
+  return default_config(head_dim, jnp.dtype(q.dtype).itemsize)
+
+
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     q_segment_ids=None, kv_segment_ids=None, local_window=None,
                     softcap: float | None = None, deterministic: bool = True,
                     return_lse: bool = False, backend: str = "auto",
-                    config: FlashBlockConfig | None = None):
+                    config: FlashBlockConfig | MosaicBlockConfig | None = None):
   """Memory-efficient exact attention, differentiable (custom VJP on Pallas backends).
 
   ``softmax(softcap(q kᵀ · scale) + mask) v`` computed tile by tile in fp32,
@@ -105,7 +132,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       aligned at the bottom-right (as flash-attn does): query ``i`` sits at key
       position ``i + kv_len - q_len``, so with ``q_len > kv_len`` the first rows
       see no key.
-    scale: logit scale, default ``head_dim ** -0.5``.
+    scale: logit scale (> 0), default ``head_dim ** -0.5``.
     q_segment_ids, kv_segment_ids: ``[batch, q_len]`` / ``[batch, kv_len]``
       integers for packed sequences: a query attends only to keys of its segment.
     local_window: ``(left, right)``: query at position ``a`` sees keys in
@@ -116,7 +143,11 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       bitwise reproducible; the flag is accepted for API compatibility.
     return_lse: also return the log-sum-exp of each row.
     backend: ``"auto"``, ``"pallas_triton"``, ``"pallas_mosaic"``, ``"cudnn"`` or ``"xla"``.
-    config: block sizes for the Pallas kernels (default: a heuristic by head_dim).
+      ``"auto"`` takes the best usable backend that supports the call
+      (``jattn.gpu.select_backend``; rules in docs/backends.md).
+    config: tiles for the Pallas kernels: a ``FlashBlockConfig`` for ``pallas_triton``,
+      a ``MosaicBlockConfig`` for ``pallas_mosaic``. Default: the autotuner's cache
+      (``jattn.autotune``), else a heuristic by head_dim.
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim]`` in q's dtype; with ``return_lse``
@@ -126,8 +157,11 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
   """
   del deterministic  # Every backward here is deterministic.
   _validate(q, k, v, q_segment_ids, kv_segment_ids, local_window, softcap, scale)
-  name, interpret = resolve_backend(backend)
   head_dim = q.shape[-1]
+  name, interpret = resolve_backend(backend, lambda: select_backend(
+      dtype=q.dtype, head_dim=head_dim, q_len=q.shape[1], kv_len=k.shape[1], causal=causal,
+      segment_ids=q_segment_ids is not None, softcap=softcap is not None,
+      return_lse=return_lse, local_window=local_window is not None))
   scale = head_dim ** -0.5 if scale is None else float(scale)
   if local_window is not None:
     local_window = tuple(local_window)
@@ -146,9 +180,18 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     if head_dim > MAX_PALLAS_HEAD_DIM:
       raise ValueError(f"head_dim {head_dim} is above {MAX_PALLAS_HEAD_DIM}, the largest the "
                        "Pallas kernels support; use backend='xla'")
-    if config is None:
-      config = default_config(head_dim, jnp.dtype(q.dtype).itemsize)
-    o, lse = flash_attention_triton(
-        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale,
-        local_window=local_window, softcap=softcap, config=config, interpret=interpret)
+    config = _pallas_config(name, config, q, k, causal)
+    if name == "pallas_mosaic":
+      unsupported = [what for what, used in (("segment ids", q_segment_ids is not None),
+                                             ("softcap", softcap is not None),
+                                             (f"dtype {q.dtype}", q.dtype == jnp.float32)) if used]
+      if unsupported:
+        raise ValueError("backend='pallas_mosaic' does not support: " + ", ".join(unsupported)
+                         + "; use backend='pallas_triton' (or 'auto')")
+      o, lse = flash_attention_mosaic(q, k, v, causal=causal, scale=scale,
+                                      local_window=local_window, config=config)
+    else:
+      o, lse = flash_attention_triton(
+          q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale,
+          local_window=local_window, softcap=softcap, config=config, interpret=interpret)
   return (o, lse) if return_lse else o

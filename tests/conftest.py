@@ -13,6 +13,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+  # JATTN_SHARD=i/n keeps every n-th test from the i-th: the device runs the slow
+  # (compile-bound) GPU tests as n parallel processes.
+  shard = os.environ.get("JATTN_SHARD")
+  if shard:
+    i, n = (int(x) for x in shard.split("/"))
+    keep = [item for k, item in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -32,6 +32,7 @@ def call(q=Q, k=KV, v=KV, backend="xla", **kwargs):
     (dict(local_window=(-1, 2)), ValueError, "local_window"),
     (dict(softcap=0.0), ValueError, "softcap must be a positive number"),
     (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+    (dict(scale=-0.5), ValueError, "scale must be a finite number > 0"),
     (dict(backend="tpu"), ValueError, "backend must be one of"),
     (dict(q=jnp.ones((2, 0, 4, 16))), ValueError, "q has an empty dimension"),
 ])
@@ -49,6 +50,31 @@ def test_head_dim_above_pallas_limit():
 def test_bad_block_config():
   with pytest.raises(ValueError, match="FlashBlockConfig.block_q must be a power of two"):
     jattn.FlashBlockConfig(block_q=48)
+
+
+@pytest.mark.parametrize("field,value", [("block_q", 32), ("block_kv_dkv", 96), ("stages", 1),
+                                         ("bwd_stages", 0)])
+def test_bad_mosaic_config(field, value):
+  with pytest.raises(ValueError, match=f"MosaicBlockConfig.{field} must be"):
+    jattn.MosaicBlockConfig(**{field: value})
+
+
+def test_config_of_the_other_kernel_family_is_rejected(monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  with pytest.raises(TypeError, match="config for backend='pallas_triton' must be a "
+                                      "FlashBlockConfig, got MosaicBlockConfig"):
+    call(backend="pallas_triton", config=jattn.MosaicBlockConfig())
+
+
+def test_mosaic_needs_hopper_or_rejects_unsupported_features():
+  q = Q.astype(jnp.bfloat16)
+  kv = KV.astype(jnp.bfloat16)
+  if "pallas_mosaic" not in jattn.usable_backends():
+    with pytest.raises(ValueError, match="backend='pallas_mosaic' needs a Hopper GPU"):
+      call(q, kv, kv, backend="pallas_mosaic")
+  else:
+    with pytest.raises(ValueError, match="'pallas_mosaic' does not support: softcap"):
+      call(q, kv, kv, backend="pallas_mosaic", softcap=5.0)
 
 
 def test_cudnn_rejects_unsupported_features():

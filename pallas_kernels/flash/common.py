@@ -1,5 +1,6 @@
 """Pieces shared by the forward and backward flash kernels: the logit transform
-(scale, soft-cap, base-2 exponent) and matmuls in the precision each dtype needs."""
+(scale, soft-cap, base-2 exponent), matmuls in the precision each dtype needs, and
+the host-side padding and row terms that the kernel wrappers share."""
 
 from __future__ import annotations
 
@@ -44,3 +45,33 @@ def logit_grad(ds, tanh_value):
   if tanh_value is None:
     return ds
   return ds * (1.0 - tanh_value * tanh_value)
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def pad_to(x, length: int, width: int | None = None):
+  """Zero-pads axis 1 to ``length`` and (if given) the last axis to ``width``."""
+  pads = [(0, 0)] * x.ndim
+  pads[1] = (0, length - x.shape[1])
+  if width is not None:
+    pads[-1] = (0, width - x.shape[-1])
+  if all(p == (0, 0) for p in pads):
+    return x
+  return jnp.pad(x, pads)
+
+
+def pad_rows(x, length: int):
+  """Zero-pads the last axis of a ``[batch, heads, q_len]`` row statistic."""
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])))
+
+
+def backward_delta(o, do, dlse):
+  """``rowsum(o * do) - dlse`` as ``[batch, heads, q_len]`` float32.
+
+  d(lse)/d(logits) is the softmax itself, so a cotangent on the returned lse
+  folds into the row term that dS subtracts.
+  """
+  delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+  return delta - dlse.astype(jnp.float32)

@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.flash.common import backward_delta, pad_rows, pad_to, round_up
 from pallas_kernels.flash.config import FlashBlockConfig, clamp_block, padded_head_dim
 from pallas_kernels.flash.masking import MaskSpec
 from pallas_kernels.flash.triton_bwd import flash_backward
@@ -25,30 +26,15 @@ class _Static:
   interpret: bool
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
 def _layout(st: _Static, q_len: int, kv_len: int, head_dim: int, segments: bool):
   """Blocks clamped to the lengths, padded lengths that every block divides, mask spec."""
   c = st.config
   bq = [clamp_block(b, q_len) for b in (c.block_q, c.block_q_dkv, c.block_q_dq)]
   bk = [clamp_block(b, kv_len) for b in (c.block_k, c.block_k_dkv, c.block_k_dq)]
-  q_len_p, kv_len_p = _round_up(q_len, max(bq)), _round_up(kv_len, max(bk))
+  q_len_p, kv_len_p = round_up(q_len, max(bq)), round_up(kv_len, max(bk))
   spec = MaskSpec.build(q_len, kv_len, causal=st.causal, local_window=st.local_window,
                         kv_padded=kv_len_p != kv_len, segments=segments)
   return bq, bk, q_len_p, kv_len_p, padded_head_dim(head_dim), spec
-
-
-def _pad(x, length: int, width: int | None = None):
-  """Zero-pads axis 1 to ``length`` and (if given) the last axis to ``width``."""
-  pads = [(0, 0)] * x.ndim
-  pads[1] = (0, length - x.shape[1])
-  if width is not None:
-    pads[-1] = (0, width - x.shape[-1])
-  if all(p == (0, 0) for p in pads):
-    return x
-  return jnp.pad(x, pads)
 
 
 def _forward(st: _Static, q, k, v, q_seg, kv_seg):
@@ -56,8 +42,8 @@ def _forward(st: _Static, q, k, v, q_seg, kv_seg):
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p, d_p, spec = _layout(st, q_len, kv_len, head_dim, segments)
   o, lse = flash_forward(
-      _pad(q, q_len_p, d_p), _pad(k, kv_len_p, d_p), _pad(v, kv_len_p, d_p),
-      _pad(q_seg, q_len_p) if segments else None, _pad(kv_seg, kv_len_p) if segments else None,
+      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
+      pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
       spec=spec, scale=st.scale, softcap=st.softcap, config=st.config,
       block_q=bq[0], block_k=bk[0], interpret=st.interpret)
   return o[:, :q_len, :, :head_dim], lse[:, :, :q_len]
@@ -79,15 +65,11 @@ def _flash_bwd(st: _Static, res, cotangents):
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p, d_p, spec = _layout(st, q_len, kv_len, head_dim, segments)
-  # d(lse)/d(logits) is the softmax itself, so a cotangent on the returned lse
-  # folds into the row term that dS subtracts.
-  delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
-  delta = delta - dlse.astype(jnp.float32)
-  pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, q_len_p - q_len)))
+  delta = backward_delta(o, do, dlse)
   dq, dk, dv = flash_backward(
-      _pad(q, q_len_p, d_p), _pad(k, kv_len_p, d_p), _pad(v, kv_len_p, d_p),
-      _pad(do.astype(q.dtype), q_len_p, d_p), pad_rows(lse), pad_rows(delta),
-      _pad(q_seg, q_len_p) if segments else None, _pad(kv_seg, kv_len_p) if segments else None,
+      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
+      pad_to(do.astype(q.dtype), q_len_p, d_p), pad_rows(lse, q_len_p), pad_rows(delta, q_len_p),
+      pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
       spec=spec, scale=st.scale, softcap=st.softcap, config=st.config,
       blocks=(bq[1], bk[1], bq[2], bk[2]), interpret=st.interpret)
   dq = dq[:, :q_len, :, :head_dim]
@@ -117,3 +99,16 @@ def flash_attention_triton(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, 
                softcap=None if softcap is None else float(softcap), config=config,
                interpret=interpret)
   return _flash(st, q, k, v, q_segment_ids, kv_segment_ids)
+
+
+def backward_triton(q, k, v, o, lse, do, dlse, *, causal: bool, scale: float,
+                    local_window=None, softcap=None, config: FlashBlockConfig,
+                    interpret: bool = False):
+  """The Triton-lowered backward on saved ``(o, lse)`` of any flash forward.
+
+  Shapes as in :func:`flash_attention_triton`; ``do`` like ``o``, ``dlse`` like ``lse``.
+  Returns ``(dq, dk, dv)``.
+  """
+  st = _Static(causal=causal, scale=float(scale), local_window=local_window,
+               softcap=softcap, config=config, interpret=interpret)
+  return _flash_bwd(st, (q, k, v, None, None, o, lse), (do, dlse))[:3]

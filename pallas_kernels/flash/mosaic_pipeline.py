@@ -1,0 +1,110 @@
+"""Pieces shared by the Mosaic GPU (Hopper) flash kernels.
+
+Every kernel runs three warpgroups per CTA: two consumers, each owning one tile
+of rows and issuing wgmma, and one producer that streams the other operand's
+tiles into a ring of shared-memory slots with TMA. A slot has a ``ready``
+barrier (the copy landed) and a ``free`` barrier (both consumers are done with
+it). Consumers walk the CTA's block range in the same order; blocks outside a
+consumer's own range are *skipped*: it still waits and arrives on the slot's
+barriers, because barrier phases are tracked per thread and must stay in step.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup 2
+PRODUCER = CONSUMERS
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
+
+
+def tile_smem(shape, dtype):
+  """Shared memory for 16-bit wgmma operands: 128-byte swizzled (8, 64) tiles."""
+  return plgpu.SMEM(shape, dtype,
+                    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def iota(shape, dim, offset):
+  """int32 positions along ``dim`` of a wgmma-accumulator-shaped tile."""
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + offset
+
+
+def produce(n_steps, stages: int, streams):
+  """Producer warpgroup: issues step ``i``'s copies into slot ``i % stages``.
+
+  ``streams`` is a list of ``(copy, ready, free)``: ``copy(i, slot, barrier)``
+  issues the TMA copies of step ``i`` (0-based) completing on ``barrier``; a slot
+  is refilled only after the consumers arrived on its ``free`` barrier.
+  """
+  for i in range(stages):
+    @pl.when(i < n_steps)
+    def _prologue():
+      for copy, ready, _ in streams:
+        copy(jnp.int32(i), i, ready.at[i])
+
+  def refill(i, carry):
+    slot = lax.rem(i, jnp.int32(stages))
+    for copy, ready, free in streams:
+      plgpu.barrier_wait(free.at[slot])
+      copy(i + stages, slot, ready.at[slot])
+    return carry
+
+  lax.fori_loop(jnp.int32(0), n_steps - stages, refill, None)
+
+
+def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,
+               first_block, n_steps, block_kv: int, stages: int):
+  """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
+  blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``."""
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  kv_head = lax.div(head, jnp.int32(group))
+  k_ready, v_ready, k_free, v_free = barriers
+
+  def copy_from(ref, smem):
+    def copy(i, slot, barrier):
+      block = (batch, pl.ds((first_block + i) * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(ref.at[block], smem.at[slot], barrier)
+    return copy
+
+  produce(n_steps, stages, [(copy_from(k_ref, k_smem), k_ready, k_free),
+                            (copy_from(v_ref, v_smem), v_ready, v_free)])
+
+
+def visit_blocks(cta_range, own_range, step, skip, carry):
+  """Consumer loop over blocks ``[c_lo, c_hi)`` of the CTA, in order.
+
+  ``own_range = (lo, full_lo, full_hi, hi)`` (from ``masking.kv_block_range`` or
+  ``q_block_range``) says which blocks this consumer needs, and which of those
+  need the element mask. ``step(j, carry, masked)`` computes block ``j``;
+  ``skip(j)`` keeps the barriers in step for a block this consumer does not need.
+  """
+  c_lo, c_hi = cta_range
+  lo, full_lo, full_hi, hi = (jnp.minimum(jnp.maximum(x, c_lo), c_hi) for x in own_range)
+
+  def skipped(j, carry):
+    skip(j)
+    return carry
+
+  carry = lax.fori_loop(c_lo, lo, skipped, carry)
+  carry = lax.fori_loop(lo, full_lo, lambda j, c: step(j, c, True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, c, False), carry)
+  carry = lax.fori_loop(full_hi, hi, lambda j, c: step(j, c, True), carry)
+  return lax.fori_loop(hi, c_hi, skipped, carry)
+
+
+def clamp_range(lo, hi, n_blocks: int):
+  """Restricts a block range to the ``n_blocks`` blocks that exist in memory."""
+  hi = jnp.minimum(hi, jnp.int32(n_blocks))
+  return jnp.minimum(lo, hi), hi
+
+
+def compiler_params():
+  # approx_math: exp2 and reciprocals on the MUFU fast path, as the softmax needs.
+  return plgpu.CompilerParams(approx_math=True)
