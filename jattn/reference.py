@@ -68,3 +68,71 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   lse = jnp.where(empty, EMPTY_ROW_LSE, jnp.log(safe) + row_max)[..., 0]
   return (o.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype),
           lse.reshape(batch, q_heads, q_len))
+
+
+def default_decay(heads: int):
+  """RetNet's per-head decay ``γ_h = 1 - 2**(-5 - h)``, shape ``[heads]`` float32."""
+  return 1.0 - 2.0 ** (-5.0 - jnp.arange(heads, dtype=jnp.float32))
+
+
+def retention_decay_mask(q_len: int, kv_len: int, decay):
+  """``D[h, n, m] = γ_h^(n - m)`` for ``n >= m`` else 0, shape ``[heads, q_len, kv_len]``.
+
+  Queries are the last ``q_len`` positions: query ``i`` sits at position
+  ``i + kv_len - q_len``.
+  """
+  diff = (jnp.arange(q_len)[:, None] + (kv_len - q_len)) - jnp.arange(kv_len)[None, :]
+  visible = diff >= 0
+  # where() before exp: a negative distance would overflow γ^(n - m).
+  power = jnp.where(visible, diff, 0).astype(jnp.float32)
+  log_decay = jnp.log(decay.astype(jnp.float32))[:, None, None]
+  return jnp.where(visible[None], jnp.exp(power[None] * log_decay), 0.0)
+
+
+def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
+  """Parallel-form retention in float32: ``O = (scale · Q Kᵀ ⊙ D) V``.
+
+  Args:
+    q: ``[batch, q_len, heads, dk]``; k: ``[batch, kv_len, heads, dk]``;
+      v: ``[batch, kv_len, heads, dv]``; decay: ``[heads]`` (default RetNet's).
+    normalize: None or ``"abs_sum"``: each row of ``S = scale · Q Kᵀ ⊙ D`` is divided
+      by ``max(Σ_m |S[n, m]|, 1)``, a constant for the gradient (as torchscale).
+
+  Returns:
+    ``[batch, q_len, heads, dv]`` float32.
+  """
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  heads, dk = q.shape[2], q.shape[3]
+  decay = default_decay(heads) if decay is None else decay
+  scale = dk ** -0.5 if scale is None else scale
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
+  s = s * retention_decay_mask(q.shape[1], k.shape[1], decay)[None]
+  if normalize == "abs_sum":
+    s = s / jax.lax.stop_gradient(jnp.maximum(jnp.abs(s).sum(-1, keepdims=True), 1.0))
+  return jnp.einsum("bhqk,bkhd->bqhd", s, v, precision="highest")
+
+
+def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_state=None):
+  """Recurrent-form retention in float32, one position at a time.
+
+  ``S_t = γ S_{t-1} + k_tᵀ v_t`` (``S_{-1}`` = ``initial_state`` or 0) and
+  ``o_t = scale · q_t S_t``. Shapes as :func:`retention_reference` with
+  ``q_len == kv_len``; the state is ``[batch, heads, dk, dv]``.
+
+  Returns:
+    ``(o, final_state)``, float32.
+  """
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  batch, _, heads, dk = q.shape
+  decay = (default_decay(heads) if decay is None else decay).astype(jnp.float32)
+  scale = dk ** -0.5 if scale is None else scale
+  state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
+           else initial_state.astype(jnp.float32))
+
+  def step(state, qkv):
+    q_t, k_t, v_t = qkv  # [batch, heads, d]
+    state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k_t, v_t)
+    return state, scale * jnp.einsum("bhk,bhkv->bhv", q_t, state, precision="highest")
+
+  state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
+  return jnp.moveaxis(o, 0, 1), state

@@ -1,0 +1,233 @@
+"""``jattn.retention`` and ``jattn.retention_step``: RetNet retention in its three forms.
+
+Semantics (Sun et al. 2023, "Retentive Network"), per head with decay ``γ``:
+
+- parallel:  ``O = (scale · Q Kᵀ ⊙ D) V`` with ``D[n, m] = γ^(n-m)`` for ``n >= m``, else 0;
+- recurrent: ``S_t = γ S_{t-1} + k_tᵀ v_t``, ``o_t = scale · q_t S_t``;
+- chunkwise: the recurrent state carried between chunks of ``chunk_size`` positions,
+  the parallel form inside a chunk. All three give the same output.
+
+Backends: ``"pallas_triton"`` runs the parallel form as a flash-style Pallas kernel
+with a custom VJP (``pallas_kernels/retention``); ``"xla"`` is pure jnp (all modes).
+The chunkwise and recurrent Pallas kernels are not built yet: those modes run on
+``"xla"``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn.backends import resolve_backend, usable_backends
+from jattn.reference import default_decay, retention_decay_mask, retention_reference
+from pallas_kernels.flash import default_config
+from pallas_kernels.retention import retention_parallel_triton
+
+MODES = ("auto", "parallel", "chunkwise", "recurrent")
+NORMALIZERS = (None, "abs_sum")
+RETENTION_BACKENDS = ("auto", "pallas_triton", "xla")
+DEFAULT_CHUNK = 64
+# Above this many key positions "auto" runs chunkwise: the parallel form's work and
+# (in jnp) memory grow with seq², the chunkwise form's linearly.
+PARALLEL_MAX_LEN = 2048
+
+
+def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backend):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "ndim") or x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, dim], "
+                       f"got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
+  batch, q_len, heads, dk = q.shape
+  if k.shape[0] != batch or k.shape[2:] != (heads, dk):
+    raise ValueError(f"k must be [batch, kv_len, heads, dk] = [{batch}, kv_len, {heads}, {dk}], "
+                     f"got {k.shape}")
+  if v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"v must be [batch, kv_len, heads, dv] matching k {k.shape[:3]}, "
+                     f"got {v.shape}")
+  if q_len > k.shape[1]:
+    raise ValueError(f"q_len ({q_len}) must be <= kv_len ({k.shape[1]}): queries are the "
+                     "last q_len positions")
+  if decay is not None and tuple(jnp.shape(decay)) != (heads,):
+    raise ValueError(f"decay must have shape [heads] = ({heads},), got {jnp.shape(decay)}")
+  if normalize not in NORMALIZERS:
+    raise ValueError(f"normalize must be one of {NORMALIZERS}, got {normalize!r}")
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if backend not in RETENTION_BACKENDS:
+    raise ValueError(f"backend must be one of {RETENTION_BACKENDS}, got {backend!r}")
+  if backend == "pallas_triton" and mode in ("chunkwise", "recurrent"):
+    raise ValueError(f"backend='pallas_triton' has no {mode} kernel yet: use mode='parallel' "
+                     "or backend='xla'")
+  if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
+    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+  if initial_state is not None:
+    expected = (batch, heads, dk, v.shape[-1])
+    if tuple(initial_state.shape) != expected:
+      raise ValueError(f"initial_state must be [batch, heads, dk, dv] = {expected}, "
+                       f"got {tuple(initial_state.shape)}")
+  if normalize is not None and (mode in ("chunkwise", "recurrent") or initial_state is not None):
+    raise ValueError("normalize='abs_sum' needs the whole row of scores: use "
+                     "mode='parallel' without initial_state")
+
+
+def _chunk_terms(q, k, v, decay, scale, state):
+  """One chunk of length ``c``: output and the state after it (all float32).
+
+  q, k: ``[batch, c, heads, dk]``; v: ``[batch, c, heads, dv]``; state: ``[batch, heads, dk, dv]``.
+  """
+  c = q.shape[1]
+  pos = jnp.arange(c, dtype=jnp.float32)
+  log_decay = jnp.log(decay)
+  inner = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
+  inner = inner * retention_decay_mask(c, c, decay)[None]
+  o = jnp.einsum("bhqk,bkhd->bqhd", inner, v, precision="highest")
+  # Query i of the chunk sees the carried state through γ^(i+1).
+  q_decay = jnp.exp((pos[:, None] + 1.0) * log_decay[None, :])  # [c, heads]
+  o = o + scale * jnp.einsum("bqhk,bhkv->bqhv", q * q_decay[None, :, :, None], state,
+                             precision="highest")
+  # Key j reaches the end of the chunk through γ^(c-1-j).
+  k_decay = jnp.exp((c - 1.0 - pos)[:, None] * log_decay[None, :])
+  state = (jnp.exp(c * log_decay)[None, :, None, None] * state
+           + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v,
+                        precision="highest"))
+  return o, state
+
+
+def _state_of(k, v, decay, state):
+  """The state after keys ``k, v`` (no queries), from ``state``."""
+  c = k.shape[1]
+  log_decay = jnp.log(decay)
+  k_decay = jnp.exp((c - 1.0 - jnp.arange(c, dtype=jnp.float32))[:, None] * log_decay[None, :])
+  return (jnp.exp(c * log_decay)[None, :, None, None] * state
+          + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v, precision="highest"))
+
+
+def _chunkwise_xla(q, k, v, decay, scale, state, chunk):
+  """Chunkwise retention in jnp: a scan over full chunks, then the remainder."""
+  q_len, kv_len = q.shape[1], k.shape[1]
+  prefix = kv_len - q_len  # keys before the first query only feed the state
+  if prefix:
+    state = _state_of(k[:, :prefix], v[:, :prefix], decay, state)
+    k, v = k[:, prefix:], v[:, prefix:]
+  n_full = q_len // chunk
+  outputs = []
+  if n_full:
+    def split(x):
+      return jnp.moveaxis(x[:, :n_full * chunk].reshape(x.shape[0], n_full, chunk, *x.shape[2:]), 1, 0)
+
+    def body(state, qkv):
+      o, state = _chunk_terms(*qkv, decay, scale, state)
+      return state, o
+
+    state, o = jax.lax.scan(body, state, (split(q), split(k), split(v)))
+    outputs.append(jnp.moveaxis(o, 0, 1).reshape(q.shape[0], n_full * chunk, *o.shape[3:]))
+  if q_len % chunk:
+    tail = slice(n_full * chunk, q_len)
+    o, state = _chunk_terms(q[:, tail], k[:, tail], v[:, tail], decay, scale, state)
+    outputs.append(o)
+  return jnp.concatenate(outputs, axis=1), state
+
+
+def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "auto",
+              normalize: str | None = None, initial_state=None, return_state: bool = False,
+              chunk_size: int | None = None, backend: str = "auto"):
+  """Multi-head retention (RetNet), differentiable.
+
+  Args:
+    q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
+      ``[batch, kv_len, heads, dv]``. ``q_len <= kv_len``: queries are the last
+      ``q_len`` positions. float32, float16 or bfloat16; computed in float32.
+    decay: ``[heads]`` γ per head (default RetNet's ``1 - 2**(-5 - arange(heads))``).
+    scale: default ``dk ** -0.5``.
+    mode: ``"parallel"``, ``"chunkwise"``, ``"recurrent"`` or ``"auto"`` (chunkwise
+      above ``PARALLEL_MAX_LEN`` key positions or with a state in or out, else parallel).
+    normalize: None or ``"abs_sum"`` (parallel only): each row of
+      ``S = scale · Q Kᵀ ⊙ D`` is divided by ``max(Σ_m |S[n, m]|, 1)``, held constant
+      in the backward as torchscale does.
+    initial_state: ``[batch, heads, dk, dv]`` state before the first position.
+    return_state: also return the state after the last position.
+    chunk_size: positions per chunk in chunkwise mode (default 64).
+    backend: ``"auto"`` (the Pallas kernel for the parallel form where usable, else
+      jnp), ``"pallas_triton"`` (parallel mode) or ``"xla"`` (pure jnp).
+
+  Returns:
+    ``o: [batch, q_len, heads, dv]`` in q's dtype, and with ``return_state`` the final
+    state ``[batch, heads, dk, dv]`` float32.
+  """
+  _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backend)
+  batch, q_len, heads, dk = q.shape
+  dtype = q.dtype
+  decay = default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
+  scale = dk ** -0.5 if scale is None else float(scale)
+  stateful = return_state or initial_state is not None
+  if mode == "auto":
+    mode = "chunkwise" if stateful or k.shape[1] > PARALLEL_MAX_LEN else "parallel"
+  if mode == "parallel" and stateful:
+    raise ValueError("mode='parallel' has no state: use 'chunkwise' or 'recurrent' with "
+                     "initial_state / return_state")
+  if mode == "parallel":
+    name, interpret = resolve_backend(
+        backend, lambda: "pallas_triton" if "pallas_triton" in usable_backends() else "xla")
+    if name == "pallas_triton":
+      if max(dk, v.shape[-1]) > 256:
+        raise ValueError(f"the Pallas retention kernel takes head dims up to 256, got "
+                         f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
+      return retention_parallel_triton(q, k, v, decay, scale=scale,
+                                       normalize=normalize == "abs_sum",
+                                       config=default_config(max(dk, v.shape[-1]),
+                                                             jnp.dtype(dtype).itemsize),
+                                       interpret=interpret)
+    return retention_reference(q, k, v, decay=decay, scale=scale, normalize=normalize).astype(dtype)
+  state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
+           else initial_state.astype(jnp.float32))
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  if mode == "recurrent":
+    prefix = k.shape[1] - q_len
+    if prefix:
+      state = _state_of(k[:, :prefix], v[:, :prefix], decay, state)
+    o, state = _recurrent_xla(q, k[:, prefix:], v[:, prefix:], decay, scale, state)
+  else:
+    o, state = _chunkwise_xla(q, k, v, decay, scale, state, chunk_size or DEFAULT_CHUNK)
+  o = o.astype(dtype)
+  return (o, state) if return_state else o
+
+
+def _recurrent_xla(q, k, v, decay, scale, state):
+  def step(state, qkv):
+    o, state = _step(*qkv, decay, scale, state)
+    return state, o
+
+  state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
+  return jnp.moveaxis(o, 0, 1), state
+
+
+def _step(q, k, v, decay, scale, state):
+  state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k, v,
+                                                         precision="highest")
+  return scale * jnp.einsum("bhk,bhkv->bhv", q, state, precision="highest"), state
+
+
+def retention_step(q, k, v, state, *, decay=None, scale: float | None = None):
+  """One recurrent (decoding) step.
+
+  Args:
+    q, k: ``[batch, heads, dk]``; v: ``[batch, heads, dv]``; state ``[batch, heads, dk, dv]``
+      (zeros before the first position).
+
+  Returns:
+    ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32.
+  """
+  if q.ndim != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+    raise ValueError(f"q, k must be [batch, heads, dk] and v [batch, heads, dv], got "
+                     f"{q.shape}, {k.shape}, {v.shape}")
+  expected = (*q.shape, v.shape[-1])
+  if tuple(state.shape) != expected:
+    raise ValueError(f"state must be [batch, heads, dk, dv] = {expected}, got {state.shape}")
+  heads, dk = q.shape[1], q.shape[2]
+  decay = default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
+  scale = dk ** -0.5 if scale is None else float(scale)
+  o, state = _step(*(x.astype(jnp.float32) for x in (q, k, v)), decay, scale,
+                   state.astype(jnp.float32))
+  return o.astype(q.dtype), state

@@ -1,0 +1,224 @@
+"""Parallel-form retention, flash style: ``O = (scale · Q Kᵀ ⊙ D) V`` tile by tile.
+
+No ``[seq, seq]`` tensor is stored: each program keeps a query tile and walks the key
+tiles at or before it (``masking.kv_block_range`` with a causal spec), building the
+decay ``D[n, m] = γ^(n-m)`` from positions in registers. There is no softmax, so the
+accumulation is a plain sum; with ``normalize="abs_sum"`` the row sums of ``|S|`` are
+accumulated too and the row is divided at the end. The backward (dQ kernel and dK/dV
+kernel, no atomics) treats that denominator as a constant, as torchscale does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash.common import dot, pad_rows, pad_to, round_up
+from pallas_kernels.flash.config import FlashBlockConfig, clamp_block, padded_head_dim
+from pallas_kernels.flash.masking import MaskSpec, kv_block_range, q_block_range
+
+
+def _decay(q_pos, k_pos, log2_decay):
+  """``γ^(n-m)`` where the query at ``n`` sees the key at ``m`` (``n >= m``), else 0."""
+  dist = q_pos - k_pos
+  return jnp.where(dist >= 0, jnp.exp2(jnp.maximum(dist, 0).astype(jnp.float32) * log2_decay),
+                   0.0)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, log2_decay_ref, o_ref, den_ref, *, spec: MaskSpec,
+                scale: float, normalize: bool, block_q: int, block_k: int):
+  q_start = pl.program_id(0) * block_q
+  q = q_ref[...]
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  q_pos = q_start + spec.offset + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+
+  def body(j, carry):
+    acc, den = carry
+    k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    v = v_ref[k_slice, :]
+    k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    s = dot(q, k_ref[k_slice, :], 1, 1) * (scale * _decay(q_pos, k_pos, log2_decay))
+    if normalize:
+      den = den + jnp.sum(jnp.abs(s), axis=1)
+    return acc + dot(s.astype(v.dtype), v, 1, 0), den
+
+  lo, _, _, hi = kv_block_range(spec, q_start, block_q, block_k)
+  carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  acc, den = lax.fori_loop(lo, hi, body, carry)
+  den = jnp.maximum(den, 1.0) if normalize else jnp.ones_like(den)
+  o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
+  den_ref[...] = den
+
+
+def _dq_kernel(k_ref, v_ref, do_ref, log2_decay_ref, dq_ref, *, spec: MaskSpec, scale: float,
+               block_q: int, block_k: int):
+  q_start = pl.program_id(0) * block_q
+  do = do_ref[...]
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  q_pos = q_start + spec.offset + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+
+  def body(j, dq):
+    k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k = k_ref[k_slice, :]
+    k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    ds = dot(do, v_ref[k_slice, :], 1, 1) * _decay(q_pos, k_pos, log2_decay)
+    return dq + dot(ds.astype(k.dtype), k, 1, 0)
+
+  lo, _, _, hi = kv_block_range(spec, q_start, block_q, block_k)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros((block_q, k_ref.shape[-1]), jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, log2_decay_ref, dk_ref, dv_ref, *,
+                spec: MaskSpec, scale: float, block_q: int, block_k: int):
+  k_start = pl.program_id(0) * block_k
+  k = k_ref[...]
+  v = v_ref[...]
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
+  k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+
+  def body(i, carry):
+    dk, dv = carry
+    q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+    q = q_ref[q_slice, :]
+    do = do_ref[q_slice, :]
+    q_pos = i * block_q + spec.offset + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+    decay_t = _decay(q_pos, k_pos, log2_decay) * scale
+    s_t = dot(k, q, 1, 1) * decay_t
+    dv = dv + dot(s_t.astype(do.dtype), do, 1, 0)
+    ds_t = dot(v, do, 1, 1) * decay_t
+    return dk + dot(ds_t.astype(q.dtype), q, 1, 0), dv
+
+  lo, _, _, hi = q_block_range(spec, k_start, block_k, block_q)
+  carry = (jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32),
+           jnp.zeros((block_k, v_ref.shape[-1]), jnp.float32))
+  dk, dv = lax.fori_loop(lo, hi, body, carry)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  normalize: bool
+  config: FlashBlockConfig
+  interpret: bool
+
+
+def _layout(st: _Static, q_len: int, kv_len: int):
+  c = st.config
+  bq = [clamp_block(b, q_len) for b in (c.block_q, c.block_q_dkv, c.block_q_dq)]
+  bk = [clamp_block(b, kv_len) for b in (c.block_k, c.block_k_dkv, c.block_k_dq)]
+  q_len_p, kv_len_p = round_up(q_len, max(bq)), round_up(kv_len, max(bk))
+  # Zero-padded keys add nothing, so only causality restricts the blocks.
+  spec = MaskSpec.build(q_len, kv_len, causal=True, local_window=None, kv_padded=False,
+                        segments=False)
+  return bq, bk, q_len_p, kv_len_p, spec
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, st: _Static, name: str, warps, stages):
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=st.interpret, name=name,
+                        compiler_params=plgpu.CompilerParams(num_warps=warps,
+                                                             num_stages=stages))
+
+
+def _row_spec(block, d):
+  return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
+
+
+def _whole_spec(length, d):
+  return pl.BlockSpec((None, length, None, d), lambda i, b, h: (b, 0, h, 0))
+
+
+_HEAD_SCALAR = pl.BlockSpec((1,), lambda i, b, h: (h,))
+
+
+def _forward(st: _Static, q, k, v, log2_decay):
+  batch, q_len, heads, _ = q.shape
+  kv_len = k.shape[1]
+  bq, bk, q_len_p, kv_len_p, spec = _layout(st, q_len, kv_len)
+  dk_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
+  c = st.config
+  o, den = _call(
+      functools.partial(_fwd_kernel, spec=spec, scale=st.scale, normalize=st.normalize,
+                        block_q=bq[0], block_k=bk[0]),
+      (q_len_p // bq[0], batch, heads),
+      [_row_spec(bq[0], dk_p), _whole_spec(kv_len_p, dk_p), _whole_spec(kv_len_p, dv_p),
+       _HEAD_SCALAR],
+      [_row_spec(bq[0], dv_p), pl.BlockSpec((None, None, bq[0]), lambda i, b, h: (b, h, i))],
+      [jax.ShapeDtypeStruct((batch, q_len_p, heads, dv_p), q.dtype),
+       jax.ShapeDtypeStruct((batch, heads, q_len_p), jnp.float32)],
+      st, "jattn_retention_fwd", c.num_warps, c.num_stages,
+  )(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p), pad_to(v, kv_len_p, dv_p), log2_decay)
+  return o[:, :q_len, :, :v.shape[-1]], den[:, :, :q_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _retention(st: _Static, q, k, v, log2_decay):
+  return _forward(st, q, k, v, log2_decay)[0]
+
+
+def _retention_fwd(st: _Static, q, k, v, log2_decay):
+  o, den = _forward(st, q, k, v, log2_decay)
+  return o, (q, k, v, log2_decay, den)
+
+
+def _retention_bwd(st: _Static, res, do):
+  q, k, v, log2_decay, den = res
+  batch, q_len, heads, _ = q.shape
+  kv_len = k.shape[1]
+  bq, bk, q_len_p, kv_len_p, spec = _layout(st, q_len, kv_len)
+  dk_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
+  c = st.config
+  # The denominator is a constant: dividing dO by it is the whole of its backward.
+  do = (do.astype(jnp.float32) / jnp.swapaxes(den, 1, 2)[..., None]).astype(q.dtype)
+  q_p, k_p, v_p = pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p), pad_to(v, kv_len_p, dv_p)
+  do_p = pad_to(do, q_len_p, dv_p)
+  dq = _call(
+      functools.partial(_dq_kernel, spec=spec, scale=st.scale, block_q=bq[2], block_k=bk[2]),
+      (q_len_p // bq[2], batch, heads),
+      [_whole_spec(kv_len_p, dk_p), _whole_spec(kv_len_p, dv_p), _row_spec(bq[2], dv_p),
+       _HEAD_SCALAR],
+      _row_spec(bq[2], dk_p), jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+      st, "jattn_retention_dq", c.bwd_num_warps, c.bwd_num_stages,
+  )(k_p, v_p, do_p, log2_decay)
+  dk, dv = _call(
+      functools.partial(_dkv_kernel, spec=spec, scale=st.scale, block_q=bq[1], block_k=bk[1]),
+      (kv_len_p // bk[1], batch, heads),
+      [_whole_spec(q_len_p, dk_p), _row_spec(bk[1], dk_p), _row_spec(bk[1], dv_p),
+       _whole_spec(q_len_p, dv_p), _HEAD_SCALAR],
+      [_row_spec(bk[1], dk_p), _row_spec(bk[1], dv_p)],
+      [jax.ShapeDtypeStruct(k_p.shape, k.dtype), jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
+      st, "jattn_retention_dkv", c.bwd_num_warps, c.bwd_num_stages,
+  )(q_p, k_p, v_p, do_p, log2_decay)
+  return (dq[:, :q_len, :, :q.shape[-1]], dk[:, :kv_len, :, :k.shape[-1]],
+          dv[:, :kv_len, :, :v.shape[-1]], jnp.zeros_like(log2_decay))
+
+
+_retention.defvjp(_retention_fwd, _retention_bwd)
+
+
+def retention_parallel_triton(q, k, v, decay, *, scale: float, normalize: bool,
+                              config: FlashBlockConfig, interpret: bool = False):
+  """Parallel retention through the Triton-lowered Pallas kernels.
+
+  Args:
+    q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
+      ``[batch, kv_len, heads, dv]``; decay ``[heads]`` in (0, 1] (no gradient flows
+      to it); inputs assumed validated (see ``jattn.retention``).
+    normalize: divide rows by ``max(Σ|S|, 1)``, constant in the backward.
+
+  Returns:
+    ``[batch, q_len, heads, dv]`` in q's dtype.
+  """
+  st = _Static(scale=float(scale), normalize=normalize, config=config, interpret=interpret)
+  log2_decay = jnp.log2(jnp.asarray(decay, jnp.float32))
+  return _retention(st, q, k, v, log2_decay)

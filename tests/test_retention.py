@@ -1,0 +1,173 @@
+"""jattn.retention: the parallel, chunkwise and recurrent forms agree, with gradients."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jattn
+from jattn.reference import default_decay, retention_recurrent_reference, retention_reference
+
+
+def _inputs(batch=2, q_len=37, kv_len=None, heads=3, dk=8, dv=6, dtype=jnp.float32, seed=0):
+  kv_len = q_len if kv_len is None else kv_len
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (batch, q_len, heads, dk), dtype)
+  k = jax.random.normal(ks[1], (batch, kv_len, heads, dk), dtype)
+  v = jax.random.normal(ks[2], (batch, kv_len, heads, dv), dtype)
+  state = jax.random.normal(ks[3], (batch, heads, dk, dv), jnp.float32)
+  # Faster decays than the default too, so that γ^n spans orders of magnitude.
+  decay = jnp.linspace(0.6, 0.99, heads, dtype=jnp.float32)
+  return q, k, v, state, decay
+
+
+def test_default_decay_is_retnets():
+  np.testing.assert_allclose(default_decay(4), [1 - 2 ** -5, 1 - 2 ** -6, 1 - 2 ** -7, 1 - 2 ** -8])
+
+
+def test_parallel_matches_an_explicit_loop():
+  q, k, v, _, decay = _inputs(batch=1, q_len=9, heads=2)
+  o = retention_reference(q, k, v, decay=decay, scale=0.3)
+  qn, kn, vn, g = (np.asarray(x, np.float64) for x in (q, k, v, decay))
+  expected = np.zeros(o.shape)
+  for h in range(2):
+    for n in range(9):
+      for m in range(n + 1):
+        expected[0, n, h] += 0.3 * (qn[0, n, h] @ kn[0, m, h]) * g[h] ** (n - m) * vn[0, m, h]
+  np.testing.assert_allclose(o, expected, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=6, deadline=None)
+@given(q_len=st.integers(1, 40), prefix=st.integers(0, 9), chunk=st.sampled_from([1, 4, 8, 16, 64]))
+def test_modes_agree(q_len, prefix, chunk):
+  q, k, v, _, decay = _inputs(q_len=q_len, kv_len=q_len + prefix, seed=q_len)
+  par = jattn.retention(q, k, v, decay=decay, mode="parallel")
+  chunked = jattn.retention(q, k, v, decay=decay, mode="chunkwise", chunk_size=chunk)
+  rec = jattn.retention(q, k, v, decay=decay, mode="recurrent")
+  chex.assert_trees_all_close(chunked, par, atol=2e-5, rtol=2e-5)
+  chex.assert_trees_all_close(rec, par, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["chunkwise", "recurrent"])
+def test_state_in_and_out_with_gradients(mode):
+  q, k, v, state, decay = _inputs(q_len=21)
+
+  def ours(q, k, v, state):
+    o, s = jattn.retention(q, k, v, decay=decay, mode=mode, chunk_size=8, initial_state=state,
+                           return_state=True)
+    return jnp.sum(o * jnp.cos(o)) + jnp.sum(s * jnp.sin(s))
+
+  def ref(q, k, v, state):
+    o, s = retention_recurrent_reference(q, k, v, decay=decay, initial_state=state)
+    return jnp.sum(o * jnp.cos(o)) + jnp.sum(s * jnp.sin(s))
+
+  chex.assert_trees_all_close(ours(q, k, v, state), ref(q, k, v, state), rtol=1e-5)
+  grads = jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, state)
+  grads_ref = jax.grad(ref, argnums=(0, 1, 2, 3))(q, k, v, state)
+  chex.assert_trees_all_close(grads, grads_ref, atol=1e-4, rtol=1e-4)
+  assert float(jnp.abs(grads[3]).max()) > 0  # the state really gets a gradient
+
+
+def test_a_split_sequence_continues_from_the_state():
+  q, k, v, _, decay = _inputs(q_len=30)
+  whole = jattn.retention(q, k, v, decay=decay, mode="chunkwise", chunk_size=8)
+  first, state = jattn.retention(q[:, :13], k[:, :13], v[:, :13], decay=decay,
+                                 mode="chunkwise", return_state=True, chunk_size=8)
+  second = jattn.retention(q[:, 13:], k[:, 13:], v[:, 13:], decay=decay, mode="chunkwise",
+                           initial_state=state, chunk_size=8)
+  chex.assert_trees_all_close(jnp.concatenate([first, second], 1), whole, atol=2e-5, rtol=2e-5)
+
+
+def test_retention_step_decodes_like_the_recurrent_form():
+  q, k, v, state, decay = _inputs(q_len=7)
+  o_ref, s_ref = retention_recurrent_reference(q, k, v, decay=decay, initial_state=state)
+  outs = []
+  for t in range(7):
+    o, state = jattn.retention_step(q[:, t], k[:, t], v[:, t], state, decay=decay)
+    outs.append(o)
+  chex.assert_trees_all_close(jnp.stack(outs, 1), o_ref, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(state, s_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_abs_sum_normalisation_and_its_constant_denominator():
+  q, k, v, _, decay = _inputs(q_len=12, kv_len=15)
+  scale = 0.1  # some rows have Σ|S| > 1 and some not
+  s = (jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+       * jattn.reference.retention_decay_mask(12, 15, decay)[None])
+  den = jnp.maximum(jnp.abs(s).sum(-1, keepdims=True), 1.0)
+  assert bool((den > 1).any()) and bool((den == 1).any())
+  o = jattn.retention(q, k, v, decay=decay, scale=scale, normalize="abs_sum")
+  chex.assert_trees_all_close(o, jnp.einsum("bhqk,bkhd->bqhd", s / den, v), atol=1e-5, rtol=1e-5)
+  # The gradient holds the denominator constant.
+  loss = lambda q: jnp.sum(jnp.sin(jattn.retention(q, k, v, decay=decay, scale=scale,
+                                                   normalize="abs_sum")))
+  fixed = lambda q: jnp.sum(jnp.sin(jnp.einsum(
+      "bhqk,bkhd->bqhd", jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+      * jattn.reference.retention_decay_mask(12, 15, decay)[None] / den, v)))
+  chex.assert_trees_all_close(jax.grad(loss)(q), jax.grad(fixed)(q), atol=1e-4, rtol=1e-4)
+
+
+def test_low_precision_inputs_match_fp32():
+  q, k, v, _, decay = _inputs(q_len=33, dtype=jnp.bfloat16)
+  expected = retention_reference(q, k, v, decay=decay)
+  for mode in ("parallel", "chunkwise", "recurrent"):
+    o = jattn.retention(q, k, v, decay=decay, mode=mode, chunk_size=16)
+    assert o.dtype == jnp.bfloat16
+    err = jnp.linalg.norm(o.astype(jnp.float32) - expected) / jnp.linalg.norm(expected)
+    assert float(err) < 1e-2, mode
+
+
+def test_auto_mode_choice():
+  q, k, v, state, decay = _inputs(q_len=16)
+  # A state in or out forces chunkwise; short sequences otherwise run parallel.
+  o, s = jattn.retention(q, k, v, decay=decay, return_state=True)
+  chex.assert_shape(s, (2, 3, 8, 6))
+  with pytest.raises(ValueError, match="mode='parallel' has no state"):
+    jattn.retention(q, k, v, mode="parallel", return_state=True)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(q=jnp.ones((2, 4, 3))), ValueError, "q must have rank 4"),
+    (dict(q=jnp.ones((2, 9, 3, 8))), ValueError, r"q_len \(9\) must be <= kv_len \(5\)"),
+    (dict(k=jnp.ones((2, 5, 3, 7))), ValueError, "k must be"),
+    (dict(v=jnp.ones((2, 4, 3, 6))), ValueError, "v must be"),
+    (dict(decay=jnp.ones((2,))), ValueError, r"decay must have shape \[heads\] = \(3,\)"),
+    (dict(normalize="l2"), ValueError, "normalize must be one of"),
+    (dict(mode="fast"), ValueError, "mode must be one of"),
+    (dict(backend="cudnn"), ValueError, "backend must be one of"),
+    (dict(backend="pallas_triton", mode="chunkwise"), ValueError, "no chunkwise kernel yet"),
+    (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    (dict(initial_state=jnp.ones((2, 3, 8, 5))), ValueError, "initial_state must be"),
+    (dict(normalize="abs_sum", mode="chunkwise"), ValueError, "needs the whole row"),
+    (dict(q=jnp.ones((2, 5, 3, 8), jnp.int32)), TypeError, "q has dtype int32"),
+])
+def test_bad_inputs(kwargs, error, match):
+  args = dict(q=jnp.ones((2, 5, 3, 8)), k=jnp.ones((2, 5, 3, 8)), v=jnp.ones((2, 5, 3, 6)))
+  args.update(kwargs)
+  q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+  with pytest.raises(error, match=match):
+    jattn.retention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("case", [
+    dict(q_len=37, dk=8, dv=12),
+    dict(q_len=20, kv_len=45, dk=16, dv=16, normalize="abs_sum"),
+    dict(q_len=70, dk=32, dv=8, normalize="abs_sum", scale=0.05),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_pallas_parallel_kernel_matches_reference(case, dtype, tol, monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  case = dict(case)
+  normalize, scale = case.pop("normalize", None), case.pop("scale", None)
+  q, k, v, _, decay = _inputs(dtype=dtype, heads=2, **case)
+  do = jax.random.normal(jax.random.PRNGKey(9), q.shape[:3] + (v.shape[-1],), jnp.float32)
+  kw = dict(decay=decay, scale=scale, normalize=normalize)
+  o, pull = jax.vjp(lambda q, k, v: jattn.retention(q, k, v, backend="pallas_triton",
+                                                    mode="parallel", **kw), q, k, v)
+  o_ref, pull_ref = jax.vjp(lambda q, k, v: retention_reference(q, k, v, **kw), q, k, v)
+  rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+  assert o.dtype == dtype and rel(o, o_ref) < tol
+  for name, g, gr in zip("qkv", pull(do.astype(dtype)), pull_ref(do)):
+    assert rel(g, gr) < 2 * tol, name
