@@ -7,10 +7,10 @@ Semantics (Sun et al. 2023, "Retentive Network"), per head with decay ``γ``:
 - chunkwise: the recurrent state carried between chunks of ``chunk_size`` positions,
   the parallel form inside a chunk. All three give the same output.
 
-Backends: ``"pallas_triton"`` runs the parallel form as a flash-style Pallas kernel
-with a custom VJP (``pallas_kernels/retention``); ``"xla"`` is pure jnp (all modes).
-The chunkwise and recurrent Pallas kernels are not built yet: those modes run on
-``"xla"``.
+Backends: ``"pallas_triton"`` runs the parallel form (a flash-style kernel) and the
+chunkwise form (a state kernel and a per-chunk kernel) in Pallas with custom VJPs
+(``pallas_kernels/retention``); ``"xla"`` is pure jnp (all modes). The recurrent form
+(one position at a time, for decoding) runs in jnp.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jattn.backends import resolve_backend, usable_backends
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
 from pallas_kernels.flash import default_config
-from pallas_kernels.retention import retention_parallel_triton
+from pallas_kernels.retention import retention_chunkwise_triton, retention_parallel_triton
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
@@ -57,9 +57,13 @@ def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backen
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   if backend not in RETENTION_BACKENDS:
     raise ValueError(f"backend must be one of {RETENTION_BACKENDS}, got {backend!r}")
-  if backend == "pallas_triton" and mode in ("chunkwise", "recurrent"):
-    raise ValueError(f"backend='pallas_triton' has no {mode} kernel yet: use mode='parallel' "
-                     "or backend='xla'")
+  if backend == "pallas_triton" and mode == "recurrent":
+    raise ValueError("backend='pallas_triton' has no recurrent kernel (use "
+                     "retention_step for decoding, or mode='chunkwise')")
+  if chunk_size is not None and backend == "pallas_triton" and (
+      chunk_size < 16 or chunk_size & (chunk_size - 1)):
+    raise ValueError(f"chunk_size for backend='pallas_triton' must be a power of two >= 16, "
+                     f"got {chunk_size}")
   if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
     raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
   if initial_state is not None:
@@ -149,8 +153,8 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     initial_state: ``[batch, heads, dk, dv]`` state before the first position.
     return_state: also return the state after the last position.
     chunk_size: positions per chunk in chunkwise mode (default 64).
-    backend: ``"auto"`` (the Pallas kernel for the parallel form where usable, else
-      jnp), ``"pallas_triton"`` (parallel mode) or ``"xla"`` (pure jnp).
+    backend: ``"auto"`` (the Pallas kernels where usable, else jnp),
+      ``"pallas_triton"`` (parallel and chunkwise) or ``"xla"`` (pure jnp).
 
   Returns:
     ``o: [batch, q_len, heads, dv]`` in q's dtype, and with ``return_state`` the final
@@ -167,13 +171,16 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
   if mode == "parallel" and stateful:
     raise ValueError("mode='parallel' has no state: use 'chunkwise' or 'recurrent' with "
                      "initial_state / return_state")
+  chunk = chunk_size or DEFAULT_CHUNK
+  pallas_ok = max(dk, v.shape[-1]) <= 256 and chunk >= 16 and not chunk & (chunk - 1)
+  name, interpret = resolve_backend(backend, lambda: (
+      "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok
+      and mode != "recurrent" else "xla"))
+  if name == "pallas_triton" and max(dk, v.shape[-1]) > 256:
+    raise ValueError(f"the Pallas retention kernels take head dims up to 256, got "
+                     f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
   if mode == "parallel":
-    name, interpret = resolve_backend(
-        backend, lambda: "pallas_triton" if "pallas_triton" in usable_backends() else "xla")
     if name == "pallas_triton":
-      if max(dk, v.shape[-1]) > 256:
-        raise ValueError(f"the Pallas retention kernel takes head dims up to 256, got "
-                         f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
       return retention_parallel_triton(q, k, v, decay, scale=scale,
                                        normalize=normalize == "abs_sum",
                                        config=default_config(max(dk, v.shape[-1]),
@@ -182,6 +189,14 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     return retention_reference(q, k, v, decay=decay, scale=scale, normalize=normalize).astype(dtype)
   state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
            else initial_state.astype(jnp.float32))
+  if name == "pallas_triton":
+    # Keys before the first query: zero queries there give outputs we drop.
+    prefix = k.shape[1] - q_len
+    q_full = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else q
+    o, state = retention_chunkwise_triton(q_full, k, v, decay, state, scale=scale, chunk=chunk,
+                                          interpret=interpret)
+    o = o[:, prefix:]
+    return (o, state) if return_state else o
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   if mode == "recurrent":
     prefix = k.shape[1] - q_len
@@ -189,7 +204,7 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
       state = _state_of(k[:, :prefix], v[:, :prefix], decay, state)
     o, state = _recurrent_xla(q, k[:, prefix:], v[:, prefix:], decay, scale, state)
   else:
-    o, state = _chunkwise_xla(q, k, v, decay, scale, state, chunk_size or DEFAULT_CHUNK)
+    o, state = _chunkwise_xla(q, k, v, decay, scale, state, chunk)
   o = o.astype(dtype)
   return (o, state) if return_state else o
 

@@ -137,7 +137,9 @@ def test_auto_mode_choice():
     (dict(normalize="l2"), ValueError, "normalize must be one of"),
     (dict(mode="fast"), ValueError, "mode must be one of"),
     (dict(backend="cudnn"), ValueError, "backend must be one of"),
-    (dict(backend="pallas_triton", mode="chunkwise"), ValueError, "no chunkwise kernel yet"),
+    (dict(backend="pallas_triton", mode="recurrent"), ValueError, "has no recurrent kernel"),
+    (dict(backend="pallas_triton", mode="chunkwise", chunk_size=24), ValueError,
+     "must be a power of two >= 16"),
     (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
     (dict(initial_state=jnp.ones((2, 3, 8, 5))), ValueError, "initial_state must be"),
     (dict(normalize="abs_sum", mode="chunkwise"), ValueError, "needs the whole row"),
@@ -170,4 +172,38 @@ def test_pallas_parallel_kernel_matches_reference(case, dtype, tol, monkeypatch)
   rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
   assert o.dtype == dtype and rel(o, o_ref) < tol
   for name, g, gr in zip("qkv", pull(do.astype(dtype)), pull_ref(do)):
+    assert rel(g, gr) < 2 * tol, name
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("case", [
+    dict(q_len=37, dk=8, dv=12, chunk=16),
+    dict(q_len=20, kv_len=45, dk=16, dv=16, chunk=16),
+    dict(q_len=64, dk=32, dv=8, chunk=32),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_pallas_chunkwise_kernel_with_states_matches_reference(case, dtype, tol, monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  case = dict(case)
+  chunk = case.pop("chunk")
+  q, k, v, state, decay = _inputs(dtype=dtype, heads=2, **case)
+  prefix = k.shape[1] - q.shape[1]
+  keys = jax.random.split(jax.random.PRNGKey(11), 2)
+  do = jax.random.normal(keys[0], q.shape[:3] + (v.shape[-1],), jnp.float32)
+  dstate = jax.random.normal(keys[1], state.shape, jnp.float32)
+
+  def ours(q, k, v, state):
+    return jattn.retention(q, k, v, decay=decay, mode="chunkwise", chunk_size=chunk,
+                           initial_state=state, return_state=True, backend="pallas_triton")
+
+  def ref(q, k, v, state):
+    o, s = retention_recurrent_reference(jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))),
+                                         k, v, decay=decay, initial_state=state)
+    return o[:, prefix:], s
+
+  (o, s), pull = jax.vjp(ours, q, k, v, state)
+  (o_ref, s_ref), pull_ref = jax.vjp(ref, q, k, v, state)
+  rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+  assert o.dtype == dtype and rel(o, o_ref) < tol and rel(s, s_ref) < tol
+  grads = pull((do.astype(dtype), dstate))
+  for name, g, gr in zip(["q", "k", "v", "initial_state"], grads, pull_ref((do, dstate))):
     assert rel(g, gr) < 2 * tol, name

@@ -1,0 +1,248 @@
+"""Chunkwise retention (Triton-lowered Pallas) with its custom VJP.
+
+Sequence positions are cut into chunks of ``C``. With ``S_c`` the state before chunk
+``c`` (``S_0`` = the initial state), chunk length ``L_c`` (``C``, or less for the last)
+and local positions ``i, j`` inside a chunk:
+
+- states:  ``S_{c+1} = γ^L_c S_c + Σ_j γ^(L_c-1-j) k_jᵀ v_j`` — a sequential kernel per
+  (batch, head) that stores every ``S_c`` (``[chunks, dk, dv]`` float32);
+- outputs: ``o_i = scale · (Σ_{j<=i} γ^(i-j) (q_i·k_j) v_j + γ^(i+1) q_i S_c)`` — a
+  parallel kernel over (chunk, batch, head).
+
+The backward mirrors it: a reverse sequential kernel for ``dS_c`` (the gradient of the
+state before chunk ``c``; ``dS_0`` is the initial state's gradient), then a parallel
+kernel for dQ, dK, dV of every chunk. No atomics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash.common import dot, pad_to, round_up
+from pallas_kernels.flash.config import padded_head_dim
+
+
+def _pow(exponent, log2_decay):
+  """``γ^exponent`` for float32 exponents (``log2_decay`` = log2 γ)."""
+  return jnp.exp2(exponent * log2_decay)
+
+
+def _chunk_len(c, chunk: int, length: int):
+  return jnp.minimum(jnp.int32(chunk), jnp.int32(length) - c * chunk)
+
+
+def _key_weights(c, chunk: int, length: int, log2_decay, shape, axis: int):
+  """``γ^(L_c-1-j)`` for the keys of chunk ``c`` (0 for padding), iota along ``axis``."""
+  j = lax.broadcasted_iota(jnp.int32, shape, axis)
+  n = _chunk_len(c, chunk, length)
+  return jnp.where(j < n, _pow(jnp.maximum(n - 1 - j, 0).astype(jnp.float32), log2_decay), 0.0)
+
+
+def _local_decay(chunk: int, log2_decay):
+  """``D[i, j] = γ^(i-j)`` for ``i >= j`` inside a chunk, else 0."""
+  i = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+  j = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+  return jnp.where(i >= j, _pow(jnp.maximum(i - j, 0).astype(jnp.float32), log2_decay), 0.0)
+
+
+def _states_kernel(k_ref, v_ref, s0_ref, log2_decay_ref, states_ref, final_ref, *,
+                   chunk: int, length: int, n_chunks: int):
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+
+  def body(c, state):
+    states_ref[c] = state
+    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    k = k_ref[rows, :]
+    w = _key_weights(c, chunk, length, log2_decay, (chunk, 1), 0)
+    decay_all = _pow(_chunk_len(c, chunk, length).astype(jnp.float32), log2_decay)
+    return decay_all * state + dot((k * w).astype(k.dtype), v_ref[rows, :], 0, 0)
+
+  final_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...])
+
+
+def _output_kernel(q_ref, k_ref, v_ref, states_ref, log2_decay_ref, o_ref, *, chunk: int,
+                   scale: float):
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  q, k, v = q_ref[...], k_ref[...], v_ref[...]
+  inner = dot(q, k, 1, 1) * _local_decay(chunk, log2_decay)
+  i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
+  q_w = (q * _pow(i + 1.0, log2_decay)).astype(q.dtype)
+  o = dot(inner.astype(v.dtype), v, 1, 0) + dot(q_w, states_ref[...].astype(q.dtype), 1, 0)
+  o_ref[...] = (o * scale).astype(o_ref.dtype)
+
+
+def _dstates_kernel(q_ref, do_ref, dfinal_ref, log2_decay_ref, dstates_ref, ds0_ref, *,
+                    chunk: int, length: int, n_chunks: int, scale: float):
+  """``dS_c`` for c = n-1 .. 0, where ``dstates[c]`` is the gradient of ``S_{c+1}``."""
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
+
+  def body(r, dstate):
+    c = n_chunks - 1 - r
+    dstates_ref[c] = dstate  # gradient of the state after chunk c
+    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    q = q_ref[rows, :]
+    q_w = (q * _pow(i + 1.0, log2_decay)).astype(q.dtype)
+    decay_all = _pow(_chunk_len(c, chunk, length).astype(jnp.float32), log2_decay)
+    return decay_all * dstate + scale * dot(q_w, do_ref[rows, :], 0, 0)
+
+  ds0_ref[...] = lax.fori_loop(0, n_chunks, body, dfinal_ref[...])
+
+
+def _grad_kernel(q_ref, k_ref, v_ref, do_ref, states_ref, dstates_ref, log2_decay_ref,
+                 dq_ref, dk_ref, dv_ref, *, chunk: int, length: int, scale: float):
+  c = pl.program_id(0)
+  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+  decay = _local_decay(chunk, log2_decay)
+  i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
+  q_w = _pow(i + 1.0, log2_decay)
+  k_w = _key_weights(c, chunk, length, log2_decay, (chunk, 1), 0)
+  state = states_ref[...].astype(q.dtype)
+  dstate = dstates_ref[...].astype(q.dtype)
+  ds = dot(do, v, 1, 1) * decay * scale  # [i, j]
+  s = dot(q, k, 1, 1) * decay * scale
+  dq = dot(ds.astype(k.dtype), k, 1, 0) + scale * q_w * dot(do, state, 1, 1)
+  dk = dot(ds.astype(q.dtype), q, 0, 0) + k_w * dot(v, dstate, 1, 1)
+  dv = dot(s.astype(do.dtype), do, 0, 0) + dot((k * k_w).astype(k.dtype), dstate, 1, 0)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  chunk: int
+  interpret: bool
+  num_warps: int = 4
+
+
+def _specs(chunk, d):
+  return pl.BlockSpec((None, chunk, None, d), lambda c, b, h: (b, c, h, 0))
+
+
+_HEAD_SCALAR_CBH = pl.BlockSpec((1,), lambda c, b, h: (h,))
+_HEAD_SCALAR_BH = pl.BlockSpec((1,), lambda b, h: (h,))
+
+
+def _state_spec(dk, dv):
+  return pl.BlockSpec((None, None, None, dk, dv), lambda c, b, h: (b, h, c, 0, 0))
+
+
+def _call(st, kernel, grid, in_specs, out_specs, out_shape, name):
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=st.interpret, name=name,
+                        compiler_params=plgpu.CompilerParams(num_warps=st.num_warps,
+                                                             num_stages=1))
+
+
+def _layout(st: _Static, length: int, dk: int, dv: int):
+  return round_up(length, st.chunk), padded_head_dim(dk), padded_head_dim(dv)
+
+
+def _pad_state(s, dk_p, dv_p):
+  return jnp.pad(s, ((0, 0), (0, 0), (0, dk_p - s.shape[2]), (0, dv_p - s.shape[3])))
+
+
+def _states(st, k, v, s0, log2_decay, length):
+  batch, length_p, heads, dk_p = k.shape
+  dv_p = v.shape[-1]
+  n = length_p // st.chunk
+  whole = lambda d: pl.BlockSpec((None, length_p, None, d), lambda b, h: (b, 0, h, 0))
+  state_spec = pl.BlockSpec((None, None, dk_p, dv_p), lambda b, h: (b, h, 0, 0))
+  return _call(
+      st, functools.partial(_states_kernel, chunk=st.chunk, length=length, n_chunks=n),
+      (batch, heads), [whole(dk_p), whole(dv_p), state_spec, _HEAD_SCALAR_BH],
+      [pl.BlockSpec((None, None, n, dk_p, dv_p), lambda b, h: (b, h, 0, 0, 0)), state_spec],
+      [jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), jnp.float32),
+       jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
+      "jattn_retention_chunk_states")(k, v, s0, log2_decay)
+
+
+def _forward(st: _Static, q, k, v, s0, log2_decay):
+  batch, length, heads, dk = q.shape
+  dv = v.shape[-1]
+  length_p, dk_p, dv_p = _layout(st, length, dk, dv)
+  q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
+  states, final = _states(st, k_p, v_p, _pad_state(s0, dk_p, dv_p), log2_decay, length)
+  o = _call(
+      st, functools.partial(_output_kernel, chunk=st.chunk, scale=st.scale),
+      (length_p // st.chunk, batch, heads),
+      [_specs(st.chunk, dk_p), _specs(st.chunk, dk_p), _specs(st.chunk, dv_p),
+       _state_spec(dk_p, dv_p), _HEAD_SCALAR_CBH],
+      _specs(st.chunk, dv_p), jax.ShapeDtypeStruct((batch, length_p, heads, dv_p), q.dtype),
+      "jattn_retention_chunk_out")(q_p, k_p, v_p, states, log2_decay)
+  return o[:, :length, :, :dv], final[:, :, :dk, :dv], states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunkwise(st: _Static, q, k, v, s0, log2_decay):
+  o, final, _ = _forward(st, q, k, v, s0, log2_decay)
+  return o, final
+
+
+def _chunkwise_fwd(st: _Static, q, k, v, s0, log2_decay):
+  o, final, states = _forward(st, q, k, v, s0, log2_decay)
+  return (o, final), (q, k, v, states, log2_decay)
+
+
+def _chunkwise_bwd(st: _Static, res, cotangents):
+  q, k, v, states, log2_decay = res
+  do, dfinal = cotangents
+  batch, length, heads, dk = q.shape
+  dv = v.shape[-1]
+  length_p, dk_p, dv_p = _layout(st, length, dk, dv)
+  n = length_p // st.chunk
+  q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
+  do_p = pad_to(do.astype(q.dtype), length_p, dv_p)
+  whole = lambda d: pl.BlockSpec((None, length_p, None, d), lambda b, h: (b, 0, h, 0))
+  state_spec = pl.BlockSpec((None, None, dk_p, dv_p), lambda b, h: (b, h, 0, 0))
+  dstates, ds0 = _call(
+      st, functools.partial(_dstates_kernel, chunk=st.chunk, length=length, n_chunks=n,
+                            scale=st.scale),
+      (batch, heads), [whole(dk_p), whole(dv_p), state_spec, _HEAD_SCALAR_BH],
+      [pl.BlockSpec((None, None, n, dk_p, dv_p), lambda b, h: (b, h, 0, 0, 0)), state_spec],
+      [jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), jnp.float32),
+       jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
+      "jattn_retention_chunk_dstates")(q_p, do_p, _pad_state(dfinal.astype(jnp.float32), dk_p, dv_p),
+                                       log2_decay)
+  dq, dk_, dv_ = _call(
+      st, functools.partial(_grad_kernel, chunk=st.chunk, length=length, scale=st.scale),
+      (n, batch, heads),
+      [_specs(st.chunk, dk_p), _specs(st.chunk, dk_p), _specs(st.chunk, dv_p),
+       _specs(st.chunk, dv_p), _state_spec(dk_p, dv_p), _state_spec(dk_p, dv_p),
+       _HEAD_SCALAR_CBH],
+      [_specs(st.chunk, dk_p), _specs(st.chunk, dk_p), _specs(st.chunk, dv_p)],
+      [jax.ShapeDtypeStruct(q_p.shape, q.dtype), jax.ShapeDtypeStruct(k_p.shape, k.dtype),
+       jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
+      "jattn_retention_chunk_grads")(q_p, k_p, v_p, do_p, states, dstates, log2_decay)
+  return (dq[:, :length, :, :dk], dk_[:, :length, :, :dk], dv_[:, :length, :, :dv],
+          ds0[:, :, :dk, :dv], jnp.zeros_like(log2_decay))
+
+
+_chunkwise.defvjp(_chunkwise_fwd, _chunkwise_bwd)
+
+
+def retention_chunkwise_triton(q, k, v, decay, initial_state, *, scale: float, chunk: int,
+                               interpret: bool = False):
+  """Chunkwise retention through Triton-lowered Pallas kernels.
+
+  Args:
+    q, k: ``[batch, seq, heads, dk]``; v: ``[batch, seq, heads, dv]``; decay ``[heads]``
+      (no gradient); initial_state ``[batch, heads, dk, dv]`` float32. ``chunk`` is a
+      power of two >= 16. Inputs assumed validated (see ``jattn.retention``).
+
+  Returns:
+    ``(o, final_state)``: ``o`` like ``v`` in q's dtype, the state float32.
+  """
+  st = _Static(scale=float(scale), chunk=chunk, interpret=interpret)
+  log2_decay = jnp.log2(jnp.asarray(decay, jnp.float32))
+  return _chunkwise(st, q, k, v, initial_state.astype(jnp.float32), log2_decay)
