@@ -13,6 +13,7 @@ import jax
 from interop.harness import (TOLERANCE, default_torch_device, jax_reference_errors,
                                 run_jax_side, torch_reference_errors)
 from jattn.backends import INTERPRET_ENV, gpu_compute_capability, usable_backends
+from jattn.gpu import flash_backend_supports
 
 # (op, case name, case kwargs); the op's inputs default to batch 2, 4 q heads, 2 kv heads.
 CASES = [
@@ -22,9 +23,24 @@ CASES = [
     ("flash_attention", "sq!=sk d=30", dict(q_len=24, kv_len=70, head_dim=30, causal=True)),
     ("flash_attention", "window+softcap", dict(q_len=64, head_dim=32, local_window=(16, 8),
                                                softcap=5.0)),
+    ("retention", "parallel abs_sum", dict(q_len=40, kv_len=56, mode="parallel",
+                                           normalize="abs_sum")),
+    ("retention", "chunkwise", dict(q_len=50, mode="chunkwise", chunk_size=16)),
 ]
-# Features the cuDNN backend takes; other cases are skipped for it.
-CUDNN_CASES = ("dense", "causal gqa")
+# Backends each op has; the rest are skipped for it.
+OP_BACKENDS = {"retention": ("pallas_triton", "xla")}
+
+
+def _supported(op: str, backend: str, dtype: str, case: dict) -> bool:
+  """Whether ``backend`` computes this case (cuDNN and the Hopper kernel lack features)."""
+  if op == "flash_attention":
+    q_len = case["q_len"]
+    return flash_backend_supports(
+        backend, dtype=dtype, head_dim=case["head_dim"], q_len=q_len,
+        kv_len=case.get("kv_len", q_len), causal=case.get("causal", False),
+        segment_ids=case.get("segments", False), softcap="softcap" in case,
+        local_window="local_window" in case)
+  return backend in OP_BACKENDS.get(op, (backend,))
 
 
 @dataclasses.dataclass
@@ -86,7 +102,7 @@ def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: in
   for op, case_name, case in CASES:
     for backend in backends:
       for dtype in dtypes:
-        if backend == "cudnn" and (dtype == "float32" or case_name not in CUDNN_CASES):
+        if not _supported(op, backend, dtype, case):
           continue
         run = run_jax_side(op, dtype=dtype, backend=backend, seed=0, **case)
         err_jax = max(r for _, r in jax_reference_errors(op, run).values())

@@ -94,8 +94,32 @@ def _flash_torch(q, k, v, **kwargs):
   return flash_attention_torch(q, k, v, **kwargs)
 
 
+def _retention_inputs(key, dtype, *, batch=2, q_len=48, kv_len=None, heads=3, dk=16, dv=24,
+                      **flags):
+  kv_len = q_len if kv_len is None else kv_len
+  keys = jax.random.split(key, 3)
+  q = jax.random.normal(keys[0], (batch, q_len, heads, dk), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (batch, kv_len, heads, dk), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (batch, kv_len, heads, dv), jnp.float32).astype(dtype)
+  # Decays from fast to RetNet-slow, so that γ^(n-m) spans orders of magnitude.
+  return (q, k, v), dict(flags, decay=jnp.linspace(0.7, 0.99, heads, dtype=jnp.float32))
+
+
+def _retention_jax(q, k, v, *, backend, **kwargs):
+  from jattn import retention
+
+  return retention(q, k, v, backend=backend, **kwargs)
+
+
+def _retention_torch(q, k, v, **kwargs):
+  from interop.torch_reference import retention_torch
+
+  return retention_torch(q, k, v, **kwargs)
+
+
 OPS: dict[str, OpPair] = {
     "flash_attention": OpPair(("q", "k", "v"), _flash_inputs, _flash_jax, _flash_torch),
+    "retention": OpPair(("q", "k", "v"), _retention_inputs, _retention_jax, _retention_torch),
 }
 
 
@@ -184,7 +208,7 @@ def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "
   """Compares ``op`` with a reference on the same random inputs, forward and gradients.
 
   Args:
-    op: a key of ``OPS`` (``"flash_attention"``).
+    op: a key of ``OPS`` (``"flash_attention"``, ``"retention"``).
     dtype: input dtype name or jnp dtype (``float32``, ``float16``, ``bfloat16``).
     backend: the jattn backend to test.
     reference: ``"torch"`` (the torch reference, inputs handed over through

@@ -72,3 +72,33 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
     out = torch.matmul(probs, vt.float()).to(q.dtype)
   out = out.masked_fill(empty, 0.0)
   return out.transpose(1, 2)
+
+
+def retention_torch(q, k, v, *, decay=None, scale=None, normalize=None, mode=None,
+                    chunk_size=None):
+  """RetNet retention in torch (parallel form, float32), following the paper.
+
+  ``q, k: [batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``, ``v:
+  [batch, kv_len, heads, dv]``; queries are the last ``q_len`` positions. ``mode``
+  and ``chunk_size`` are accepted and ignored: every form computes this function.
+  With ``normalize="abs_sum"`` rows are divided by ``max(Σ|S|, 1)``, detached.
+  """
+  import torch
+
+  del mode, chunk_size
+  dtype = q.dtype
+  q, k, v = q.float(), k.float(), v.float()
+  heads, dk = q.shape[2], q.shape[3]
+  q_len, kv_len = q.shape[1], k.shape[1]
+  if decay is None:
+    decay = 1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float32, device=q.device))
+  decay = torch.as_tensor(decay, dtype=torch.float32, device=q.device)
+  scale = dk ** -0.5 if scale is None else scale
+  dist = (torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)
+          - torch.arange(kv_len, device=q.device)[None, :])
+  weights = decay[:, None, None] ** dist.clamp(min=0).float()
+  weights = torch.where(dist >= 0, weights, torch.zeros_like(weights))
+  scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale * weights
+  if normalize == "abs_sum":
+    scores = scores / scores.detach().abs().sum(-1, keepdim=True).clamp(min=1.0)
+  return torch.einsum("bhqk,bkhd->bqhd", scores, v).to(dtype)

@@ -95,3 +95,16 @@ def test_jattn_check_cli(capsys):
   assert "within tolerance" in out
   assert "FAIL" not in out
   assert out.count("flash_attention") >= 10
+
+
+@pytest.mark.parametrize("backend,case", [
+    ("xla", dict(q_len=33, mode="recurrent")),
+    ("pallas_triton", dict(q_len=40, kv_len=56, mode="parallel", normalize="abs_sum")),
+    ("pallas_triton", dict(q_len=50, mode="chunkwise", chunk_size=16)),
+], ids=["recurrent-xla", "parallel-abs_sum-pallas", "chunkwise-pallas"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_retention_crosscheck_against_torch(backend, case, dtype, monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  report = interop.crosscheck("retention", dtype=dtype, backend=backend, torch_device="cpu", **case)
+  assert report.ok, str(report)
+  assert set(report.errors) == {"out", "dq", "dk", "dv"}
