@@ -102,3 +102,64 @@ def retention_torch(q, k, v, *, decay=None, scale=None, normalize=None, mode=Non
   if normalize == "abs_sum":
     scores = scores / scores.detach().abs().sum(-1, keepdim=True).clamp(min=1.0)
   return torch.einsum("bhqk,bkhd->bqhd", scores, v).to(dtype)
+
+
+def _torch_module_classes():
+  """Torch modules are defined lazily so that importing interop does not need torch."""
+  import torch
+
+  class MultiScaleRetentionTorch(torch.nn.Module):
+    """torchscale-style multi-scale retention (parallel form), written from its formulas.
+
+    Parameter names match ``jattn.nn.MultiScaleRetention``: bias-free ``q_proj``,
+    ``k_proj``, ``v_proj``, ``g_proj``, ``out_proj``. As in torchscale, the decay mask's
+    rows are divided by the square root of their sums and the scores' rows by
+    ``max(Σ|S|, 1)`` (detached) before the per-head RMS norm.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, value_dim: int | None = None,
+                 eps: float = 1e-6):
+      super().__init__()
+      value_dim = 2 * embed_dim if value_dim is None else value_dim
+      self.num_heads, self.eps = num_heads, eps
+      self.key_dim, self.head_dim = embed_dim // num_heads, value_dim // num_heads
+      linear = lambda i, o: torch.nn.Linear(i, o, bias=False)
+      self.q_proj, self.k_proj = linear(embed_dim, embed_dim), linear(embed_dim, embed_dim)
+      self.v_proj, self.g_proj = linear(embed_dim, value_dim), linear(embed_dim, value_dim)
+      self.out_proj = linear(value_dim, embed_dim)
+
+    def _theta_shift(self, x):
+      t, d = x.shape[1], x.shape[-1]
+      angle = 1.0 / (10000.0 ** torch.linspace(0, 1, d // 2, device=x.device))
+      angle = angle.repeat_interleave(2)
+      phase = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * angle[None]
+      sin, cos = phase.sin()[None, :, None], phase.cos()[None, :, None]
+      rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+      return x * cos + rotated * sin
+
+    def forward(self, x):
+      b, t, _ = x.shape
+      h = self.num_heads
+      q = self.q_proj(x).view(b, t, h, self.key_dim)
+      k = self.k_proj(x).view(b, t, h, self.key_dim) * self.key_dim ** -0.5
+      v = self.v_proj(x).view(b, t, h, self.head_dim)
+      g = self.g_proj(x)
+      q, k = self._theta_shift(q), self._theta_shift(k)
+      log_decay = torch.log(1 - 2.0 ** (-5.0 - torch.arange(h, dtype=torch.float32,
+                                                              device=x.device)))
+      dist = torch.arange(t, device=x.device)[:, None] - torch.arange(t, device=x.device)[None]
+      mask = torch.exp(dist.clamp(min=0)[None].float() * log_decay[:, None, None])
+      mask = torch.where(dist[None] >= 0, mask, torch.zeros_like(mask))
+      mask = mask / mask.sum(-1, keepdim=True).sqrt()
+      scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * mask
+      scores = scores / scores.detach().abs().sum(-1, keepdim=True).clamp(min=1.0)
+      o = torch.einsum("bhqk,bkhd->bqhd", scores, v)
+      o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+      return self.out_proj(torch.nn.functional.silu(g) * o.reshape(b, t, -1))
+
+  return MultiScaleRetentionTorch
+
+
+def multi_scale_retention_torch(embed_dim: int, num_heads: int, **kwargs):
+  """A torch ``MultiScaleRetentionTorch`` module (see ``_torch_module_classes``)."""
+  return _torch_module_classes()(embed_dim, num_heads, **kwargs)
