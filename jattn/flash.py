@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.backends import resolve_backend
-from jattn.gpu import select_backend
+from jattn.gpu import flash_backend_gaps, select_backend
 from jattn.reference import flash_attention_reference
 from pallas_kernels.flash import (FlashBlockConfig, MosaicBlockConfig, default_config,
                                   default_mosaic_config, flash_attention_mosaic,
@@ -69,21 +69,17 @@ def _validate(q, k, v, q_segment_ids, kv_segment_ids, local_window, softcap, sca
     raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
 
 
+def _check_gaps(backend, q, k, *, causal, q_segment_ids, softcap, return_lse, advice):
+  gaps = flash_backend_gaps(backend, dtype=q.dtype, q_len=q.shape[1], kv_len=k.shape[1],
+                            causal=causal, segment_ids=q_segment_ids is not None,
+                            softcap=softcap is not None, return_lse=return_lse)
+  if gaps:
+    raise ValueError(f"backend={backend!r} does not support: " + ", ".join(gaps) + advice)
+
+
 def _cudnn(q, k, v, *, causal, scale, q_segment_ids, local_window, softcap, return_lse):
-  unsupported = []
-  if q_segment_ids is not None:
-    unsupported.append("segment ids")
-  if softcap is not None:
-    unsupported.append("softcap")
-  if return_lse:
-    unsupported.append("return_lse")
-  if q.dtype == jnp.float32:
-    unsupported.append("float32 inputs")
-  if causal and q.shape[1] != k.shape[1]:
-    unsupported.append("causal with q_len != kv_len (cuDNN aligns causal masks top-left)")
-  if unsupported:
-    raise ValueError("backend='cudnn' does not support: " + ", ".join(unsupported)
-                     + "; use backend='pallas_triton' or 'xla'")
+  _check_gaps("cudnn", q, k, causal=causal, q_segment_ids=q_segment_ids, softcap=softcap,
+              return_lse=return_lse, advice="; use backend='pallas_triton' or 'xla'")
   window = None if local_window is None else tuple(
       -1 if w is None else w for w in local_window)
   return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
@@ -182,12 +178,9 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
                        "Pallas kernels support; use backend='xla'")
     config = _pallas_config(name, config, q, k, causal)
     if name == "pallas_mosaic":
-      unsupported = [what for what, used in (("segment ids", q_segment_ids is not None),
-                                             ("softcap", softcap is not None),
-                                             (f"dtype {q.dtype}", q.dtype == jnp.float32)) if used]
-      if unsupported:
-        raise ValueError("backend='pallas_mosaic' does not support: " + ", ".join(unsupported)
-                         + "; use backend='pallas_triton' (or 'auto')")
+      _check_gaps("pallas_mosaic", q, k, causal=causal, q_segment_ids=q_segment_ids,
+                  softcap=softcap, return_lse=return_lse,
+                  advice="; use backend='pallas_triton' (or 'auto')")
       o, lse = flash_attention_mosaic(q, k, v, causal=causal, scale=scale,
                                       local_window=local_window, config=config)
     else:

@@ -141,6 +141,23 @@ def recommended_dtype(info: GPUInfo | None = None):
   return jnp.bfloat16 if info.supports_bf16 else jnp.float16
 
 
+def flash_backend_gaps(backend: str, *, dtype=jnp.float16, q_len: int = 1, kv_len: int = 1,
+                       causal: bool = False, segment_ids: bool = False, softcap: bool = False,
+                       return_lse: bool = False) -> list[str]:
+  """The features of a call that ``backend`` lacks, as phrases for an error message."""
+  f32 = jnp.dtype(dtype) == jnp.float32
+  if backend == "cudnn":
+    gaps = [("segment ids", segment_ids), ("softcap", softcap), ("return_lse", return_lse),
+            ("float32 inputs", f32),
+            ("causal with q_len != kv_len (cuDNN aligns causal masks top-left)",
+             causal and q_len != kv_len)]
+  elif backend == "pallas_mosaic":
+    gaps = [("segment ids", segment_ids), ("softcap", softcap), ("float32 inputs", f32)]
+  else:
+    gaps = []
+  return [name for name, used in gaps if used]
+
+
 def flash_backend_supports(backend: str, *, dtype=jnp.float16, head_dim: int = 64,
                            q_len: int = 1, kv_len: int = 1, causal: bool = False,
                            segment_ids: bool = False, softcap: bool = False,
@@ -149,16 +166,13 @@ def flash_backend_supports(backend: str, *, dtype=jnp.float16, head_dim: int = 6
   del local_window  # every backend takes sliding windows
   if backend == "xla":
     return True
-  if backend == "pallas_triton":
-    return head_dim <= 256
-  if backend == "pallas_mosaic":
-    return (jnp.dtype(dtype) != jnp.float32 and head_dim <= 256 and not segment_ids
-            and not softcap)
-  if backend == "cudnn":
-    return (jnp.dtype(dtype) != jnp.float32 and not segment_ids and not softcap
-            and not return_lse and not (causal and q_len != kv_len) and head_dim <= 256
-            and head_dim % 8 == 0)
-  return False
+  if backend not in ("pallas_triton", "pallas_mosaic", "cudnn"):
+    return False
+  if head_dim > 256 or (backend == "cudnn" and head_dim % 8):
+    return False
+  return not flash_backend_gaps(backend, dtype=dtype, q_len=q_len, kv_len=kv_len,
+                                causal=causal, segment_ids=segment_ids, softcap=softcap,
+                                return_lse=return_lse)
 
 
 def select_backend(op: str = "flash_attention", *, info: GPUInfo | None = None,

@@ -91,21 +91,18 @@ def _chunk_terms(q, k, v, decay, scale, state):
   q_decay = jnp.exp((pos[:, None] + 1.0) * log_decay[None, :])  # [c, heads]
   o = o + scale * jnp.einsum("bqhk,bhkv->bqhv", q * q_decay[None, :, :, None], state,
                              precision="highest")
-  # Key j reaches the end of the chunk through γ^(c-1-j).
-  k_decay = jnp.exp((c - 1.0 - pos)[:, None] * log_decay[None, :])
-  state = (jnp.exp(c * log_decay)[None, :, None, None] * state
-           + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v,
-                        precision="highest"))
-  return o, state
+  return o, _state_of(k, v, decay, state)
 
 
 def _state_of(k, v, decay, state):
-  """The state after keys ``k, v`` (no queries), from ``state``."""
+  """The state after keys ``k, v`` (``[batch, c, heads, d]``) from ``state``: key ``j``
+  reaches the end through ``γ^(c-1-j)``."""
   c = k.shape[1]
   log_decay = jnp.log(decay)
   k_decay = jnp.exp((c - 1.0 - jnp.arange(c, dtype=jnp.float32))[:, None] * log_decay[None, :])
   return (jnp.exp(c * log_decay)[None, :, None, None] * state
-          + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v, precision="highest"))
+          + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v,
+                       precision="highest"))
 
 
 def _chunkwise_xla(q, k, v, decay, scale, state, chunk):

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash.common import dot, pad_to, round_up
 from pallas_kernels.flash.config import padded_head_dim
+from pallas_kernels.retention.blocks import HEAD_SCALAR, tile_spec, triton_call
 
 
 def _pow(exponent, log2_decay):
@@ -125,23 +125,9 @@ class _Static:
   num_warps: int = 4
 
 
-def _specs(chunk, d):
-  return pl.BlockSpec((None, chunk, None, d), lambda c, b, h: (b, c, h, 0))
-
-
-_HEAD_SCALAR_CBH = pl.BlockSpec((1,), lambda c, b, h: (h,))
-_HEAD_SCALAR_BH = pl.BlockSpec((1,), lambda b, h: (h,))
-
-
 def _state_spec(dk, dv):
+  """The state before chunk ``c``, on the grid (chunks, batch, heads)."""
   return pl.BlockSpec((None, None, None, dk, dv), lambda c, b, h: (b, h, c, 0, 0))
-
-
-def _call(st, kernel, grid, in_specs, out_specs, out_shape, name):
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=st.interpret, name=name,
-                        compiler_params=plgpu.CompilerParams(num_warps=st.num_warps,
-                                                             num_stages=1))
 
 
 def _layout(st: _Static, length: int, dk: int, dv: int):
@@ -152,34 +138,49 @@ def _pad_state(s, dk_p, dv_p):
   return jnp.pad(s, ((0, 0), (0, 0), (0, dk_p - s.shape[2]), (0, dv_p - s.shape[3])))
 
 
-def _states(st, k, v, s0, log2_decay, length):
-  batch, length_p, heads, dk_p = k.shape
-  dv_p = v.shape[-1]
+def _scan_chunks(st: _Static, kernel, x_dk, x_dv, state, log2_decay, name: str):
+  """Runs a sequential kernel over the chunks of each (batch, head).
+
+  ``x_dk: [batch, seq_p, heads, dk_p]`` and ``x_dv: [batch, seq_p, heads, dv_p]`` are
+  read whole; ``state: [batch, heads, dk_p, dv_p]`` seeds the scan. Returns the
+  per-chunk states ``[batch, heads, chunks, dk_p, dv_p]`` and the last one, float32.
+  """
+  batch, length_p, heads, dk_p = x_dk.shape
+  dv_p = x_dv.shape[-1]
   n = length_p // st.chunk
   whole = lambda d: pl.BlockSpec((None, length_p, None, d), lambda b, h: (b, 0, h, 0))
   state_spec = pl.BlockSpec((None, None, dk_p, dv_p), lambda b, h: (b, h, 0, 0))
-  return _call(
-      st, functools.partial(_states_kernel, chunk=st.chunk, length=length, n_chunks=n),
-      (batch, heads), [whole(dk_p), whole(dv_p), state_spec, _HEAD_SCALAR_BH],
-      [pl.BlockSpec((None, None, n, dk_p, dv_p), lambda b, h: (b, h, 0, 0, 0)), state_spec],
-      [jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), jnp.float32),
-       jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
-      "jattn_retention_chunk_states")(k, v, s0, log2_decay)
+  return triton_call(
+      kernel, grid=(batch, heads),
+      in_specs=[whole(dk_p), whole(dv_p), state_spec,
+                pl.BlockSpec((1,), lambda b, h: (h,))],
+      out_specs=[pl.BlockSpec((None, None, n, dk_p, dv_p), lambda b, h: (b, h, 0, 0, 0)),
+                 state_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
+      name=name, interpret=st.interpret, num_warps=st.num_warps, num_stages=1,
+  )(x_dk, x_dv, state, log2_decay)
 
 
 def _forward(st: _Static, q, k, v, s0, log2_decay):
   batch, length, heads, dk = q.shape
   dv = v.shape[-1]
   length_p, dk_p, dv_p = _layout(st, length, dk, dv)
+  n = length_p // st.chunk
   q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
-  states, final = _states(st, k_p, v_p, _pad_state(s0, dk_p, dv_p), log2_decay, length)
-  o = _call(
-      st, functools.partial(_output_kernel, chunk=st.chunk, scale=st.scale),
-      (length_p // st.chunk, batch, heads),
-      [_specs(st.chunk, dk_p), _specs(st.chunk, dk_p), _specs(st.chunk, dv_p),
-       _state_spec(dk_p, dv_p), _HEAD_SCALAR_CBH],
-      _specs(st.chunk, dv_p), jax.ShapeDtypeStruct((batch, length_p, heads, dv_p), q.dtype),
-      "jattn_retention_chunk_out")(q_p, k_p, v_p, states, log2_decay)
+  states, final = _scan_chunks(
+      st, functools.partial(_states_kernel, chunk=st.chunk, length=length, n_chunks=n),
+      k_p, v_p, _pad_state(s0, dk_p, dv_p), log2_decay, "jattn_retention_chunk_states")
+  o = triton_call(
+      functools.partial(_output_kernel, chunk=st.chunk, scale=st.scale),
+      grid=(n, batch, heads),
+      in_specs=[tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dv_p),
+                _state_spec(dk_p, dv_p), HEAD_SCALAR],
+      out_specs=tile_spec(st.chunk, dv_p),
+      out_shape=jax.ShapeDtypeStruct((batch, length_p, heads, dv_p), q.dtype),
+      name="jattn_retention_chunk_out", interpret=st.interpret, num_warps=st.num_warps,
+      num_stages=1,
+  )(q_p, k_p, v_p, states, log2_decay)
   return o[:, :length, :, :dv], final[:, :, :dk, :dv], states
 
 
@@ -203,27 +204,25 @@ def _chunkwise_bwd(st: _Static, res, cotangents):
   n = length_p // st.chunk
   q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
   do_p = pad_to(do.astype(q.dtype), length_p, dv_p)
-  whole = lambda d: pl.BlockSpec((None, length_p, None, d), lambda b, h: (b, 0, h, 0))
-  state_spec = pl.BlockSpec((None, None, dk_p, dv_p), lambda b, h: (b, h, 0, 0))
-  dstates, ds0 = _call(
+  dstates, ds0 = _scan_chunks(
       st, functools.partial(_dstates_kernel, chunk=st.chunk, length=length, n_chunks=n,
                             scale=st.scale),
-      (batch, heads), [whole(dk_p), whole(dv_p), state_spec, _HEAD_SCALAR_BH],
-      [pl.BlockSpec((None, None, n, dk_p, dv_p), lambda b, h: (b, h, 0, 0, 0)), state_spec],
-      [jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), jnp.float32),
-       jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
-      "jattn_retention_chunk_dstates")(q_p, do_p, _pad_state(dfinal.astype(jnp.float32), dk_p, dv_p),
-                                       log2_decay)
-  dq, dk_, dv_ = _call(
-      st, functools.partial(_grad_kernel, chunk=st.chunk, length=length, scale=st.scale),
-      (n, batch, heads),
-      [_specs(st.chunk, dk_p), _specs(st.chunk, dk_p), _specs(st.chunk, dv_p),
-       _specs(st.chunk, dv_p), _state_spec(dk_p, dv_p), _state_spec(dk_p, dv_p),
-       _HEAD_SCALAR_CBH],
-      [_specs(st.chunk, dk_p), _specs(st.chunk, dk_p), _specs(st.chunk, dv_p)],
-      [jax.ShapeDtypeStruct(q_p.shape, q.dtype), jax.ShapeDtypeStruct(k_p.shape, k.dtype),
-       jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
-      "jattn_retention_chunk_grads")(q_p, k_p, v_p, do_p, states, dstates, log2_decay)
+      q_p, do_p, _pad_state(dfinal.astype(jnp.float32), dk_p, dv_p), log2_decay,
+      "jattn_retention_chunk_dstates")
+  dq, dk_, dv_ = triton_call(
+      functools.partial(_grad_kernel, chunk=st.chunk, length=length, scale=st.scale),
+      grid=(n, batch, heads),
+      in_specs=[tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dv_p),
+                tile_spec(st.chunk, dv_p), _state_spec(dk_p, dv_p), _state_spec(dk_p, dv_p),
+                HEAD_SCALAR],
+      out_specs=[tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dk_p),
+                 tile_spec(st.chunk, dv_p)],
+      out_shape=[jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+                 jax.ShapeDtypeStruct(k_p.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
+      name="jattn_retention_chunk_grads", interpret=st.interpret, num_warps=st.num_warps,
+      num_stages=1,
+  )(q_p, k_p, v_p, do_p, states, dstates, log2_decay)
   return (dq[:, :length, :, :dk], dk_[:, :length, :, :dk], dv_[:, :length, :, :dv],
           ds0[:, :, :dk, :dv], jnp.zeros_like(log2_decay))
 

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash.common import dot, pad_rows, pad_to, round_up
 from pallas_kernels.flash.config import FlashBlockConfig, clamp_block, padded_head_dim
 from pallas_kernels.flash.masking import MaskSpec, kv_block_range, q_block_range
+from pallas_kernels.retention.blocks import (HEAD_SCALAR, tile_spec, triton_call,
+                                             whole_sequence_spec)
 
 
 def _decay(q_pos, k_pos, log2_decay):
@@ -123,40 +124,24 @@ def _layout(st: _Static, q_len: int, kv_len: int):
   return bq, bk, q_len_p, kv_len_p, spec
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, st: _Static, name: str, warps, stages):
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=st.interpret, name=name,
-                        compiler_params=plgpu.CompilerParams(num_warps=warps,
-                                                             num_stages=stages))
-
-
-def _row_spec(block, d):
-  return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
-
-
-def _whole_spec(length, d):
-  return pl.BlockSpec((None, length, None, d), lambda i, b, h: (b, 0, h, 0))
-
-
-_HEAD_SCALAR = pl.BlockSpec((1,), lambda i, b, h: (h,))
-
-
 def _forward(st: _Static, q, k, v, log2_decay):
   batch, q_len, heads, _ = q.shape
   kv_len = k.shape[1]
   bq, bk, q_len_p, kv_len_p, spec = _layout(st, q_len, kv_len)
   dk_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
   c = st.config
-  o, den = _call(
+  o, den = triton_call(
       functools.partial(_fwd_kernel, spec=spec, scale=st.scale, normalize=st.normalize,
                         block_q=bq[0], block_k=bk[0]),
-      (q_len_p // bq[0], batch, heads),
-      [_row_spec(bq[0], dk_p), _whole_spec(kv_len_p, dk_p), _whole_spec(kv_len_p, dv_p),
-       _HEAD_SCALAR],
-      [_row_spec(bq[0], dv_p), pl.BlockSpec((None, None, bq[0]), lambda i, b, h: (b, h, i))],
-      [jax.ShapeDtypeStruct((batch, q_len_p, heads, dv_p), q.dtype),
-       jax.ShapeDtypeStruct((batch, heads, q_len_p), jnp.float32)],
-      st, "jattn_retention_fwd", c.num_warps, c.num_stages,
+      grid=(q_len_p // bq[0], batch, heads),
+      in_specs=[tile_spec(bq[0], dk_p), whole_sequence_spec(kv_len_p, dk_p),
+                whole_sequence_spec(kv_len_p, dv_p), HEAD_SCALAR],
+      out_specs=[tile_spec(bq[0], dv_p),
+                 pl.BlockSpec((None, None, bq[0]), lambda i, b, h: (b, h, i))],
+      out_shape=[jax.ShapeDtypeStruct((batch, q_len_p, heads, dv_p), q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_len_p), jnp.float32)],
+      name="jattn_retention_fwd", interpret=st.interpret, num_warps=c.num_warps,
+      num_stages=c.num_stages,
   )(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p), pad_to(v, kv_len_p, dv_p), log2_decay)
   return o[:, :q_len, :, :v.shape[-1]], den[:, :, :q_len]
 
@@ -182,22 +167,24 @@ def _retention_bwd(st: _Static, res, do):
   do = (do.astype(jnp.float32) / jnp.swapaxes(den, 1, 2)[..., None]).astype(q.dtype)
   q_p, k_p, v_p = pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p), pad_to(v, kv_len_p, dv_p)
   do_p = pad_to(do, q_len_p, dv_p)
-  dq = _call(
+  bwd = dict(interpret=st.interpret, num_warps=c.bwd_num_warps, num_stages=c.bwd_num_stages)
+  dq = triton_call(
       functools.partial(_dq_kernel, spec=spec, scale=st.scale, block_q=bq[2], block_k=bk[2]),
-      (q_len_p // bq[2], batch, heads),
-      [_whole_spec(kv_len_p, dk_p), _whole_spec(kv_len_p, dv_p), _row_spec(bq[2], dv_p),
-       _HEAD_SCALAR],
-      _row_spec(bq[2], dk_p), jax.ShapeDtypeStruct(q_p.shape, q.dtype),
-      st, "jattn_retention_dq", c.bwd_num_warps, c.bwd_num_stages,
+      grid=(q_len_p // bq[2], batch, heads),
+      in_specs=[whole_sequence_spec(kv_len_p, dk_p), whole_sequence_spec(kv_len_p, dv_p),
+                tile_spec(bq[2], dv_p), HEAD_SCALAR],
+      out_specs=tile_spec(bq[2], dk_p), out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+      name="jattn_retention_dq", **bwd,
   )(k_p, v_p, do_p, log2_decay)
-  dk, dv = _call(
+  dk, dv = triton_call(
       functools.partial(_dkv_kernel, spec=spec, scale=st.scale, block_q=bq[1], block_k=bk[1]),
-      (kv_len_p // bk[1], batch, heads),
-      [_whole_spec(q_len_p, dk_p), _row_spec(bk[1], dk_p), _row_spec(bk[1], dv_p),
-       _whole_spec(q_len_p, dv_p), _HEAD_SCALAR],
-      [_row_spec(bk[1], dk_p), _row_spec(bk[1], dv_p)],
-      [jax.ShapeDtypeStruct(k_p.shape, k.dtype), jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
-      st, "jattn_retention_dkv", c.bwd_num_warps, c.bwd_num_stages,
+      grid=(kv_len_p // bk[1], batch, heads),
+      in_specs=[whole_sequence_spec(q_len_p, dk_p), tile_spec(bk[1], dk_p),
+                tile_spec(bk[1], dv_p), whole_sequence_spec(q_len_p, dv_p), HEAD_SCALAR],
+      out_specs=[tile_spec(bk[1], dk_p), tile_spec(bk[1], dv_p)],
+      out_shape=[jax.ShapeDtypeStruct(k_p.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
+      name="jattn_retention_dkv", **bwd,
   )(q_p, k_p, v_p, do_p, log2_decay)
   return (dq[:, :q_len, :, :q.shape[-1]], dk[:, :kv_len, :, :k.shape[-1]],
           dv[:, :kv_len, :, :v.shape[-1]], jnp.zeros_like(log2_decay))
