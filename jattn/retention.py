@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jattn.backends import resolve_backend, usable_backends
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
 from pallas_kernels.flash import default_config
-from pallas_kernels.retention import retention_chunkwise_triton, retention_parallel_triton
+from pallas_kernels.retention import (retention_chunkwise_triton, retention_parallel_triton,
+                                      retention_step_triton)
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
@@ -169,7 +170,8 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     raise ValueError("mode='parallel' has no state: use 'chunkwise' or 'recurrent' with "
                      "initial_state / return_state")
   chunk = chunk_size or DEFAULT_CHUNK
-  pallas_ok = max(dk, v.shape[-1]) <= 256 and chunk >= 16 and not chunk & (chunk - 1)
+  pallas_ok = max(dk, v.shape[-1]) <= 256 and (
+      mode == "parallel" or (chunk >= 16 and not chunk & (chunk - 1)))
   name, interpret = resolve_backend(backend, lambda: (
       "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok
       and mode != "recurrent" else "xla"))
@@ -221,25 +223,43 @@ def _step(q, k, v, decay, scale, state):
   return scale * jnp.einsum("bhk,bhkv->bhv", q, state, precision="highest"), state
 
 
-def retention_step(q, k, v, state, *, decay=None, scale: float | None = None):
-  """One recurrent (decoding) step.
+def retention_step(q, k, v, state, *, decay=None, scale: float | None = None,
+                   backend: str = "auto"):
+  """One recurrent (decoding) step: ``S' = γ S + kᵀ v``, ``o = scale · q S'``.
 
   Args:
     q, k: ``[batch, heads, dk]``; v: ``[batch, heads, dv]``; state ``[batch, heads, dk, dv]``
       (zeros before the first position).
+    backend: ``"auto"`` (the Pallas step kernel where usable, else jnp),
+      ``"pallas_triton"`` or ``"xla"``. Both are differentiable.
 
   Returns:
     ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32.
   """
-  if q.ndim != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+  if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
     raise ValueError(f"q, k must be [batch, heads, dk] and v [batch, heads, dv], got "
                      f"{q.shape}, {k.shape}, {v.shape}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
   expected = (*q.shape, v.shape[-1])
   if tuple(state.shape) != expected:
     raise ValueError(f"state must be [batch, heads, dk, dv] = {expected}, got {state.shape}")
+  if backend not in RETENTION_BACKENDS:
+    raise ValueError(f"backend must be one of {RETENTION_BACKENDS}, got {backend!r}")
   heads, dk = q.shape[1], q.shape[2]
+  if decay is not None and tuple(jnp.shape(decay)) != (heads,):
+    raise ValueError(f"decay must have shape [heads] = ({heads},), got {jnp.shape(decay)}")
   decay = default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
   scale = dk ** -0.5 if scale is None else float(scale)
+  pallas_ok = max(dk, v.shape[-1]) <= 256
+  name, interpret = resolve_backend(backend, lambda: (
+      "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok else "xla"))
+  if name == "pallas_triton":
+    if not pallas_ok:
+      raise ValueError(f"the Pallas retention kernels take head dims up to 256, got "
+                       f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
+    return retention_step_triton(q, k, v, state, decay, scale=scale, interpret=interpret)
   o, state = _step(*(x.astype(jnp.float32) for x in (q, k, v)), decay, scale,
                    state.astype(jnp.float32))
   return o.astype(q.dtype), state

@@ -80,15 +80,26 @@ def test_a_split_sequence_continues_from_the_state():
   chex.assert_trees_all_close(jnp.concatenate([first, second], 1), whole, atol=2e-5, rtol=2e-5)
 
 
-def test_retention_step_decodes_like_the_recurrent_form():
-  q, k, v, state, decay = _inputs(q_len=7)
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+def test_retention_step_decodes_like_the_recurrent_form(backend, monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  q, k, v, state, decay = _inputs(q_len=7, dk=8, dv=70)  # dv spans two state tiles
   o_ref, s_ref = retention_recurrent_reference(q, k, v, decay=decay, initial_state=state)
-  outs = []
-  for t in range(7):
-    o, state = jattn.retention_step(q[:, t], k[:, t], v[:, t], state, decay=decay)
-    outs.append(o)
-  chex.assert_trees_all_close(jnp.stack(outs, 1), o_ref, atol=1e-5, rtol=1e-5)
-  chex.assert_trees_all_close(state, s_ref, atol=1e-5, rtol=1e-5)
+
+  def decode(q, k, v, state):
+    outs = []
+    for t in range(q.shape[1]):
+      o, state = jattn.retention_step(q[:, t], k[:, t], v[:, t], state, decay=decay,
+                                      backend=backend)
+      outs.append(o)
+    return jnp.stack(outs, 1), state
+
+  (o, s), pull = jax.vjp(decode, q, k, v, state)
+  chex.assert_trees_all_close((o, s), (o_ref, s_ref), atol=1e-5, rtol=1e-5)
+  cot = tuple(jax.random.normal(jax.random.PRNGKey(i), x.shape) for i, x in enumerate((o, s)))
+  _, pull_ref = jax.vjp(lambda q, k, v, state: retention_recurrent_reference(
+      q, k, v, decay=decay, initial_state=state), q, k, v, state)
+  chex.assert_trees_all_close(pull(cot), pull_ref(cot), atol=1e-4, rtol=1e-4)
 
 
 def test_abs_sum_normalisation_and_its_constant_denominator():
@@ -207,3 +218,47 @@ def test_pallas_chunkwise_kernel_with_states_matches_reference(case, dtype, tol,
   grads = pull((do.astype(dtype), dstate))
   for name, g, gr in zip(["q", "k", "v", "initial_state"], grads, pull_ref((do, dstate))):
     assert rel(g, gr) < 2 * tol, name
+
+
+@pytest.mark.parametrize("normalize", [None, "abs_sum"])
+def test_pallas_parallel_kernel_with_many_small_tiles(normalize, monkeypatch):
+  # Several key/query blocks per tile, so both the factored (off-diagonal) decay and the
+  # masked (diagonal) decay run, with tiles of different sizes per pass.
+  from pallas_kernels.flash import FlashBlockConfig
+  from pallas_kernels.retention import retention_parallel_triton
+
+  q, k, v, _, _ = _inputs(batch=1, q_len=50, kv_len=83, heads=3, dk=16, dv=16)
+  decay = jnp.array([0.3, 0.95, 1.0], jnp.float32)
+  config = FlashBlockConfig(block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16,
+                            block_q_dq=16, block_k_dq=16)
+  do = jax.random.normal(jax.random.PRNGKey(5), v.shape[:1] + q.shape[1:3] + v.shape[3:])
+
+  def ours(q, k, v):
+    return retention_parallel_triton(q, k, v, decay, scale=0.2, normalize=normalize is not None,
+                                     config=config, interpret=True)
+
+  o, pull = jax.vjp(ours, q, k, v)
+  o_ref, pull_ref = jax.vjp(lambda q, k, v: retention_reference(
+      q, k, v, decay=decay, scale=0.2, normalize=normalize), q, k, v)
+  chex.assert_trees_all_close(o, o_ref, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(pull(do), pull_ref(do), rtol=1e-4, atol=1e-4)
+
+
+def test_pallas_chunkwise_kernel_with_tiled_state(monkeypatch):
+  # dk, dv above the state tile: the scans run one program per state tile.
+  from pallas_kernels.retention import ChunkwiseLaunch, retention_chunkwise_triton
+
+  q, k, v, state, decay = _inputs(batch=1, q_len=45, heads=2, dk=48, dv=40)
+  keys = jax.random.split(jax.random.PRNGKey(3), 2)
+  do = jax.random.normal(keys[0], v.shape)
+  dstate = jax.random.normal(keys[1], state.shape)
+
+  def ours(q, k, v, state):
+    return retention_chunkwise_triton(q, k, v, decay, state, scale=0.3, chunk=16,
+                                      launch=ChunkwiseLaunch(state_block=16), interpret=True)
+
+  (o, s), pull = jax.vjp(ours, q, k, v, state)
+  (o_ref, s_ref), pull_ref = jax.vjp(lambda q, k, v, state: retention_recurrent_reference(
+      q, k, v, decay=decay, scale=0.3, initial_state=state), q, k, v, state)
+  chex.assert_trees_all_close((o, s), (o_ref, s_ref), rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(pull((do, dstate)), pull_ref((do, dstate)), rtol=1e-4, atol=1e-4)

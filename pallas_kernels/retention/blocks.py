@@ -23,9 +23,10 @@ def whole_sequence_spec(length: int, d: int):
 
 
 def triton_call(kernel, *, grid, in_specs, out_specs, out_shape, name: str, interpret: bool,
-                num_warps: int, num_stages: int):
+                num_warps: int, num_stages: int, input_output_aliases=None):
   """``pl.pallas_call`` lowered through Triton with these launch parameters."""
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                         out_shape=out_shape, interpret=interpret, name=name,
+                        input_output_aliases=input_output_aliases or {},
                         compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                                              num_stages=num_stages))

@@ -54,10 +54,10 @@ def _local_decay(chunk: int, log2_decay):
 
 def _states_kernel(k_ref, v_ref, s0_ref, log2_decay_ref, states_ref, final_ref, *,
                    chunk: int, length: int, n_chunks: int):
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  log2_decay = log2_decay_ref[...]
 
   def body(c, state):
-    states_ref[c] = state
+    states_ref[c] = state.astype(states_ref.dtype)
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     k = k_ref[rows, :]
     w = _key_weights(c, chunk, length, log2_decay, (chunk, 1), 0)
@@ -69,7 +69,7 @@ def _states_kernel(k_ref, v_ref, s0_ref, log2_decay_ref, states_ref, final_ref, 
 
 def _output_kernel(q_ref, k_ref, v_ref, states_ref, log2_decay_ref, o_ref, *, chunk: int,
                    scale: float):
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  log2_decay = log2_decay_ref[...]
   q, k, v = q_ref[...], k_ref[...], v_ref[...]
   inner = dot(q, k, 1, 1) * _local_decay(chunk, log2_decay)
   i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
@@ -81,12 +81,12 @@ def _output_kernel(q_ref, k_ref, v_ref, states_ref, log2_decay_ref, o_ref, *, ch
 def _dstates_kernel(q_ref, do_ref, dfinal_ref, log2_decay_ref, dstates_ref, ds0_ref, *,
                     chunk: int, length: int, n_chunks: int, scale: float):
   """``dS_c`` for c = n-1 .. 0, where ``dstates[c]`` is the gradient of ``S_{c+1}``."""
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  log2_decay = log2_decay_ref[...]
   i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
 
   def body(r, dstate):
     c = n_chunks - 1 - r
-    dstates_ref[c] = dstate  # gradient of the state after chunk c
+    dstates_ref[c] = dstate.astype(dstates_ref.dtype)  # gradient of the state after chunk c
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     q = q_ref[rows, :]
     q_w = (q * _pow(i + 1.0, log2_decay)).astype(q.dtype)
@@ -99,7 +99,7 @@ def _dstates_kernel(q_ref, do_ref, dfinal_ref, log2_decay_ref, dstates_ref, ds0_
 def _grad_kernel(q_ref, k_ref, v_ref, do_ref, states_ref, dstates_ref, log2_decay_ref,
                  dq_ref, dk_ref, dv_ref, *, chunk: int, length: int, scale: float):
   c = pl.program_id(0)
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  log2_decay = log2_decay_ref[...]
   q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
   decay = _local_decay(chunk, log2_decay)
   i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
@@ -118,11 +118,27 @@ def _grad_kernel(q_ref, k_ref, v_ref, do_ref, states_ref, dstates_ref, log2_deca
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkwiseLaunch:
+  """Tile side and launch parameters of the chunkwise kernels (not the chunk size).
+
+  The two scans split the ``[dk, dv]`` state into ``state_block``-sided tiles, one
+  program each: chunks are sequential, so the tiles are the parallelism when
+  batch * heads is small.
+  """
+
+  state_block: int = 64
+  scan_warps: int = 4
+  scan_stages: int = 2
+  out_warps: int = 4
+  grad_warps: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
 class _Static:
   scale: float
   chunk: int
   interpret: bool
-  num_warps: int = 4
+  launch: ChunkwiseLaunch
 
 
 def _state_spec(dk, dv):
@@ -139,26 +155,29 @@ def _pad_state(s, dk_p, dv_p):
 
 
 def _scan_chunks(st: _Static, kernel, x_dk, x_dv, state, log2_decay, name: str):
-  """Runs a sequential kernel over the chunks of each (batch, head).
+  """Runs a sequential kernel over the chunks of each (batch, head, state tile).
 
   ``x_dk: [batch, seq_p, heads, dk_p]`` and ``x_dv: [batch, seq_p, heads, dv_p]`` are
-  read whole; ``state: [batch, heads, dk_p, dv_p]`` seeds the scan. Returns the
-  per-chunk states ``[batch, heads, chunks, dk_p, dv_p]`` and the last one, float32.
+  read a column tile at a time; ``state: [batch, heads, dk_p, dv_p]`` float32 seeds
+  the scan. Returns the per-chunk states ``[batch, heads, chunks, dk_p, dv_p]`` in
+  x_dk's dtype (the matmuls that read them take that dtype) and the last one, float32.
   """
   batch, length_p, heads, dk_p = x_dk.shape
   dv_p = x_dv.shape[-1]
   n = length_p // st.chunk
-  whole = lambda d: pl.BlockSpec((None, length_p, None, d), lambda b, h: (b, 0, h, 0))
-  state_spec = pl.BlockSpec((None, None, dk_p, dv_p), lambda b, h: (b, h, 0, 0))
+  bk, bv = min(st.launch.state_block, dk_p), min(st.launch.state_block, dv_p)
+  state_spec = pl.BlockSpec((None, None, bk, bv), lambda b, h, i, j: (b, h, i, j))
   return triton_call(
-      kernel, grid=(batch, heads),
-      in_specs=[whole(dk_p), whole(dv_p), state_spec,
-                pl.BlockSpec((1,), lambda b, h: (h,))],
-      out_specs=[pl.BlockSpec((None, None, n, dk_p, dv_p), lambda b, h: (b, h, 0, 0, 0)),
+      kernel, grid=(batch, heads, dk_p // bk, dv_p // bv),
+      in_specs=[pl.BlockSpec((None, length_p, None, bk), lambda b, h, i, j: (b, 0, h, i)),
+                pl.BlockSpec((None, length_p, None, bv), lambda b, h, i, j: (b, 0, h, j)),
+                state_spec, pl.BlockSpec((1,), lambda b, h, i, j: (h,))],
+      out_specs=[pl.BlockSpec((None, None, n, bk, bv), lambda b, h, i, j: (b, h, 0, i, j)),
                  state_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), jnp.float32),
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), x_dk.dtype),
                  jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
-      name=name, interpret=st.interpret, num_warps=st.num_warps, num_stages=1,
+      name=name, interpret=st.interpret, num_warps=st.launch.scan_warps,
+      num_stages=st.launch.scan_stages,
   )(x_dk, x_dv, state, log2_decay)
 
 
@@ -178,7 +197,7 @@ def _forward(st: _Static, q, k, v, s0, log2_decay):
                 _state_spec(dk_p, dv_p), HEAD_SCALAR],
       out_specs=tile_spec(st.chunk, dv_p),
       out_shape=jax.ShapeDtypeStruct((batch, length_p, heads, dv_p), q.dtype),
-      name="jattn_retention_chunk_out", interpret=st.interpret, num_warps=st.num_warps,
+      name="jattn_retention_chunk_out", interpret=st.interpret, num_warps=st.launch.out_warps,
       num_stages=1,
   )(q_p, k_p, v_p, states, log2_decay)
   return o[:, :length, :, :dv], final[:, :, :dk, :dv], states
@@ -220,7 +239,7 @@ def _chunkwise_bwd(st: _Static, res, cotangents):
       out_shape=[jax.ShapeDtypeStruct(q_p.shape, q.dtype),
                  jax.ShapeDtypeStruct(k_p.shape, k.dtype),
                  jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
-      name="jattn_retention_chunk_grads", interpret=st.interpret, num_warps=st.num_warps,
+      name="jattn_retention_chunk_grads", interpret=st.interpret, num_warps=st.launch.grad_warps,
       num_stages=1,
   )(q_p, k_p, v_p, do_p, states, dstates, log2_decay)
   return (dq[:, :length, :, :dk], dk_[:, :length, :, :dk], dv_[:, :length, :, :dv],
@@ -231,17 +250,19 @@ _chunkwise.defvjp(_chunkwise_fwd, _chunkwise_bwd)
 
 
 def retention_chunkwise_triton(q, k, v, decay, initial_state, *, scale: float, chunk: int,
-                               interpret: bool = False):
+                               launch: ChunkwiseLaunch | None = None, interpret: bool = False):
   """Chunkwise retention through Triton-lowered Pallas kernels.
 
   Args:
     q, k: ``[batch, seq, heads, dk]``; v: ``[batch, seq, heads, dv]``; decay ``[heads]``
       (no gradient); initial_state ``[batch, heads, dk, dv]`` float32. ``chunk`` is a
-      power of two >= 16. Inputs assumed validated (see ``jattn.retention``).
+      power of two >= 16. ``launch``: tiles and warps (default
+      ``ChunkwiseLaunch()``). Inputs assumed validated (see ``jattn.retention``).
 
   Returns:
     ``(o, final_state)``: ``o`` like ``v`` in q's dtype, the state float32.
   """
-  st = _Static(scale=float(scale), chunk=chunk, interpret=interpret)
+  st = _Static(scale=float(scale), chunk=chunk, interpret=interpret,
+               launch=launch or ChunkwiseLaunch())
   log2_decay = jnp.log2(jnp.asarray(decay, jnp.float32))
   return _chunkwise(st, q, k, v, initial_state.astype(jnp.float32), log2_decay)

@@ -32,75 +32,103 @@ def _decay(q_pos, k_pos, log2_decay):
                    0.0)
 
 
+def _pow(exponent, log2_decay):
+  """``γ^exponent`` for int exponents ``>= 0`` (``log2_decay`` = log2 γ)."""
+  return jnp.exp2(exponent.astype(jnp.float32) * log2_decay)
+
+
+# Key blocks wholly at or before a query tile's first row take the decay as a product:
+# γ^(n-m) = γ^(n-n0) · γ^(n0-m) with n0 the tile's first query. Both factors are <= 1,
+# the per-key one is a [1, block] vector per step, and the per-query one scales the
+# accumulator once at the end: one multiply per score instead of an exp2. Blocks on the
+# diagonal build the exact masked decay.
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, log2_decay_ref, o_ref, den_ref, *, spec: MaskSpec,
                 scale: float, normalize: bool, block_q: int, block_k: int):
-  q_start = pl.program_id(0) * block_q
+  q_first = pl.program_id(0) * block_q + spec.offset
   q = q_ref[...]
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
-  q_pos = q_start + spec.offset + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  log2_decay = log2_decay_ref[...]
+  rows = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
-  def body(j, carry):
+  def step(j, carry, weight):
     acc, den = carry
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     v = v_ref[k_slice, :]
-    k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    s = dot(q, k_ref[k_slice, :], 1, 1) * (scale * _decay(q_pos, k_pos, log2_decay))
+    s = dot(q, k_ref[k_slice, :], 1, 1) * weight(j * block_k + cols)
     if normalize:
-      den = den + jnp.sum(jnp.abs(s), axis=1)
+      den = den + jnp.sum(jnp.abs(s), axis=1, keepdims=True)
     return acc + dot(s.astype(v.dtype), v, 1, 0), den
 
-  lo, _, _, hi = kv_block_range(spec, q_start, block_q, block_k)
-  carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  acc, den = lax.fori_loop(lo, hi, body, carry)
+  lo, _, full_hi, hi = kv_block_range(spec, q_first - spec.offset, block_q, block_k)
+  carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
+           jnp.zeros((block_q, 1), jnp.float32))
+  carry = lax.fori_loop(lo, full_hi, functools.partial(
+      step, weight=lambda k_pos: scale * _pow(q_first - k_pos, log2_decay)), carry)
+  row_decay = _pow(rows, log2_decay)
+  carry = tuple(x * row_decay for x in carry)
+  acc, den = lax.fori_loop(full_hi, hi, functools.partial(
+      step, weight=lambda k_pos: scale * _decay(q_first + rows, k_pos, log2_decay)), carry)
   den = jnp.maximum(den, 1.0) if normalize else jnp.ones_like(den)
-  o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
-  den_ref[...] = den
+  o_ref[...] = (acc / den).astype(o_ref.dtype)
+  den_ref[...] = den[:, 0]
 
 
 def _dq_kernel(k_ref, v_ref, do_ref, log2_decay_ref, dq_ref, *, spec: MaskSpec, scale: float,
                block_q: int, block_k: int):
-  q_start = pl.program_id(0) * block_q
+  q_first = pl.program_id(0) * block_q + spec.offset
   do = do_ref[...]
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
-  q_pos = q_start + spec.offset + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  log2_decay = log2_decay_ref[...]
+  rows = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
-  def body(j, dq):
+  def step(j, dq, weight):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[k_slice, :]
-    k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    ds = dot(do, v_ref[k_slice, :], 1, 1) * _decay(q_pos, k_pos, log2_decay)
+    ds = dot(do, v_ref[k_slice, :], 1, 1) * weight(j * block_k + cols)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
-  lo, _, _, hi = kv_block_range(spec, q_start, block_q, block_k)
-  dq = lax.fori_loop(lo, hi, body, jnp.zeros((block_q, k_ref.shape[-1]), jnp.float32))
+  lo, _, full_hi, hi = kv_block_range(spec, q_first - spec.offset, block_q, block_k)
+  dq = jnp.zeros((block_q, k_ref.shape[-1]), jnp.float32)
+  dq = lax.fori_loop(lo, full_hi, functools.partial(
+      step, weight=lambda k_pos: _pow(q_first - k_pos, log2_decay)), dq)
+  dq = dq * _pow(rows, log2_decay)
+  dq = lax.fori_loop(full_hi, hi, functools.partial(
+      step, weight=lambda k_pos: _decay(q_first + rows, k_pos, log2_decay)), dq)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, log2_decay_ref, dk_ref, dv_ref, *,
                 spec: MaskSpec, scale: float, block_q: int, block_k: int):
   k_start = pl.program_id(0) * block_k
-  k = k_ref[...]
-  v = v_ref[...]
-  log2_decay = log2_decay_ref[...].reshape(1, 1)
+  k_last = k_start + block_k - 1
+  k, v = k_ref[...], v_ref[...]
+  log2_decay = log2_decay_ref[...]
   # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
-  k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+  keys = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
 
-  def body(i, carry):
+  def step(i, carry, weight):
     dk, dv = carry
     q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q = q_ref[q_slice, :]
     do = do_ref[q_slice, :]
-    q_pos = i * block_q + spec.offset + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
-    decay_t = _decay(q_pos, k_pos, log2_decay) * scale
-    s_t = dot(k, q, 1, 1) * decay_t
-    dv = dv + dot(s_t.astype(do.dtype), do, 1, 0)
+    decay_t = weight(i * block_q + spec.offset + cols) * scale
+    dv = dv + dot((dot(k, q, 1, 1) * decay_t).astype(do.dtype), do, 1, 0)
     ds_t = dot(v, do, 1, 1) * decay_t
     return dk + dot(ds_t.astype(q.dtype), q, 1, 0), dv
 
-  lo, _, _, hi = q_block_range(spec, k_start, block_k, block_q)
+  lo, full_lo, _, hi = q_block_range(spec, k_start, block_k, block_q)
   carry = (jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32),
            jnp.zeros((block_k, v_ref.shape[-1]), jnp.float32))
-  dk, dv = lax.fori_loop(lo, hi, body, carry)
+  # Query blocks wholly at or after the key tile's last row: γ^(n-m) = γ^(n-m1)·γ^(m1-m).
+  carry = lax.fori_loop(full_lo, hi, functools.partial(
+      step, weight=lambda q_pos: _pow(q_pos - k_last, log2_decay)), carry)
+  key_decay = _pow(block_k - 1 - keys, log2_decay)
+  carry = tuple(x * key_decay for x in carry)
+  dk, dv = lax.fori_loop(lo, full_lo, functools.partial(
+      step, weight=lambda q_pos: _decay(q_pos, k_start + keys, log2_decay)), carry)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
