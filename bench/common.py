@@ -52,6 +52,40 @@ def time_torch(fn, reps=12, inner=5, warmup=3):
   return statistics.median(samples)
 
 
+def random_inputs(shape, dtype, seed=0):
+  """q, k, v and dO: four normal ``[batch, seq, heads, dim]`` arrays (never zeros)."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return [jax.random.normal(key, shape, dtype) for key in keys]
+
+
+def time_jax_qkv(fn, mode, q, k, v, do):
+  """(median seconds, peak bytes) of ``jit(fn)(q, k, v)``, or for ``mode="fwd+bwd"`` of
+  the forward and its VJP applied to ``do``."""
+  if mode == "fwd":
+    f, args = jax.jit(fn), (q, k, v)
+  else:
+    def f(q, k, v, do):
+      return jax.vjp(fn, q, k, v)[1](do)
+    f, args = jax.jit(f), (q, k, v, do)
+  return time_jax(f, *args), jax_peak_bytes(f, *args)
+
+
+def time_torch_qkv(fn, tensors, warmup=1):
+  """(median seconds, bytes) of a CUDA torch callable: the bytes are the peak allocated
+  during one call after ``warmup`` calls, plus the input ``tensors`` themselves."""
+  import torch
+
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  base = torch.cuda.memory_allocated()
+  torch.cuda.reset_peak_memory_stats()
+  fn()
+  torch.cuda.synchronize()
+  peak = torch.cuda.max_memory_allocated() - base
+  return time_torch(fn), peak + sum(x.numel() * x.element_size() for x in tensors)
+
+
 def jax_peak_bytes(fn, *args):
   """Arguments + outputs + temporaries of the compiled function, from XLA's memory analysis."""
   stats = jax.jit(fn).lower(*args).compile().memory_analysis()
@@ -72,3 +106,51 @@ def write_results(out_dir, stem, payload, markdown):
     json.dump(payload, f, indent=1)
   with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
     f.write(markdown)
+
+
+def results_table(rows, key_columns, cell, ratios, ratio, sort_key=None):
+  """A markdown table: one line per distinct key, one column per impl, then ratios.
+
+  ``key_columns``: ``[(header, row -> str)]`` naming a line (lines in order of first
+  appearance, or sorted by ``sort_key(row)`` of their first row); ``cell(row)`` fills
+  an impl's column (rows with ``"error"`` show n/a); ``ratios``: ``[(header, ours,
+  peer)]``, each shown as ``ratio(ours_row, peer_row)`` where both impls were timed.
+  """
+  key_of = lambda r: tuple(f(r) for _, f in key_columns)
+  first = {}
+  for r in rows:
+    first.setdefault(key_of(r), r)
+  keys = sorted(first, key=lambda k: sort_key(first[k])) if sort_key else list(first)
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  ratios = [(h, a, b) for h, a, b in ratios if a in impls and b in impls]
+  lines = ["| " + " | ".join([h for h, _ in key_columns] + impls + [h for h, _, _ in ratios])
+           + " |", "|" + "---|" * (len(key_columns) + len(impls) + len(ratios))]
+  for key in keys:
+    by = {r["impl"]: r for r in rows if key_of(r) == key}
+    cells = ["" if i not in by else "n/a" if "error" in by[i] else cell(by[i]) for i in impls]
+    timed = lambda name: name in by and "error" not in by[name]
+    shown = [ratio(by[a], by[b]) if timed(a) and timed(b) else "" for _, a, b in ratios]
+    lines.append("| " + " | ".join(list(key) + cells + shown) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def bar_chart(rows, group_of, value_of, ylabel: str, path: str, fontsize: int = 7):
+  """Grouped bars, one group per ``group_of(row)`` (a label), one bar per impl."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  groups = list(dict.fromkeys(group_of(r) for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.2), 4.5))
+  width = 0.8 / max(len(impls), 1)
+  for n, impl in enumerate(impls):
+    vals = [next((value_of(r) for r in rows if r["impl"] == impl and group_of(r) == g), 0)
+            for g in groups]
+    ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
+  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+  ax.set_xticklabels(groups, fontsize=fontsize)
+  ax.set_ylabel(ylabel)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)

@@ -13,7 +13,6 @@ Writes flash.json / flash.md / flash.png under --out.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
@@ -24,7 +23,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import attention_flops, environment, jax_peak_bytes, time_jax, time_torch, write_results  # noqa: E402
+from bench.common import (attention_flops, bar_chart, environment, random_inputs,  # noqa: E402
+                          results_table, time_jax, time_jax_qkv, time_torch_qkv,
+                          write_results)
 import jattn  # noqa: E402
 from pallas_kernels.flash import FlashBlockConfig, MosaicBlockConfig  # noqa: E402
 
@@ -75,22 +76,6 @@ def jax_impls(causal, config=None, mosaic_config=None):
           "tokamax_mosaic": tokamax_mosaic}
 
 
-def fwd_bwd(fn):
-  def run(q, k, v, do):
-    _, pullback = jax.vjp(fn, q, k, v)
-    return pullback(do)
-  return run
-
-
-def time_jax_impl(fn, mode, q, k, v, do):
-  if mode == "fwd":
-    f, args = jax.jit(fn), (q, k, v)
-  else:
-    f, args = jax.jit(fwd_bwd(fn)), (q, k, v, do)
-  seconds = time_jax(f, *args)
-  return seconds, jax_peak_bytes(f, *args)
-
-
 def time_torch_impl(backend_name, causal, mode, q, k, v, do):
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -112,29 +97,15 @@ def time_torch_impl(backend_name, causal, mode, q, k, v, do):
       o = sdpa(qt, kt, vt, is_causal=causal)
     return torch.autograd.grad(o, (qt, kt, vt), dot)
 
-  fn = fwd if mode == "fwd" else both
-  fn()
-  torch.cuda.synchronize()
-  base = torch.cuda.memory_allocated()
-  torch.cuda.reset_peak_memory_stats()
-  fn()
-  torch.cuda.synchronize()
-  peak = torch.cuda.max_memory_allocated() - base
-  inputs = sum(x.numel() * x.element_size() for x in (qt, kt, vt)) + (
-      0 if mode == "fwd" else dot.numel() * dot.element_size())
-  return time_torch(fn), peak + inputs
-
-
-def inputs(shape, dtype, seed=0):
-  b, s, h, d = shape
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return [jax.random.normal(kk, (b, s, h, d), dtype) for kk in keys]
+  if mode == "fwd":
+    return time_torch_qkv(fwd, (qt, kt, vt))
+  return time_torch_qkv(both, (qt, kt, vt, dot))
 
 
 def run_table(shapes, dtypes, impls, modes, torch_impls):
   rows = []
   for shape, dname, causal, mode in itertools.product(shapes, dtypes, (False, True), modes):
-    q, k, v, do = inputs(shape, DTYPES[dname])
+    q, k, v, do = random_inputs(shape, DTYPES[dname])
     flops = attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, mode)
     named = {**{n: ("jax", f) for n, f in jax_impls(causal).items() if n in impls},
              **{n: ("torch", n) for n in torch_impls}}
@@ -142,7 +113,7 @@ def run_table(shapes, dtypes, impls, modes, torch_impls):
       row = {"impl": name, "shape": list(shape), "dtype": dname, "causal": causal, "mode": mode}
       try:
         if kind == "jax":
-          seconds, peak = time_jax_impl(fn, mode, q, k, v, do)
+          seconds, peak = time_jax_qkv(fn, mode, q, k, v, do)
         else:
           seconds, peak = time_torch_impl(fn, causal, mode, q, k, v, do)
         row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=None if peak is None else peak / 2**20)
@@ -162,64 +133,32 @@ def _fmt_row(r):
 
 
 def markdown(rows, env):
-  lines = [f"# Flash attention, {env['device']} (jax {env['jax']}, {env['time']})", "",
-           "TFLOP/s (median; FLOPs per DESIGN.md), peak memory in MiB; ratio = jattn / peer.", ""]
-  keys = sorted({(tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]) for r in rows})
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
-  ratios = [(a, b) for a, b in RATIOS if a in impls and b in impls]
-  lines.append("| shape B,S,H,D | dtype | causal | mode | " + " | ".join(impls) + " | "
-               + " | ".join(f"{a}/{b}" for a, b in ratios) + " |")
-  lines.append("|" + "---|" * (len(impls) + len(ratios) + 4))
-  for key in keys:
-    by = {r["impl"]: r for r in rows if (tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]) == key}
-    cells = []
-    for i in impls:
-      r = by.get(i)
-      if r is None:
-        cells.append("")
-      elif "error" in r:
-        cells.append("n/a")
-      else:
-        mem = "" if r.get("peak_mib") is None else f" ({r['peak_mib']:.0f} MiB)"
-        cells.append(f"{r['tflops']:.0f}{mem}")
-    def ratio(ours, peer):
-      a, b = by.get(ours), by.get(peer)
-      if a and b and "tflops" in a and "tflops" in b:
-        return f"{a['tflops'] / b['tflops']:.2f}x"
-      return ""
-    shape = ",".join(map(str, key[0]))
-    lines.append(f"| {shape} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | " + " | ".join(cells)
-                 + " | " + " | ".join(ratio(a, b) for a, b in ratios) + " |")
-  return "\n".join(lines) + "\n"
+  header = [f"# Flash attention, {env['device']} (jax {env['jax']}, {env['time']})", "",
+            "TFLOP/s (median; FLOPs per DESIGN.md), peak memory in MiB; ratio = jattn / peer.", ""]
+  mem = lambda r: "" if r.get("peak_mib") is None else f" ({r['peak_mib']:.0f} MiB)"
+  table = results_table(
+      rows, [("shape B,S,H,D", lambda r: ",".join(map(str, r["shape"]))),
+             ("dtype", lambda r: r["dtype"]),
+             ("causal", lambda r: "yes" if r["causal"] else "no"), ("mode", lambda r: r["mode"])],
+      cell=lambda r: f"{r['tflops']:.0f}{mem(r)}",
+      ratios=[(f"{ours}/{peer}", ours, peer) for ours, peer in RATIOS],
+      ratio=lambda ours, peer: f"{ours['tflops'] / peer['tflops']:.2f}x",
+      sort_key=lambda r: (tuple(r["shape"]), r["dtype"], r["causal"], r["mode"]))
+  return "\n".join(header) + "\n" + table
 
 
 def plot(rows, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   rows = [r for r in rows if "tflops" in r and r["dtype"] == "fp16"]
-  groups = list(dict.fromkeys((tuple(r["shape"]), r["causal"], r["mode"]) for r in rows))
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
-  fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.3), 4.5))
-  width = 0.8 / max(len(impls), 1)
-  for n, impl in enumerate(impls):
-    vals = [next((r["tflops"] for r in rows if r["impl"] == impl and (tuple(r["shape"]), r["causal"], r["mode"]) == g), 0)
-            for g in groups]
-    ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
-  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-  ax.set_xticklabels([f"{','.join(map(str, g[0]))}\n{'causal' if g[1] else 'full'} {g[2]}" for g in groups], fontsize=7)
-  ax.set_ylabel("TFLOP/s (fp16)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  bar_chart(rows, lambda r: (f"{','.join(map(str, r['shape']))}\n"
+                             f"{'causal' if r['causal'] else 'full'} {r['mode']}"),
+            lambda r: r["tflops"], "TFLOP/s (fp16)", path)
 
 
 def _time_config(shape, causal, mode, cand, q, k, v, do):
   """TFLOP/s of our kernel with one candidate config, or None if it fails to compile."""
   try:
     fn = jax_impls(causal, FlashBlockConfig(**cand))["jattn_triton"]
-    seconds, _ = time_jax_impl(fn, mode, q, k, v, do)
+    seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
   except Exception as e:  # e.g. tiles that exceed shared memory
     print("  fail", cand, type(e).__name__, str(e).splitlines()[0][:100], flush=True)
     return None
@@ -241,7 +180,7 @@ def sweep(shapes, modes):
                    ((64, 128), (128, 128), (64, 64), (32, 128), (128, 64)), (4, 8), (2, 3))]
   results = []
   for shape, causal in itertools.product(shapes, (False, True)):
-    q, k, v, do = inputs(shape, jnp.float16)
+    q, k, v, do = random_inputs(shape, jnp.float16)
     if "fwd" in modes:
       best = _best(results, shape, causal, "fwd", fwd_cands, q, k, v, do)
       print(f"BEST {shape} causal={causal} fwd: {best}", flush=True)
@@ -263,7 +202,7 @@ def sweep_mosaic(shapes, modes, dtype=jnp.float16):
   info = gpu_info()
   results = []
   for shape, causal in itertools.product(shapes, (False, True)):
-    q, k, v, do = inputs(shape, dtype)
+    q, k, v, do = random_inputs(shape, dtype)
     d = shape[3]
     # The autotuner's cost model drops tiles that cannot fit shared memory or registers.
     forward_fits = TUNABLE[("flash_attention", "pallas_mosaic")].stages[0].fits
@@ -292,7 +231,7 @@ def _best_mosaic(results, shape, causal, mode, cands, q, k, v, do):
   for cand in cands:
     try:
       fn = jax_impls(causal, mosaic_config=MosaicBlockConfig(**cand))["jattn_mosaic"]
-      seconds, _ = time_jax_impl(fn, mode, q, k, v, do)
+      seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
     except Exception as e:  # e.g. tiles that exceed shared memory or registers
       print("  fail", cand, type(e).__name__, str(e).splitlines()[0][:100], flush=True)
       continue
@@ -314,7 +253,7 @@ def breakdown(shapes, dtype=jnp.float16):
 
   rows = []
   for shape, causal in itertools.product(shapes, (False, True)):
-    q, k, v, do = inputs(shape, dtype)
+    q, k, v, do = random_inputs(shape, dtype)
     cfg = default_mosaic_config(shape[3])
     spec = MaskSpec.build(shape[1], shape[1], causal=causal, local_window=None,
                           kv_padded=False, segments=False)
@@ -337,7 +276,7 @@ def breakdown(shapes, dtype=jnp.float16):
                        (q, k, v, do, lse2, delta)),
     }
     full = jax_impls(causal)["jattn_mosaic"]
-    total_ms = time_jax_impl(full, "fwd+bwd", q, k, v, do)[0] * 1e3
+    total_ms = time_jax_qkv(full, "fwd+bwd", q, k, v, do)[0] * 1e3
     row = {"shape": list(shape), "causal": causal, "fwd+bwd ms": total_ms}
     flops = attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, "fwd")
     for name, (fn, args) in parts.items():
@@ -411,9 +350,9 @@ def main():
     return
   if args.long:
     shape = (1, 131072, 8, 128)
-    q, k, v, do = inputs(shape, jnp.float16)
+    q, k, v, do = random_inputs(shape, jnp.float16)
     fn = jax_impls(True)["jattn_triton"]
-    seconds, peak = time_jax_impl(fn, "fwd+bwd", q, k, v, do)
+    seconds, peak = time_jax_qkv(fn, "fwd+bwd", q, k, v, do)
     tf = attention_flops(*shape[:2], shape[1], *shape[2:], True, "fwd+bwd") / seconds / 1e12
     row = {"impl": "jattn_triton", "shape": list(shape), "dtype": "fp16", "causal": True,
            "mode": "fwd+bwd", "ms": seconds * 1e3, "tflops": tf, "peak_mib": peak / 2**20}

@@ -2,13 +2,17 @@
 flash-linear-attention's ``chunk_retention`` / ``parallel_retention`` (torch + Triton),
 and our parallel form against our own flash attention, in one run.
 
-    python bench/retention.py --out bench/results          # the issue's table + bar shapes
-    python bench/retention.py --sweep                      # chunk size / launch sweep
-    python bench/retention.py --long                       # 65536-token chunkwise fwd+bwd
+    python bench/retention.py --dtypes fp16 --stem retention_fp16   # the issue's table
+    python bench/retention.py --parallel-bar       # parallel fwd vs our flash fwd
+    python bench/retention.py --long               # 65536-token chunkwise fwd+bwd
+    python bench/retention.py --crossover --dtypes fp16   # parallel vs chunkwise by length
+    python bench/retention.py --sweep parallel     # parallel-kernel tile sweep
+    python bench/retention.py --sweep chunkwise    # chunk size / launch sweep
+    python bench/retention.py --fit --dtypes fp32  # which chunks fit shared memory
 
 fla is installed with ``pip install --no-deps`` (see bench/README.md); its Triton
 autotuning runs during the warm-up calls, before timing.
-Writes retention.json / retention.md / retention.png under --out.
+Each writes ``<stem>.json`` and ``<stem>.md`` (the table also ``<stem>.png``) under --out.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import attention_flops, environment, jax_peak_bytes, time_jax, time_torch, write_results  # noqa: E402
+from bench.common import (attention_flops, bar_chart, environment, random_inputs,  # noqa: E402
+                          results_table, time_jax_qkv, time_torch_qkv, write_results)
 import jattn  # noqa: E402
 from jattn.reference import default_decay  # noqa: E402
 from pallas_kernels.flash import FlashBlockConfig  # noqa: E402
@@ -32,10 +37,12 @@ from pallas_kernels.retention import ChunkwiseLaunch, retention_chunkwise_triton
 SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (4, 4096, 8, 64)]
 PARALLEL_SHAPE = (4, 4096, 16, 128)
 LONG_SHAPE = (1, 65536, 8, 128)
+CROSSOVER_LENGTHS = (128, 256, 512, 1024, 2048)
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
 # (ours, peer): the table's ratios are peer time / our time (> 1: ours is faster).
-RATIOS = [("jattn_chunkwise", "fla_chunk"), ("jattn_parallel", "fla_parallel"),
-          ("jattn_parallel", "fla_chunk")]
+RATIOS = [("jattn_chunkwise", "jattn_parallel"), ("jattn_chunkwise", "fla_chunk"), ("jattn_parallel", "fla_parallel"),
+          ("jattn_parallel", "fla_chunk"), ("jattn_parallel", "jattn_flash_causal"),
+          ("jattn_parallel", "jattn_flash_causal_triton")]
 
 
 def jax_impls(chunk=None, launch=None, parallel_config=None):
@@ -66,16 +73,6 @@ def jax_impls(chunk=None, launch=None, parallel_config=None):
           "jattn_flash_causal": flash_causal, "jattn_flash_causal_triton": flash_causal_triton}
 
 
-def time_jax_impl(fn, mode, q, k, v, do):
-  if mode == "fwd":
-    f, args = jax.jit(fn), (q, k, v)
-  else:
-    def f(q, k, v, do):
-      return jax.vjp(fn, q, k, v)[1](do)
-    f, args = jax.jit(f), (q, k, v, do)
-  return time_jax(f, *args), jax_peak_bytes(f, *args)
-
-
 def time_fla(name, mode, q, k, v, do):
   import torch
   from fla.ops.retention import chunk_retention, parallel_retention
@@ -92,24 +89,10 @@ def time_fla(name, mode, q, k, v, do):
   def both():
     return torch.autograd.grad(op(qt, kt, vt)[0], (qt, kt, vt), dot)
 
-  fn = fwd if mode == "fwd" else both
-  for _ in range(3):  # Triton autotuning happens on the first calls
-    fn()
-  torch.cuda.synchronize()
-  base = torch.cuda.memory_allocated()
-  torch.cuda.reset_peak_memory_stats()
-  fn()
-  torch.cuda.synchronize()
-  peak = torch.cuda.max_memory_allocated() - base
-  inputs = sum(x.numel() * x.element_size() for x in (qt, kt, vt)) + (
-      0 if mode == "fwd" else dot.numel() * dot.element_size())
-  return time_torch(fn), peak + inputs
-
-
-def inputs(shape, dtype, seed=0):
-  b, s, h, d = shape
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return [jax.random.normal(kk, (b, s, h, d), dtype) for kk in keys]
+  # Three warm-up calls: fla's Triton autotuning runs on the first ones.
+  if mode == "fwd":
+    return time_torch_qkv(fwd, (qt, kt, vt), warmup=3)
+  return time_torch_qkv(both, (qt, kt, vt, dot), warmup=3)
 
 
 def _row(impl, shape, dname, mode, run):
@@ -127,15 +110,20 @@ def _row(impl, shape, dname, mode, run):
   return row
 
 
-def run_table(shapes, dtypes, impls, modes, fla_impls):
-  rows = []
+def run_table(shapes, dtypes, impls, modes, fla_impls, rows=None, on_row=None):
+  """Times ``impls`` (names in jax_impls(), or a dict name -> fn) and the fla peers,
+  appending to ``rows``; ``on_row(rows)`` after each (so a cut-off run keeps its rows)."""
+  impls = impls if isinstance(impls, dict) else {name: jax_impls()[name] for name in impls}
+  rows = [] if rows is None else rows
   for shape, dname, mode in itertools.product(shapes, dtypes, modes):
-    q, k, v, do = inputs(shape, DTYPES[dname])
-    for name in impls:
-      fn = jax_impls()[name]
-      rows.append(_row(name, shape, dname, mode, lambda: time_jax_impl(fn, mode, q, k, v, do)))
-    for name in fla_impls:
-      rows.append(_row(name, shape, dname, mode, lambda: time_fla(name, mode, q, k, v, do)))
+    q, k, v, do = random_inputs(shape, DTYPES[dname])
+    timers = [(name, lambda fn=fn: time_jax_qkv(fn, mode, q, k, v, do))
+              for name, fn in impls.items()]
+    timers += [(name, lambda name=name: time_fla(name, mode, q, k, v, do)) for name in fla_impls]
+    for name, run in timers:
+      rows.append(_row(name, shape, dname, mode, run))
+      if on_row is not None:
+        on_row(rows)
   return rows
 
 
@@ -148,71 +136,37 @@ def _fmt_row(r):
 
 
 def markdown(rows, env, title):
-  lines = [f"# {title}, {env['device']} (jax {env['jax']}, {env['time']})", "",
-           "Median ms (peak MiB); ratio = peer ms / jattn ms (> 1: jattn faster). TFLOP/s in the "
-           "JSON count the causal parallel form's matmuls for every impl.", ""]
-  keys = list(dict.fromkeys((tuple(r["shape"]), r["dtype"], r["mode"]) for r in rows))
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
-  ratios = [(a, b) for a, b in RATIOS if a in impls and b in impls]
-  lines.append("| shape B,S,H,D | dtype | mode | " + " | ".join(impls) + " | "
-               + " | ".join(f"{b}/{a}" for a, b in ratios) + " |")
-  lines.append("|" + "---|" * (len(impls) + len(ratios) + 3))
-  for key in keys:
-    by = {r["impl"]: r for r in rows if (tuple(r["shape"]), r["dtype"], r["mode"]) == key}
-    cells = []
-    for i in impls:
-      r = by.get(i)
-      if r is None:
-        cells.append("")
-      elif "error" in r:
-        cells.append("n/a")
-      else:
-        mem = "" if r.get("peak_mib") is None else f" ({r['peak_mib']:.0f})"
-        cells.append(f"{r['ms']:.3f}{mem}")
-
-    def ratio(ours, peer):
-      a, b = by.get(ours), by.get(peer)
-      return f"{b['ms'] / a['ms']:.2f}x" if a and b and "ms" in a and "ms" in b else ""
-
-    lines.append(f"| {','.join(map(str, key[0]))} | {key[1]} | {key[2]} | " + " | ".join(cells)
-                 + " | " + " | ".join(ratio(a, b) for a, b in ratios) + " |")
-  return "\n".join(lines) + "\n"
+  header = [f"# {title}, {env['device']} (jax {env['jax']}, {env['time']})", "",
+            "Median ms (peak MiB); ratio = peer ms / jattn ms (> 1: jattn faster). TFLOP/s in the "
+            "JSON count the causal parallel form's matmuls for every impl.", ""]
+  mem = lambda r: "" if r.get("peak_mib") is None else f" ({r['peak_mib']:.0f})"
+  table = results_table(
+      rows, [("shape B,S,H,D", lambda r: ",".join(map(str, r["shape"]))),
+             ("dtype", lambda r: r["dtype"]), ("mode", lambda r: r["mode"])],
+      cell=lambda r: f"{r['ms']:.3f}{mem(r)}",
+      ratios=[(f"{peer}/{ours}", ours, peer) for ours, peer in RATIOS],
+      ratio=lambda ours, peer: f"{peer['ms'] / ours['ms']:.2f}x")
+  return "\n".join(header) + "\n" + table
 
 
 def plot(rows, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   rows = [r for r in rows if "ms" in r and r["impl"] in ("jattn_chunkwise", "fla_chunk",
                                                           "jattn_parallel", "fla_parallel")]
-  groups = list(dict.fromkeys((tuple(r["shape"]), r["dtype"], r["mode"]) for r in rows))
-  impls = list(dict.fromkeys(r["impl"] for r in rows))
-  fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.1), 4.5))
-  width = 0.8 / max(len(impls), 1)
-  for n, impl in enumerate(impls):
-    vals = [next((r["ms"] for r in rows if r["impl"] == impl
-                  and (tuple(r["shape"]), r["dtype"], r["mode"]) == g), 0) for g in groups]
-    ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
-  ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-  ax.set_xticklabels([f"{','.join(map(str, g[0]))}\n{g[1]} {g[2]}" for g in groups], fontsize=6)
-  ax.set_ylabel("ms (lower is better)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  bar_chart(rows, lambda r: f"{','.join(map(str, r['shape']))}\n{r['dtype']} {r['mode']}",
+            lambda r: r["ms"], "ms (lower is better)", path, fontsize=6)
 
 
-def sweep(shapes):
-  """Chunk size and launch parameters of the chunkwise kernels (fp16), then the parallel
-  kernel's tiles at PARALLEL_SHAPE; prints and returns every timing."""
+def sweep_chunkwise(shapes):
+  """Chunk size and launch parameters of the chunkwise kernels (fp16): forward first,
+  then fwd+bwd around the two best forward launches."""
   results = []
   fwd_cands = [dict(chunk=c, launch=ChunkwiseLaunch(state_block=sb, scan_stages=st, out_warps=w))
                for c, sb, st, w in itertools.product((64, 128), (32, 64), (1, 2), (4, 8))]
   for shape in shapes:
-    q, k, v, do = inputs(shape, jnp.float16)
+    q, k, v, do = random_inputs(shape, jnp.float16)
     timed = []
     for cand in fwd_cands:
-      row = _row("sweep_chunkwise", shape, "fp16", "fwd", lambda: time_jax_impl(
+      row = _row("sweep_chunkwise", shape, "fp16", "fwd", lambda: time_jax_qkv(
           jax_impls(**cand)["jattn_chunkwise"], "fwd", q, k, v, do))
       row["cand"] = {"chunk": cand["chunk"], **cand["launch"].__dict__}
       results.append(row)
@@ -222,27 +176,36 @@ def sweep(shapes):
     for _, cand in timed[:2]:
       for gw, c in itertools.product((4, 8), (64, 128)):
         launch = ChunkwiseLaunch(**{**cand["launch"].__dict__, "grad_warps": gw})
-        row = _row("sweep_chunkwise", shape, "fp16", "fwd+bwd", lambda: time_jax_impl(
+        row = _row("sweep_chunkwise", shape, "fp16", "fwd+bwd", lambda: time_jax_qkv(
             jax_impls(chunk=c, launch=launch)["jattn_chunkwise"], "fwd+bwd", q, k, v, do))
         row["cand"] = {"chunk": c, **launch.__dict__}
         results.append(row)
-  q, k, v, do = inputs(PARALLEL_SHAPE, jnp.float16)
-  for bq, bk, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+  return results
+
+
+def sweep_parallel():
+  """Tiles and launch parameters of the parallel forward kernel at PARALLEL_SHAPE (fp16)."""
+  results = []
+  q, k, v, do = random_inputs(PARALLEL_SHAPE, jnp.float16)
+  cands = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
+  cands += [(256, 32, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3)]
+  for bq, bk, w, st in cands:
     config = FlashBlockConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-    row = _row("sweep_parallel", PARALLEL_SHAPE, "fp16", "fwd", lambda: time_jax_impl(
+    row = _row("sweep_parallel", PARALLEL_SHAPE, "fp16", "fwd", lambda: time_jax_qkv(
         jax_impls(parallel_config=config)["jattn_parallel"], "fwd", q, k, v, do))
     row["cand"] = {"block_q": bq, "block_k": bk, "num_warps": w, "num_stages": st}
     results.append(row)
   return results
 
 
-def fit(dtypes):
+FIT_DIMS = "64x64,128x128,256x64,64x256,128x256,256x128,256x256"
+
+
+def fit(dtypes, dims, chunks):
   """Which chunk sizes compile (shared memory) for the chunkwise fwd+bwd, per dtype and
-  head dims: the data behind the kernel chunk cap in pallas_kernels/retention."""
+  head dims: the data behind ``grad_kernel_bytes`` (tests/test_retention.py checks it)."""
   results = []
-  for dname, (dk, dv), chunk in itertools.product(dtypes, [(64, 64), (128, 128), (256, 64),
-                                                             (64, 256), (256, 256)],
-                                                  (16, 32, 64, 128)):
+  for dname, (dk, dv), chunk in itertools.product(dtypes, dims, chunks):
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k = (jax.random.normal(kk, (1, 256, 2, dk), DTYPES[dname]) for kk in ks[:2])
     v, do = (jax.random.normal(kk, (1, 256, 2, dv), DTYPES[dname]) for kk in ks[2:])
@@ -261,12 +224,21 @@ def fit(dtypes):
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-  parser.add_argument("--sweep", action="store_true")
+  parser.add_argument("--sweep", choices=("chunkwise", "parallel"))
   parser.add_argument("--fit", action="store_true", help="which chunk sizes fit, per dtype/dims")
+  parser.add_argument("--fit-dims", default=FIT_DIMS, help="dk x dv pairs for --fit")
+  parser.add_argument("--fit-chunks", default="16,32,64,128")
   parser.add_argument("--long", action="store_true",
                       help="65536-token chunkwise fwd+bwd at (1,65536,8,128), fp16 and bf16")
+  parser.add_argument("--state-blocks", default="",
+                      help="with --long: also time these ChunkwiseLaunch.state_block values")
+  parser.add_argument("--crossover", action="store_true",
+                      help="parallel vs chunkwise over sequence lengths (the auto threshold)")
+  parser.add_argument("--parallel-bar", action="store_true",
+                      help=f"only the parallel forward against our flash forward at {PARALLEL_SHAPE}")
   parser.add_argument("--no-fla", action="store_true")
   parser.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
+  parser.add_argument("--stem", help="file names under --out (default: by mode)")
   parser.add_argument("--dtypes", default="fp16,bf16")
   parser.add_argument("--modes", default="fwd,fwd+bwd")
   args = parser.parse_args()
@@ -274,30 +246,47 @@ def main():
   shapes = [SHAPES[i] for i in map(int, args.shapes.split(","))]
   fla = [] if args.no_fla else ["fla_chunk", "fla_parallel"]
   if args.fit:
-    results = fit(["fp32"] + args.dtypes.split(","))
-    write_results(args.out, "retention_fit", {"env": env, "rows": results}, "")
+    dims = [tuple(map(int, d.split("x"))) for d in args.fit_dims.split(",")]
+    results = fit(args.dtypes.split(","), dims, list(map(int, args.fit_chunks.split(","))))
+    write_results(args.out, args.stem or "retention_fit", {"env": env, "rows": results}, "")
     return
   if args.sweep:
-    results = sweep(shapes)
-    write_results(args.out, "retention_sweep", {"env": env, "rows": results}, "")
+    results = sweep_chunkwise(shapes) if args.sweep == "chunkwise" else sweep_parallel()
+    write_results(args.out, args.stem or f"retention_sweep_{args.sweep}",
+                  {"env": env, "rows": results}, "")
+    return
+  if args.crossover:
+    shapes = [(b, s, h, d) for b, h, d in ((8, 16, 128), (8, 8, 64)) for s in CROSSOVER_LENGTHS]
+    run_table(shapes, args.dtypes.split(","), ["jattn_chunkwise", "jattn_parallel"],
+              args.modes.split(","), [], on_row=lambda rows: write_results(
+                  args.out, args.stem or "retention_crossover", {"env": env, "rows": rows},
+                  markdown(rows, env, "Retention: parallel vs chunkwise kernels by length")))
     return
   if args.long:
-    rows = run_table([LONG_SHAPE], args.dtypes.split(","), ["jattn_chunkwise"], ["fwd+bwd"],
-                     fla[:1])
-    write_results(args.out, "retention_long", {"env": env, "rows": rows},
+    impls = {"jattn_chunkwise": jax_impls()["jattn_chunkwise"]}
+    for sb in filter(None, args.state_blocks.split(",")):
+      impls[f"jattn_chunkwise_sb{sb}"] = jax_impls(
+          chunk=64, launch=ChunkwiseLaunch(state_block=int(sb)))["jattn_chunkwise"]
+    rows = run_table([LONG_SHAPE], args.dtypes.split(","), impls, ["fwd+bwd"], fla[:1])
+    write_results(args.out, args.stem or "retention_long", {"env": env, "rows": rows},
                   markdown(rows, env, "Retention, 65536 tokens, chunkwise fwd+bwd"))
     return
-  modes = args.modes.split(",")
-  rows = run_table(shapes, args.dtypes.split(","), ["jattn_chunkwise", "jattn_parallel"],
-                   modes, fla)
   # The bar for the parallel form: its forward against our causal flash forward.
-  rows += run_table([PARALLEL_SHAPE], args.dtypes.split(","),
-                    ["jattn_parallel", "jattn_flash_causal", "jattn_flash_causal_triton"],
-                    ["fwd"], [])
-  md = markdown(rows, env, "Retention")
-  write_results(args.out, "retention", {"env": env, "rows": rows}, md)
-  plot(rows, os.path.join(args.out, "retention.png"))
-  print(md)
+  bar = run_table([PARALLEL_SHAPE], args.dtypes.split(","),
+                  ["jattn_parallel", "jattn_flash_causal", "jattn_flash_causal_triton"], ["fwd"], [])
+  if args.parallel_bar:
+    write_results(args.out, args.stem or "retention_parallel_bar", {"env": env, "rows": bar},
+                  markdown(bar, env, "Retention parallel forward vs our causal flash forward"))
+    return
+  stem = args.stem or "retention"
+
+  def save(rows):
+    write_results(args.out, stem, {"env": env, "rows": rows}, markdown(rows, env, "Retention"))
+
+  rows = run_table(shapes, args.dtypes.split(","), ["jattn_chunkwise", "jattn_parallel"],
+                   args.modes.split(","), fla, rows=list(bar), on_row=save)
+  plot(rows, os.path.join(args.out, f"{stem}.png"))
+  print(markdown(rows, env, "Retention"))
 
 
 if __name__ == "__main__":

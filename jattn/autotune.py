@@ -66,7 +66,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jattn.gpu import GPUInfo, gpu_info
+from jattn.gpu import GPUInfo, gpu_info, shared_memory_limit
 from pallas_kernels.flash.config import (FlashBlockConfig, MosaicBlockConfig, clamp_block,
                                          default_config, default_mosaic_config,
                                          mosaic_head_dim, next_power_of_two, padded_head_dim)
@@ -198,18 +198,6 @@ class Tunable:
         base = next((c for c in self.candidates(problem, stage, base)
                      if stage.fits(c, problem, info)[0]), base)
     return base
-
-
-def shared_memory_limit(info: GPUInfo) -> int:
-  """Opt-in shared memory per block; if unknown, the usual figure for the architecture."""
-  if info.shared_memory_per_block_bytes:
-    return info.shared_memory_per_block_bytes
-  cc = info.compute_capability
-  if cc is not None and cc[0] == 9:
-    return 227 * 1024
-  if cc == (8, 0):
-    return 163 * 1024
-  return 99 * 1024
 
 
 def _flash_costs(c: FlashBlockConfig, d: int) -> dict[str, tuple[int, int, int]]:

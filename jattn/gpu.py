@@ -133,6 +133,18 @@ def gpu_info(device=None) -> GPUInfo:
   return describe(**props)
 
 
+def shared_memory_limit(info: GPUInfo) -> int:
+  """Opt-in shared memory per block; if unknown, the usual figure for the architecture."""
+  if info.shared_memory_per_block_bytes:
+    return info.shared_memory_per_block_bytes
+  cc = info.compute_capability
+  if cc is not None and cc[0] == 9:
+    return 227 * 1024
+  if cc == (8, 0):
+    return 163 * 1024
+  return 99 * 1024
+
+
 def recommended_dtype(info: GPUInfo | None = None):
   """bfloat16 where the hardware has it (Ampere+), float16 on older GPUs, float32 on CPU."""
   info = gpu_info() if info is None else info

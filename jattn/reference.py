@@ -116,12 +116,14 @@ def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_st
   """Recurrent-form retention in float32, one position at a time.
 
   ``S_t = γ S_{t-1} + k_tᵀ v_t`` (``S_{-1}`` = ``initial_state`` or 0) and
-  ``o_t = scale · q_t S_t``. Shapes as :func:`retention_reference` with
-  ``q_len == kv_len``; the state is ``[batch, heads, dk, dv]``.
+  ``o_t = scale · q_t S_t``. Shapes as :func:`retention_reference` (``q_len <= kv_len``,
+  queries the last ``q_len`` positions); the state is ``[batch, heads, dk, dv]``.
 
   Returns:
     ``(o, final_state)``, float32.
   """
+  prefix = k.shape[1] - q.shape[1]  # keys before the first query only feed the state
+  q = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0)))
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   batch, _, heads, dk = q.shape
   decay = (default_decay(heads) if decay is None else decay).astype(jnp.float32)
@@ -135,4 +137,4 @@ def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_st
     return state, scale * jnp.einsum("bhk,bhkv->bhv", q_t, state, precision="highest")
 
   state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
-  return jnp.moveaxis(o, 0, 1), state
+  return jnp.moveaxis(o, 0, 1)[:, prefix:], state

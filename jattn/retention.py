@@ -7,10 +7,10 @@ Semantics (Sun et al. 2023, "Retentive Network"), per head with decay ``γ``:
 - chunkwise: the recurrent state carried between chunks of ``chunk_size`` positions,
   the parallel form inside a chunk. All three give the same output.
 
-Backends: ``"pallas_triton"`` runs the parallel form (a flash-style kernel) and the
-chunkwise form (a state kernel and a per-chunk kernel) in Pallas with custom VJPs
-(``pallas_kernels/retention``); ``"xla"`` is pure jnp (all modes). The recurrent form
-(one position at a time, for decoding) runs in jnp.
+Backends: ``"pallas_triton"`` runs the parallel form (a flash-style kernel), the
+chunkwise form (a state kernel and a per-chunk kernel) and the decoding step
+(``retention_step``) in Pallas with custom VJPs (``pallas_kernels/retention``);
+``"xla"`` is pure jnp (all modes). ``mode="recurrent"`` over a whole sequence runs in jnp.
 """
 
 from __future__ import annotations
@@ -18,19 +18,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn.backends import resolve_backend, usable_backends
+from jattn.backends import gpu_compute_capability, interpret_mode, resolve_backend, usable_backends
+from jattn.gpu import gpu_info, shared_memory_limit
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
-from pallas_kernels.flash import default_config
-from pallas_kernels.retention import (retention_chunkwise_triton, retention_parallel_triton,
+from pallas_kernels.retention import (default_launch, default_parallel_config, fitting_chunk,
+                                      retention_chunkwise_triton, retention_parallel_triton,
                                       retention_step_triton)
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
 RETENTION_BACKENDS = ("auto", "pallas_triton", "xla")
 DEFAULT_CHUNK = 64
-# Above this many key positions "auto" runs chunkwise: the parallel form's work and
-# (in jnp) memory grow with seq², the chunkwise form's linearly.
-PARALLEL_MAX_LEN = 2048
+# Above this many key positions "auto" runs chunkwise: the parallel form's work grows
+# with seq², the chunkwise form's linearly. On an H100 (bench/results/
+# retention_crossover.md) the two kernels tie at 512 and chunkwise wins fwd+bwd from 1024.
+PARALLEL_MAX_LEN = 512
 
 
 def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backend):
@@ -75,6 +77,17 @@ def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backen
   if normalize is not None and (mode in ("chunkwise", "recurrent") or initial_state is not None):
     raise ValueError("normalize='abs_sum' needs the whole row of scores: use "
                      "mode='parallel' without initial_state")
+
+
+def _kernel_chunk(chunk: int, dk: int, dv: int, dtype) -> int | None:
+  """The chunk the Pallas kernels run: ``chunk`` lowered (halved) until the kernels fit
+  the GPU's shared memory; None if ``chunk`` is no power of two >= 16 or nothing fits.
+  The result does not depend on it. Interpret mode has no limit."""
+  if chunk < 16 or chunk & (chunk - 1):
+    return None
+  if interpret_mode() or gpu_compute_capability() is None:
+    return chunk
+  return fitting_chunk(chunk, dk, dv, jnp.dtype(dtype).itemsize, shared_memory_limit(gpu_info()))
 
 
 def _chunk_terms(q, k, v, decay, scale, state):
@@ -150,7 +163,9 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
       in the backward as torchscale does.
     initial_state: ``[batch, heads, dk, dv]`` state before the first position.
     return_state: also return the state after the last position.
-    chunk_size: positions per chunk in chunkwise mode (default 64).
+    chunk_size: positions per chunk in chunkwise mode (default 64). It changes speed,
+      not the result; the Pallas kernels lower it where their tiles would not fit the
+      GPU's shared memory (e.g. to 32 for float32 with dk = dv = 128 on an H100).
     backend: ``"auto"`` (the Pallas kernels where usable, else jnp),
       ``"pallas_triton"`` (parallel and chunkwise) or ``"xla"`` (pure jnp).
 
@@ -170,20 +185,24 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     raise ValueError("mode='parallel' has no state: use 'chunkwise' or 'recurrent' with "
                      "initial_state / return_state")
   chunk = chunk_size or DEFAULT_CHUNK
-  pallas_ok = max(dk, v.shape[-1]) <= 256 and (
-      mode == "parallel" or (chunk >= 16 and not chunk & (chunk - 1)))
+  kernel_chunk = _kernel_chunk(chunk, dk, v.shape[-1], dtype) if mode == "chunkwise" else None
+  pallas_ok = max(dk, v.shape[-1]) <= 256 and (mode == "parallel" or kernel_chunk is not None)
   name, interpret = resolve_backend(backend, lambda: (
       "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok
       and mode != "recurrent" else "xla"))
   if name == "pallas_triton" and max(dk, v.shape[-1]) > 256:
     raise ValueError(f"the Pallas retention kernels take head dims up to 256, got "
                      f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
+  if name == "pallas_triton" and mode == "chunkwise" and kernel_chunk is None:
+    raise ValueError(f"the chunkwise Pallas kernels do not fit this GPU's shared memory with "
+                     f"dk={dk}, dv={v.shape[-1]} in {jnp.dtype(dtype).name} at any chunk size; "
+                     "use backend='xla' or a 2-byte dtype")
   if mode == "parallel":
     if name == "pallas_triton":
       return retention_parallel_triton(q, k, v, decay, scale=scale,
                                        normalize=normalize == "abs_sum",
-                                       config=default_config(max(dk, v.shape[-1]),
-                                                             jnp.dtype(dtype).itemsize),
+                                       config=default_parallel_config(
+                                           max(dk, v.shape[-1]), jnp.dtype(dtype).itemsize),
                                        interpret=interpret)
     return retention_reference(q, k, v, decay=decay, scale=scale, normalize=normalize).astype(dtype)
   state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
@@ -192,8 +211,10 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     # Keys before the first query: zero queries there give outputs we drop.
     prefix = k.shape[1] - q_len
     q_full = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else q
-    o, state = retention_chunkwise_triton(q_full, k, v, decay, state, scale=scale, chunk=chunk,
-                                          interpret=interpret)
+    sm_count = None if interpret else gpu_info().sm_count
+    o, state = retention_chunkwise_triton(
+        q_full, k, v, decay, state, scale=scale, chunk=kernel_chunk, interpret=interpret,
+        launch=default_launch(batch, heads, dk, v.shape[-1], sm_count))
     o = o[:, prefix:]
     return (o, state) if return_state else o
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))

@@ -197,7 +197,6 @@ def test_pallas_chunkwise_kernel_with_states_matches_reference(case, dtype, tol,
   case = dict(case)
   chunk = case.pop("chunk")
   q, k, v, state, decay = _inputs(dtype=dtype, heads=2, **case)
-  prefix = k.shape[1] - q.shape[1]
   keys = jax.random.split(jax.random.PRNGKey(11), 2)
   do = jax.random.normal(keys[0], q.shape[:3] + (v.shape[-1],), jnp.float32)
   dstate = jax.random.normal(keys[1], state.shape, jnp.float32)
@@ -207,9 +206,7 @@ def test_pallas_chunkwise_kernel_with_states_matches_reference(case, dtype, tol,
                            initial_state=state, return_state=True, backend="pallas_triton")
 
   def ref(q, k, v, state):
-    o, s = retention_recurrent_reference(jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))),
-                                         k, v, decay=decay, initial_state=state)
-    return o[:, prefix:], s
+    return retention_recurrent_reference(q, k, v, decay=decay, initial_state=state)
 
   (o, s), pull = jax.vjp(ours, q, k, v, state)
   (o_ref, s_ref), pull_ref = jax.vjp(ref, q, k, v, state)
@@ -262,3 +259,81 @@ def test_pallas_chunkwise_kernel_with_tiled_state(monkeypatch):
       q, k, v, decay=decay, scale=0.3, initial_state=state), q, k, v, state)
   chex.assert_trees_all_close((o, s), (o_ref, s_ref), rtol=1e-5, atol=1e-5)
   chex.assert_trees_all_close(pull((do, dstate)), pull_ref((do, dstate)), rtol=1e-4, atol=1e-4)
+
+
+H100_SMEM = 232448  # the opt-in shared memory per block the fit runs reported
+
+
+@pytest.mark.parametrize("dtype,itemsize", [("fp32", 4), ("fp16", 2)])
+def test_chunk_cap_model_agrees_with_the_h100_compile_results(dtype, itemsize):
+  # bench/retention.py --fit on an H100: every configuration Triton refused must be
+  # predicted not to fit (at the bytes it asked for), every one predicted to fit compiled.
+  import json
+  import pathlib
+
+  from pallas_kernels.retention.chunkwise import grad_kernel_bytes
+
+  path = pathlib.Path(__file__).parents[1] / "bench" / "results" / f"retention_fit_{dtype}.json"
+  rows = json.loads(path.read_text())["rows"]
+  assert any(not r["ok"] for r in rows) and any(r["ok"] for r in rows)
+  for r in rows:
+    model = grad_kernel_bytes(r["chunk"], r["dk"], r["dv"], itemsize)
+    if not r["ok"]:
+      assert model == int(r["error"].split("requested ")[1].split(",")[0]) > H100_SMEM, r
+    if model <= H100_SMEM:
+      assert r["ok"], r
+
+
+def test_fitting_chunk_halves_until_the_kernels_fit():
+  from pallas_kernels.retention import fitting_chunk
+
+  assert fitting_chunk(64, 128, 128, 2, H100_SMEM) == 64
+  assert fitting_chunk(64, 128, 128, 4, H100_SMEM) == 32
+  assert fitting_chunk(128, 100, 70, 4, H100_SMEM) == 32  # padded to 128 x 128
+  assert fitting_chunk(64, 128, 256, 4, H100_SMEM) is None
+  assert fitting_chunk(128, 64, 64, 4, 99 * 1024) == 32  # a smaller GPU gets smaller chunks
+
+
+def test_chunkwise_on_a_gpu_runs_the_chunk_that_fits(monkeypatch):
+  # On a (faked) H100, float32 dk = dv = 128 runs the kernels at chunk 32 (64 would
+  # not fit); a problem that fits nowhere is an error naming the dims for the Pallas
+  # backend and falls back to jnp under "auto". Interpret mode keeps the chunk asked for.
+  import importlib
+
+  from jattn.gpu import describe
+
+  jr = importlib.import_module("jattn.retention")  # the module, not the function jattn.retention
+
+  assert jr._kernel_chunk(64, 128, 128, jnp.float32) == 64
+  monkeypatch.setenv("JATTN_INTERPRET", "0")
+  monkeypatch.setattr(jr, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(jr, "gpu_info", lambda: describe(
+      "H100", (9, 0), shared_memory_per_block_bytes=H100_SMEM, interpret=False))
+  assert jr._kernel_chunk(64, 128, 128, jnp.float32) == 32
+  assert jr._kernel_chunk(64, 128, 128, jnp.bfloat16) == 64
+  assert jr._kernel_chunk(64, 256, 256, jnp.float32) is None
+  assert jr._kernel_chunk(48, 64, 64, jnp.float32) is None  # no power of two
+  monkeypatch.setattr(jr, "usable_backends", lambda: ("pallas_triton", "xla"))
+  monkeypatch.setattr(jr, "resolve_backend", lambda backend, choose: (
+      choose() if backend == "auto" else backend, False))
+  q, k, v, _, _ = _inputs(batch=1, q_len=20, heads=1, dk=256, dv=256)
+  with pytest.raises(ValueError, match="dk=256, dv=256 in float32"):
+    jattn.retention(q, k, v, mode="chunkwise", backend="pallas_triton")
+  o = jattn.retention(q, k, v, mode="chunkwise")  # auto: the jnp form
+  chex.assert_trees_all_close(o, retention_reference(q, k, v), atol=1e-4, rtol=1e-4)
+
+
+def test_default_launch_cuts_the_state_finer_for_few_heads():
+  from pallas_kernels.retention import default_launch
+
+  assert default_launch(8, 16, 128, 128, 132).state_block == 64  # 512 scan programs
+  assert default_launch(2, 16, 128, 128, 132).state_block == 32  # 128 at 64 < 132 SMs
+  assert default_launch(1, 8, 128, 128, 132).state_block == 16
+  assert default_launch(1, 1, 16, 16, 132).state_block == 16  # nothing finer to cut
+  assert default_launch(1, 8, 128, 128, None).state_block == 64  # SM count unknown
+
+
+def test_recurrent_reference_takes_the_queries_at_the_end():
+  q, k, v, _, decay = _inputs(q_len=11, kv_len=19)
+  o, _ = retention_recurrent_reference(q, k, v, decay=decay)
+  chex.assert_trees_all_close(o, retention_reference(q, k, v, decay=decay), atol=1e-5, rtol=1e-5)

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.flash.common import backward_delta, pad_rows, pad_to, round_up
 from pallas_kernels.flash.config import FlashBlockConfig, clamp_block, padded_head_dim

@@ -117,6 +117,33 @@ def _grad_kernel(q_ref, k_ref, v_ref, do_ref, states_ref, dstates_ref, log2_deca
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+MIN_CHUNK = 16
+
+
+def grad_kernel_bytes(chunk: int, dk: int, dv: int, itemsize: int) -> int:
+  """Shared memory the per-chunk gradient kernel (the largest) is modelled to need.
+
+  The chunk tiles of q, k, v, dO, the state and its gradient in the inputs' dtype,
+  plus, for float32 inputs, a ``[chunk, chunk]`` float32 score tile; ``dk``, ``dv``
+  are the padded head dims. On an H100 this equals what Triton asked for in every
+  configuration that did not fit, and is at or above it in those that did
+  (bench/results/retention_fit_{fp32,fp16}.json).
+  """
+  score_tile = 4 * chunk * chunk if itemsize == 4 else 0
+  return itemsize * (chunk * 2 * (dk + dv) + 2 * dk * dv) + score_tile
+
+
+def fitting_chunk(chunk: int, dk: int, dv: int, itemsize: int, smem_bytes: int) -> int | None:
+  """The largest power-of-two chunk ``<= chunk`` whose kernels fit ``smem_bytes``
+  (``dk``, ``dv``: unpadded head dims), or None when not even ``MIN_CHUNK`` does."""
+  dk_p, dv_p = padded_head_dim(dk), padded_head_dim(dv)
+  while chunk >= MIN_CHUNK:
+    if grad_kernel_bytes(chunk, dk_p, dv_p, itemsize) <= smem_bytes:
+      return chunk
+    chunk //= 2
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkwiseLaunch:
   """Tile side and launch parameters of the chunkwise kernels (not the chunk size).
@@ -131,6 +158,24 @@ class ChunkwiseLaunch:
   scan_stages: int = 2
   out_warps: int = 4
   grad_warps: int = 8
+
+
+def default_launch(batch: int, heads: int, dk: int, dv: int,
+                   sm_count: int | None) -> ChunkwiseLaunch:
+  """Launch parameters for a problem: the largest state tile (64, 32, 16) that still
+  gives the scans one program per SM.
+
+  The scans walk the chunks in sequence, one program per (batch, head, state tile),
+  so with few (batch, head) pairs the state is cut finer (H100, (1, 65536, 8, 128)
+  fp16 fwd+bwd: tiles of 64 took 2.92 ms, 32 2.72 ms, 16 2.64 ms;
+  bench/results/retention_long_state_blocks.json). ``sm_count=None``: tiles of 64.
+  """
+  dk_p, dv_p = padded_head_dim(dk), padded_head_dim(dv)
+  for block in (64, 32):
+    tiles = max(1, dk_p // block) * max(1, dv_p // block)
+    if sm_count is None or batch * heads * tiles >= sm_count:
+      return ChunkwiseLaunch(state_block=block)
+  return ChunkwiseLaunch(state_block=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +301,9 @@ def retention_chunkwise_triton(q, k, v, decay, initial_state, *, scale: float, c
   Args:
     q, k: ``[batch, seq, heads, dk]``; v: ``[batch, seq, heads, dv]``; decay ``[heads]``
       (no gradient); initial_state ``[batch, heads, dk, dv]`` float32. ``chunk`` is a
-      power of two >= 16. ``launch``: tiles and warps (default
-      ``ChunkwiseLaunch()``). Inputs assumed validated (see ``jattn.retention``).
+      power of two >= 16. ``launch``: tiles and warps (default ``ChunkwiseLaunch()``;
+      ``default_launch`` picks them per problem). Inputs assumed validated (see
+      ``jattn.retention``).
 
   Returns:
     ``(o, final_state)``: ``o`` like ``v`` in q's dtype, the state float32.

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash.common import dot, pad_rows, pad_to, round_up
-from pallas_kernels.flash.config import FlashBlockConfig, clamp_block, padded_head_dim
+from pallas_kernels.flash.common import dot, pad_to, round_up
+from pallas_kernels.flash.config import (FlashBlockConfig, clamp_block, default_config,
+                                         padded_head_dim)
 from pallas_kernels.flash.masking import MaskSpec, kv_block_range, q_block_range
 from pallas_kernels.retention.blocks import (HEAD_SCALAR, tile_spec, triton_call,
                                              whole_sequence_spec)
@@ -219,6 +220,16 @@ def _retention_bwd(st: _Static, res, do):
 
 
 _retention.defvjp(_retention_fwd, _retention_bwd)
+
+
+def default_parallel_config(head_dim: int, dtype_bytes: int) -> FlashBlockConfig:
+  """Flash attention's default tiles, except the forward for 2-byte dtypes at padded
+  head dim 128: without a softmax, 8 warps on 128x32 tiles, 3 stages, won the H100
+  sweep (bench/results/retention_sweep_parallel.json: 395 vs 377 TFLOP/s)."""
+  config = default_config(head_dim, dtype_bytes)
+  if dtype_bytes == 2 and padded_head_dim(head_dim) == 128:
+    config = dataclasses.replace(config, block_q=128, block_k=32, num_warps=8, num_stages=3)
+  return config
 
 
 def retention_parallel_triton(q, k, v, decay, *, scale: float, normalize: bool,
