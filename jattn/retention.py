@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.backends import gpu_compute_capability, interpret_mode, resolve_backend, usable_backends
 from jattn.gpu import gpu_info, shared_memory_limit
@@ -33,6 +34,19 @@ DEFAULT_CHUNK = 64
 # with seq², the chunkwise form's linearly. On an H100 (bench/results/
 # retention_crossover.md) the two kernels tie at 512 and chunkwise wins fwd+bwd from 1024.
 PARALLEL_MAX_LEN = 512
+
+
+def _check_decay(decay, heads: int):
+  """``decay`` is None or ``[heads]``, and where its values are known (not traced)
+  in (0, 1]: the kernels work with log2 γ and factor γ^(n-m) into parts <= 1."""
+  if decay is None:
+    return
+  if tuple(jnp.shape(decay)) != (heads,):
+    raise ValueError(f"decay must have shape [heads] = ({heads},), got {jnp.shape(decay)}")
+  if not isinstance(decay, jax.core.Tracer):
+    values = np.asarray(decay, np.float64)
+    if not np.all((values > 0) & (values <= 1)):
+      raise ValueError(f"decay must be in (0, 1] for every head, got {values.tolist()}")
 
 
 def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backend):
@@ -52,8 +66,7 @@ def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backen
   if q_len > k.shape[1]:
     raise ValueError(f"q_len ({q_len}) must be <= kv_len ({k.shape[1]}): queries are the "
                      "last q_len positions")
-  if decay is not None and tuple(jnp.shape(decay)) != (heads,):
-    raise ValueError(f"decay must have shape [heads] = ({heads},), got {jnp.shape(decay)}")
+  _check_decay(decay, heads)
   if normalize not in NORMALIZERS:
     raise ValueError(f"normalize must be one of {NORMALIZERS}, got {normalize!r}")
   if mode not in MODES:
@@ -154,7 +167,7 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
       ``[batch, kv_len, heads, dv]``. ``q_len <= kv_len``: queries are the last
       ``q_len`` positions. float32, float16 or bfloat16; computed in float32.
-    decay: ``[heads]`` γ per head (default RetNet's ``1 - 2**(-5 - arange(heads))``).
+    decay: ``[heads]`` γ per head in (0, 1] (default RetNet's ``1 - 2**(-5 - arange(heads))``).
     scale: default ``dk ** -0.5``.
     mode: ``"parallel"``, ``"chunkwise"``, ``"recurrent"`` or ``"auto"`` (chunkwise
       above ``PARALLEL_MAX_LEN`` key positions or with a state in or out, else parallel).
@@ -269,8 +282,7 @@ def retention_step(q, k, v, state, *, decay=None, scale: float | None = None,
   if backend not in RETENTION_BACKENDS:
     raise ValueError(f"backend must be one of {RETENTION_BACKENDS}, got {backend!r}")
   heads, dk = q.shape[1], q.shape[2]
-  if decay is not None and tuple(jnp.shape(decay)) != (heads,):
-    raise ValueError(f"decay must have shape [heads] = ({heads},), got {jnp.shape(decay)}")
+  _check_decay(decay, heads)
   decay = default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
   scale = dk ** -0.5 if scale is None else float(scale)
   pallas_ok = max(dk, v.shape[-1]) <= 256

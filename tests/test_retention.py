@@ -80,6 +80,16 @@ def test_a_split_sequence_continues_from_the_state():
   chex.assert_trees_all_close(jnp.concatenate([first, second], 1), whole, atol=2e-5, rtol=2e-5)
 
 
+def test_retention_step_checks_its_decay():
+  q, k, v, state, _ = _inputs(q_len=1)
+  with pytest.raises(ValueError, match=r"decay must be in \(0, 1\]"):
+    jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, decay=jnp.array([0.5, -0.1, 0.9]))
+  # Under jit the values are unknown: the decay is taken as given.
+  o, _ = jax.jit(lambda d: jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, decay=d))(
+      jnp.array([0.5, 0.7, 0.9]))
+  chex.assert_shape(o, (2, 3, 6))
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
 def test_retention_step_decodes_like_the_recurrent_form(backend, monkeypatch):
   monkeypatch.setenv("JATTN_INTERPRET", "1")
@@ -145,6 +155,8 @@ def test_auto_mode_choice():
     (dict(k=jnp.ones((2, 5, 3, 7))), ValueError, "k must be"),
     (dict(v=jnp.ones((2, 4, 3, 6))), ValueError, "v must be"),
     (dict(decay=jnp.ones((2,))), ValueError, r"decay must have shape \[heads\] = \(3,\)"),
+    (dict(decay=jnp.array([0.9, 0.0, 0.5])), ValueError, r"decay must be in \(0, 1\]"),
+    (dict(decay=[0.9, 1.5, 0.5]), ValueError, r"decay must be in \(0, 1\]"),
     (dict(normalize="l2"), ValueError, "normalize must be one of"),
     (dict(mode="fast"), ValueError, "mode must be one of"),
     (dict(backend="cudnn"), ValueError, "backend must be one of"),
