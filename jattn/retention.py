@@ -22,9 +22,9 @@ import numpy as np
 from jattn.backends import gpu_compute_capability, interpret_mode, resolve_backend, usable_backends
 from jattn.gpu import gpu_info, shared_memory_limit
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
-from pallas_kernels.retention import (default_launch, default_parallel_config, fitting_chunk,
-                                      retention_chunkwise_triton, retention_parallel_triton,
-                                      retention_step_triton)
+from pallas_kernels.retention import (MIN_CHUNK, default_launch, default_parallel_config,
+                                      fitting_chunk, retention_chunkwise_triton,
+                                      retention_parallel_triton, retention_step_triton)
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
@@ -96,7 +96,7 @@ def _kernel_chunk(chunk: int, dk: int, dv: int, dtype) -> int | None:
   """The chunk the Pallas kernels run: ``chunk`` lowered (halved) until the kernels fit
   the GPU's shared memory; None if ``chunk`` is no power of two >= 16 or nothing fits.
   The result does not depend on it. Interpret mode has no limit."""
-  if chunk < 16 or chunk & (chunk - 1):
+  if chunk < MIN_CHUNK or chunk & (chunk - 1):
     return None
   if interpret_mode() or gpu_compute_capability() is None:
     return chunk

@@ -126,8 +126,9 @@ def grad_kernel_bytes(chunk: int, dk: int, dv: int, itemsize: int) -> int:
   The chunk tiles of q, k, v, dO, the state and its gradient in the inputs' dtype,
   plus, for float32 inputs, a ``[chunk, chunk]`` float32 score tile; ``dk``, ``dv``
   are the padded head dims. On an H100 this equals what Triton asked for in every
-  configuration that did not fit, and is at or above it in those that did
-  (bench/results/retention_fit_{fp32,fp16}.json).
+  configuration that did not fit, and every configuration it says fits compiled
+  (bench/results/retention_fit_{fp32,fp16}.json; one that compiled, 2-byte dk = dv =
+  256 at chunk 32, it counts as too large).
   """
   score_tile = 4 * chunk * chunk if itemsize == 4 else 0
   return itemsize * (chunk * 2 * (dk + dv) + 2 * dk * dv) + score_tile
