@@ -26,9 +26,10 @@ CASES = [
     ("retention", "parallel abs_sum", dict(q_len=40, kv_len=56, mode="parallel",
                                            normalize="abs_sum")),
     ("retention", "chunkwise", dict(q_len=50, mode="chunkwise", chunk_size=16)),
+    ("window_attention", "8x8 shift d30", dict(tokens=64, head_dim=30)),
 ]
 # Backends each op has; the rest are skipped for it.
-OP_BACKENDS = {"retention": ("pallas_triton", "xla")}
+OP_BACKENDS = {"retention": ("pallas_triton", "xla"), "window_attention": ("pallas_triton", "xla")}
 
 
 def _supported(op: str, backend: str, dtype: str, case: dict) -> bool:

@@ -117,9 +117,36 @@ def _retention_torch(q, k, v, **kwargs):
   return retention_torch(q, k, v, **kwargs)
 
 
+def _window_inputs(key, dtype, *, windows=8, tokens=64, heads=2, head_dim=30, mask_windows=4,
+                   **flags):
+  keys = jax.random.split(key, 5)
+  q, k, v = (jax.random.normal(kk, (windows, tokens, heads, head_dim), jnp.float32).astype(dtype)
+             for kk in keys[:3])
+  bias = jax.random.normal(keys[3], (heads, tokens, tokens), jnp.float32)
+  kwargs = dict(flags)
+  if mask_windows:  # shifted-window style: 0 within a region, -100 across regions
+    region = jax.random.randint(keys[4], (mask_windows, tokens), 0, 3)
+    kwargs["mask"] = jnp.where(region[:, :, None] == region[:, None, :], 0.0, -100.0)
+  return (q, k, v, bias), kwargs
+
+
+def _window_jax(q, k, v, bias, *, backend, **kwargs):
+  from jattn import window_attention
+
+  return window_attention(q, k, v, bias, backend=backend, **kwargs)
+
+
+def _window_torch(q, k, v, bias, **kwargs):
+  from interop.torch_reference import window_attention_torch
+
+  return window_attention_torch(q, k, v, bias, **kwargs)
+
+
 OPS: dict[str, OpPair] = {
     "flash_attention": OpPair(("q", "k", "v"), _flash_inputs, _flash_jax, _flash_torch),
     "retention": OpPair(("q", "k", "v"), _retention_inputs, _retention_jax, _retention_torch),
+    "window_attention": OpPair(("q", "k", "v", "bias"), _window_inputs, _window_jax,
+                               _window_torch),
 }
 
 
@@ -208,7 +235,7 @@ def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "
   """Compares ``op`` with a reference on the same random inputs, forward and gradients.
 
   Args:
-    op: a key of ``OPS`` (``"flash_attention"``, ``"retention"``).
+    op: a key of ``OPS`` (``"flash_attention"``, ``"retention"``, ``"window_attention"``).
     dtype: input dtype name or jnp dtype (``float32``, ``float16``, ``bfloat16``).
     backend: the jattn backend to test.
     reference: ``"torch"`` (the torch reference, inputs handed over through

@@ -104,6 +104,33 @@ def retention_torch(q, k, v, *, decay=None, scale=None, normalize=None, mode=Non
   return torch.einsum("bhqk,bkhd->bqhd", scores, v).to(dtype)
 
 
+def window_attention_torch(q, k, v, bias, *, mask=None, scale=None):
+  """Window attention as Swin / DAT compute it, in float32: ``softmax(scale · q kᵀ +
+  bias + mask) v``.
+
+  ``q, k, v: [windows, tokens, heads, head_dim]``, ``bias: [heads, tokens, tokens]``,
+  ``mask: [mask_windows, tokens, tokens]`` (additive float, or boolean with True =
+  may attend); window ``w`` adds ``mask[w % mask_windows]``. Rows with no allowed key
+  give zeros.
+  """
+  import torch
+
+  dtype = q.dtype
+  windows, _, _, head_dim = q.shape
+  scale = head_dim ** -0.5 if scale is None else scale
+  qt, kt, vt = (x.float().transpose(1, 2) for x in (q, k, v))  # [windows, heads, tokens, d]
+  logits = (qt * scale) @ kt.transpose(-1, -2) + bias.float().unsqueeze(0)
+  if mask is not None:
+    mask = torch.as_tensor(mask, device=q.device)
+    if mask.dtype == torch.bool:
+      mask = torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+    index = torch.arange(windows, device=q.device) % mask.shape[0]
+    logits = logits + mask.float()[index].unsqueeze(1)
+  empty = torch.isneginf(logits).all(dim=-1, keepdim=True)
+  probs = torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+  return (probs @ vt).transpose(1, 2).to(dtype)
+
+
 def _torch_module_classes():
   """Torch modules are defined lazily so that importing interop does not need torch."""
   import torch

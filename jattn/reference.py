@@ -70,6 +70,45 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
           lse.reshape(batch, q_heads, q_len))
 
 
+def additive_window_mask(mask):
+  """A window mask as float32 logit offsets: boolean (True = may attend) becomes
+  0 / -inf, a float mask (e.g. Swin's 0 / -100) is taken as it is."""
+  mask = jnp.asarray(mask)
+  if mask.dtype == jnp.bool_:
+    return jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
+  return mask.astype(jnp.float32)
+
+
+def window_attention_reference(q, k, v, bias, *, mask=None, scale=None):
+  """Dense window attention in float32, differentiable by autodiff.
+
+  ``softmax(scale · q kᵀ + bias[h] + mask[w % mask_windows]) v`` per window ``w`` and
+  head ``h``.
+
+  Args:
+    q, k, v: ``[windows, tokens, heads, head_dim]``; bias ``[heads, tokens, tokens]``;
+      mask ``[mask_windows, tokens, tokens]`` (boolean or additive float) or None.
+
+  Returns:
+    ``[windows, tokens, heads, head_dim]`` in q's dtype; rows that see no key give zeros.
+  """
+  windows, _, _, head_dim = q.shape
+  scale = head_dim ** -0.5 if scale is None else scale
+  precision = jax.lax.Precision.HIGHEST
+  logits = jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=jnp.float32,
+                      precision=precision) * scale + bias.astype(jnp.float32)[None]
+  if mask is not None:
+    mask = additive_window_mask(mask)
+    logits = logits + mask[jnp.arange(windows) % mask.shape[0]][:, None]
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.exp(logits - row_max)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(denom == 0.0, 1.0, denom)
+  o = jnp.einsum("whqk,wkhd->wqhd", p, v.astype(jnp.float32), precision=precision)
+  return o.astype(q.dtype)
+
+
 def default_decay(heads: int):
   """RetNet's per-head decay ``γ_h = 1 - 2**(-5 - h)``, shape ``[heads]`` float32."""
   return 1.0 - 2.0 ** (-5.0 - jnp.arange(heads, dtype=jnp.float32))

@@ -108,3 +108,28 @@ def test_retention_crosscheck_against_torch(backend, case, dtype, monkeypatch):
   report = interop.crosscheck("retention", dtype=dtype, backend=backend, torch_device="cpu", **case)
   assert report.ok, str(report)
   assert set(report.errors) == {"out", "dq", "dk", "dv"}
+
+
+@pytest.mark.parametrize("backend", ["pallas_triton", "xla"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_window_attention_crosscheck_against_torch(backend, dtype, monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  report = interop.crosscheck("window_attention", dtype=dtype, backend=backend,
+                              torch_device="cpu", windows=6, tokens=40, mask_windows=4)
+  assert report.ok, str(report)
+  assert set(report.errors) == {"out", "dq", "dk", "dv", "dbias"}
+
+
+def test_window_attention_torch_reference_takes_boolean_masks():
+  import torch
+
+  from interop.torch_reference import window_attention_torch
+
+  q, k, v = (torch.randn(4, 6, 2, 8) for _ in range(3))
+  bias = torch.randn(2, 6, 6)
+  allowed = torch.rand(2, 6, 6) < 0.6
+  allowed[:, 0] = False  # row 0 sees no key: zeros, not NaN
+  additive = torch.zeros(2, 6, 6).masked_fill(~allowed, float("-inf"))
+  a = window_attention_torch(q, k, v, bias, mask=allowed)
+  torch.testing.assert_close(a, window_attention_torch(q, k, v, bias, mask=additive))
+  assert torch.all(a[:, 0] == 0) and torch.isfinite(a).all()

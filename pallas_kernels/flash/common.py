@@ -27,6 +27,33 @@ def dot(a, b, contract_a: int, contract_b: int):
                          precision=precision, preferred_element_type=jnp.float32)
 
 
+def online_softmax_init(rows: int, width: int):
+  """Carry ``(acc, m, l)`` of the online softmax before the first key tile."""
+  return (jnp.zeros((rows, width), jnp.float32), jnp.full((rows,), EMPTY_ROW_LSE, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_step(carry, s, c, v):
+  """Folds one key tile into ``(acc, m, l)``: logits ``s * c`` in base-2 units
+  (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``."""
+  acc, m_prev, l_prev = carry
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * c)
+  alpha = jnp.exp2(m_prev - m_next)
+  p = jnp.exp2(s * c - m_next[:, None])
+  l_next = l_prev * alpha + jnp.sum(p, axis=1)
+  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0)
+  return acc, m_next, l_next
+
+
+def online_softmax_finish(carry):
+  """``(o, lse)`` from the final carry: o float32, lse in natural log; rows that saw
+  no key give zeros and ``EMPTY_ROW_LSE``."""
+  acc, m, l = carry
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  return acc / l_safe[:, None], jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
+
+
 def log2_logits(qk, scale: float, softcap: float | None):
   """Raw q.k products -> ``(s, c, t)`` with ``s * c`` the logits in base-2 units.
 

@@ -16,7 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash.common import EMPTY_ROW_LSE, LN2, dot, log2_logits
+from pallas_kernels.flash.common import (dot, log2_logits, online_softmax_finish,
+                                         online_softmax_init, online_softmax_step)
 from pallas_kernels.flash.config import FlashBlockConfig
 from pallas_kernels.flash.masking import MaskSpec, apply_mask, kv_block_range
 
@@ -30,35 +31,22 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, 
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
 
   def body(masked: bool, j, carry):
-    acc, m_prev, l_prev = carry
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    k = k_ref[k_slice, :]
-    v = v_ref[k_slice, :]
-    s, c, _ = log2_logits(dot(q, k, 1, 1), scale, softcap)
+    s, c, _ = log2_logits(dot(q, k_ref[k_slice, :], 1, 1), scale, softcap)
     if masked:
       k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * c)
-    alpha = jnp.exp2(m_prev - m_next)
-    p = jnp.exp2(s * c - m_next[:, None])
-    l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0)
-    return acc, m_next, l_next
+    return online_softmax_step(carry, s, c, v_ref[k_slice, :])
 
   lo, full_lo, full_hi, hi = kv_block_range(spec, q_start, block_q, block_k)
-  head_dim = q_ref.shape[-1]
-  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
-           jnp.full((block_q,), EMPTY_ROW_LSE, jnp.float32),
-           jnp.zeros((block_q,), jnp.float32))
+  carry = online_softmax_init(block_q, q_ref.shape[-1])
   carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), carry)
-  acc, m, l = lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
-
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
+  carry = lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
+  o, lse = online_softmax_finish(carry)
+  o_ref[...] = o.astype(o_ref.dtype)
+  lse_ref[...] = lse
 
 
 def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float,

@@ -1,0 +1,213 @@
+"""Window attention kernels (Triton-lowered Pallas): forward, dQ, dK/dV and d(bias).
+
+Every window is a tiny attention problem ``[tokens, head_dim]`` per head, with an
+additive bias ``[heads, tokens, tokens]`` shared by all windows and an optional
+additive mask ``[mask_windows, tokens, tokens]`` (window ``w`` takes mask
+``w % mask_windows``). The wrapper hands the kernels padded inputs with the bias
+and mask already in base-2 units (times log2 e) and ``-inf`` in the bias columns of
+padded keys, so the kernels add them to the logits and need no element masks.
+
+Grids: forward and dQ ``(query tiles, windows, heads)``; dK/dV ``(key tiles,
+windows, heads)`` on transposed tiles; d(bias) ``(query tiles, key tiles, heads)``,
+summing the windows in a fixed order. No atomics: gradients are reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash.common import (LOG2E, dot, online_softmax_finish, online_softmax_init,
+                                         online_softmax_step)
+
+
+def _tile(block: int, d: int):
+  """Rows ``[i*block, (i+1)*block)`` of window ``w``, head ``h`` of a ``[W, T, H, d]`` array."""
+  return pl.BlockSpec((None, block, None, d), lambda i, w, h: (w, i, h, 0))
+
+
+def _whole(tokens: int, d: int):
+  return pl.BlockSpec((None, tokens, None, d), lambda i, w, h: (w, 0, h, 0))
+
+
+def _bias_rows(block: int, tokens: int):
+  """Rows of head ``h``'s ``[tokens, tokens]`` bias (or of its transpose)."""
+  return pl.BlockSpec((None, block, tokens), lambda i, w, h: (h, i, 0))
+
+
+def _mask_rows(block: int, tokens: int, mask_windows: int):
+  return pl.BlockSpec((None, block, tokens), lambda i, w, h: (w % mask_windows, i, 0))
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, name, interpret, num_warps,
+          num_stages):
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=interpret, name=name,
+                        compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                                             num_stages=num_stages))
+
+
+def _logits2(qk, scale: float, bias, mask):
+  """Logits in base-2 units from raw ``q·k`` and the (base-2) bias and mask tiles."""
+  s = qk * (scale * LOG2E) + bias
+  return s if mask is None else s + mask
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, scale: float,
+                    block_k: int):
+  q = q_ref[...]
+
+  def body(j, carry):
+    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    mask = None if mask_ref is None else mask_ref[:, cols]
+    s = _logits2(dot(q, k_ref[cols, :], 1, 1), scale, bias_ref[:, cols], mask)
+    return online_softmax_step(carry, s, 1.0, v_ref[cols, :])
+
+  carry = online_softmax_init(q.shape[0], v_ref.shape[-1])
+  o, lse = online_softmax_finish(lax.fori_loop(0, k_ref.shape[0] // block_k, body, carry))
+  o_ref[...] = o.astype(o_ref.dtype)
+  lse_ref[...] = lse
+
+
+def window_forward(q, k, v, bias2, mask2, *, scale: float, block_q: int, block_k: int,
+                   num_warps: int, num_stages: int, interpret: bool):
+  """Forward on padded inputs.
+
+  Args:
+    q, k, v: ``[windows, tokens_p, heads, d_p]``; bias2: ``[heads, tokens_p, tokens_p]``
+      float32 in base-2 units; mask2: ``[mask_windows, tokens_p, tokens_p]`` or None.
+
+  Returns:
+    ``o`` like ``q`` and ``lse: [windows, heads, tokens_p]`` float32 (natural log).
+  """
+  windows, tokens, heads, d = q.shape
+  mask_spec = None if mask2 is None else _mask_rows(block_q, tokens, mask2.shape[0])
+  return _call(
+      functools.partial(_forward_kernel, scale=scale, block_k=block_k),
+      grid=(tokens // block_q, windows, heads),
+      in_specs=[_tile(block_q, d), _whole(tokens, d), _whole(tokens, d),
+                _bias_rows(block_q, tokens), mask_spec],
+      out_specs=[_tile(block_q, d), pl.BlockSpec((None, None, block_q), lambda i, w, h: (w, h, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((windows, heads, tokens), jnp.float32)],
+      name="jattn_window_fwd", interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+  )(q, k, v, bias2, mask2)
+
+
+def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref, dq_ref, *,
+               scale: float, block_k: int):
+  q, do = q_ref[...], do_ref[...]
+  lse2 = lse_ref[...][:, None] * LOG2E
+  delta = delta_ref[...][:, None]
+
+  def body(j, dq):
+    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k = k_ref[cols, :]
+    mask = None if mask_ref is None else mask_ref[:, cols]
+    p = jnp.exp2(_logits2(dot(q, k, 1, 1), scale, bias_ref[:, cols], mask) - lse2)
+    ds = p * (dot(do, v_ref[cols, :], 1, 1) - delta)
+    return dq + dot(ds.astype(k.dtype), k, 1, 0)
+
+  dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mask_t_ref,
+                dk_ref, dv_ref, *, scale: float, block_q: int):
+  # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
+  k, v = k_ref[...], v_ref[...]
+
+  def body(i, carry):
+    dk, dv = carry
+    rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+    q, do = q_ref[rows, :], do_ref[rows, :]
+    mask = None if mask_t_ref is None else mask_t_ref[:, rows]
+    s_t = _logits2(dot(k, q, 1, 1), scale, bias_t_ref[:, rows], mask)
+    p_t = jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E)
+    dv = dv + dot(p_t.astype(do.dtype), do, 1, 0)
+    ds_t = p_t * (dot(v, do, 1, 1) - delta_ref[rows][None, :])
+    return dk + dot(ds_t.astype(q.dtype), q, 1, 0), dv
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, jnp.zeros(v.shape, jnp.float32)))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref, dbias_ref,
+                  *, scale: float, mask_windows: int):
+  bias = bias_ref[...]
+
+  def body(w, acc):
+    q, do = q_ref[w], do_ref[w]
+    mask = None if mask_ref is None else mask_ref[lax.rem(w, mask_windows)]
+    s = _logits2(dot(q, k_ref[w], 1, 1), scale, bias, mask)
+    p = jnp.exp2(s - lse_ref[w][:, None] * LOG2E)
+    return acc + p * (dot(do, v_ref[w], 1, 1) - delta_ref[w][:, None])
+
+  windows = q_ref.shape[0]
+  dbias_ref[...] = lax.fori_loop(0, windows, body, jnp.zeros(bias.shape, jnp.float32))
+
+
+def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, blocks,
+                    num_warps: int, num_stages: int, interpret: bool):
+  """dQ, dK, dV and d(bias) on padded inputs.
+
+  Args:
+    q, k, v, do: ``[windows, tokens_p, heads, d_p]``; lse, delta: ``[windows, heads,
+      tokens_p]`` float32 (delta = rowsum(o * do)); bias2, mask2 as in ``window_forward``.
+    blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``; d(bias) uses the dQ pair.
+
+  Returns:
+    ``(dq, dk, dv, dbias)``; dbias ``[heads, tokens_p, tokens_p]`` float32 (natural units).
+  """
+  windows, tokens, heads, d = q.shape
+  bq_dkv, bk_dkv, bq_dq, bk_dq = blocks
+  mask_windows = None if mask2 is None else mask2.shape[0]
+  launch = dict(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+  row_stat = lambda block: pl.BlockSpec((None, None, block), lambda i, w, h: (w, h, i))
+  whole_stat = pl.BlockSpec((None, None, tokens), lambda i, w, h: (w, h, 0))
+
+  dq = _call(
+      functools.partial(_dq_kernel, scale=scale, block_k=bk_dq),
+      grid=(tokens // bq_dq, windows, heads),
+      in_specs=[_whole(tokens, d), _whole(tokens, d), _tile(bq_dq, d), _tile(bq_dq, d),
+                row_stat(bq_dq), row_stat(bq_dq), _bias_rows(bq_dq, tokens),
+                None if mask2 is None else _mask_rows(bq_dq, tokens, mask_windows)],
+      out_specs=_tile(bq_dq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      name="jattn_window_dq", **launch,
+  )(k, v, q, do, lse, delta, bias2, mask2)
+
+  mask2_t = None if mask2 is None else jnp.swapaxes(mask2, 1, 2)
+  dk, dv = _call(
+      functools.partial(_dkv_kernel, scale=scale, block_q=bq_dkv),
+      grid=(tokens // bk_dkv, windows, heads),
+      in_specs=[_whole(tokens, d), _whole(tokens, d), whole_stat, whole_stat,
+                _tile(bk_dkv, d), _tile(bk_dkv, d), _bias_rows(bk_dkv, tokens),
+                None if mask2 is None else _mask_rows(bk_dkv, tokens, mask_windows)],
+      out_specs=[_tile(bk_dkv, d), _tile(bk_dkv, d)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      name="jattn_window_dkv", **launch,
+  )(q, do, lse, delta, k, v, jnp.swapaxes(bias2, 1, 2), mask2_t)
+
+  every_window = lambda block: pl.BlockSpec((windows, block, None, d),
+                                            lambda i, j, h: (0, i, h, 0))
+  every_window_k = pl.BlockSpec((windows, bk_dq, None, d), lambda i, j, h: (0, j, h, 0))
+  stat = pl.BlockSpec((windows, None, bq_dq), lambda i, j, h: (0, h, i))
+  dbias = _call(
+      functools.partial(_dbias_kernel, scale=scale, mask_windows=mask_windows),
+      grid=(tokens // bq_dq, tokens // bk_dq, heads),
+      in_specs=[every_window(bq_dq), every_window_k, every_window_k, every_window(bq_dq),
+                stat, stat, pl.BlockSpec((None, bq_dq, bk_dq), lambda i, j, h: (h, i, j)),
+                None if mask2 is None else pl.BlockSpec((mask_windows, bq_dq, bk_dq),
+                                                        lambda i, j, h: (0, i, j))],
+      out_specs=pl.BlockSpec((None, bq_dq, bk_dq), lambda i, j, h: (h, i, j)),
+      out_shape=jax.ShapeDtypeStruct((heads, tokens, tokens), jnp.float32),
+      name="jattn_window_dbias", **launch,
+  )(q, k, v, do, lse, delta, bias2, mask2)
+  return dq, dk, dv, dbias
