@@ -1,4 +1,5 @@
-"""The ``jattn`` command line: ``jattn check`` (more subcommands join as ops grow)."""
+"""The ``jattn`` command line: ``jattn check`` and ``jattn convert`` (also installed as
+``jattn-convert``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,38 @@ def build_parser() -> argparse.ArgumentParser:
                      "[,float16 on GPU])")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
   check.add_argument("--reps", type=int, default=5, help="timed repetitions per case")
+  _add_convert_arguments(sub.add_parser(
+      "convert", help="convert a PyTorch checkpoint into Flax params + config.json"))
   return parser
+
+
+def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("model_type", choices=("dat",), help="the architecture")
+  parser.add_argument("checkpoint", help=".pth / .pt (torch.load weights_only) or .safetensors")
+  parser.add_argument("out_dir", help="writes params.safetensors and config.json here")
+  parser.add_argument("--img-range", type=float, help="DAT's img_range if not 1.0")
+
+
+def run_convert(args) -> int:
+  from interop.checkpoints import (dat_from_state_dict, infer_dat_config, read_state_dict,
+                                   save_converted)
+
+  overrides = {} if args.img_range is None else {"img_range": args.img_range}
+  state = read_state_dict(args.checkpoint)
+  config, img_size = infer_dat_config(state, **overrides)
+  model = dat_from_state_dict(state, **overrides)
+  params, config_path = save_converted(model, args.out_dir)
+  print(f"{args.checkpoint}: DAT {config} (masks stored for {img_size}x{img_size} inputs)")
+  print(f"wrote {params} and {config_path}")
+  return 0
+
+
+def convert_main(argv=None) -> int:
+  """``jattn-convert dat model.pth out_dir``."""
+  parser = argparse.ArgumentParser(prog="jattn-convert", description="convert a PyTorch "
+                                   "checkpoint into Flax params + config.json")
+  _add_convert_arguments(parser)
+  return run_convert(parser.parse_args(argv))
 
 
 def main(argv=None) -> int:
@@ -25,6 +57,8 @@ def main(argv=None) -> int:
     from interop.check import main_check
 
     return main_check(args)
+  if args.command == "convert":
+    return run_convert(args)
   return 2
 
 

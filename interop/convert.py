@@ -1,8 +1,18 @@
 """Torch state dicts <-> Flax NNX modules, by parameter name.
 
-A torch ``Linear`` named ``a.b`` stores ``a.b.weight [out, in]`` (and ``a.b.bias``);
-the NNX module has ``a.b.kernel [in, out]`` (and ``a.b.bias``). Names follow the torch
-modules that jattn's layers mirror, so the mapping is mechanical.
+jattn's Flax modules name their parameters after the torch modules they mirror
+(``nn.Sequential`` members sit at their index in an ``nnx.List``), so a torch key
+``a.b.weight`` is the NNX variable ``a.b.<leaf>`` with a layout change:
+
+| NNX layer | NNX leaf | torch key | layout |
+|---|---|---|---|
+| ``nnx.Linear`` | ``kernel [in, out]``, ``bias`` | ``weight [out, in]``, ``bias`` | transposed |
+| ``nnx.Conv`` | ``kernel [kh, kw, in/groups, out]``, ``bias`` | ``weight [out, in/groups, kh, kw]`` | transposed |
+| ``nnx.LayerNorm``, ``nnx.BatchNorm`` | ``scale``, ``bias``, ``mean``, ``var`` | ``weight``, ``bias``, ``running_mean``, ``running_var`` | as is |
+| any other ``nnx.Param`` (e.g. a temperature) | its name | the same name | as is |
+
+Buffers the Flax module recomputes (``num_batches_tracked``, and the ``derived`` key
+suffixes a model names) are accepted and not loaded.
 """
 
 from __future__ import annotations
@@ -11,10 +21,39 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+_NORM_NAMES = {"scale": "weight", "bias": "bias", "mean": "running_mean", "var": "running_var"}
+ALWAYS_DERIVED = ("num_batches_tracked",)
 
-def _nnx_linears(module) -> dict[str, nnx.Linear]:
-  return {".".join(str(p) for p in path): m for path, m in nnx.iter_graph(module)
-          if isinstance(m, nnx.Linear)}
+
+# Axis permutations (NNX -> torch, torch -> NNX) of the kernels whose layouts differ.
+_PERMUTATIONS = {"linear": ((1, 0), (1, 0)), "conv": ((3, 2, 0, 1), (2, 3, 1, 0))}
+
+
+def _relayout(kind: str, value: np.ndarray, *, to_torch: bool) -> np.ndarray:
+  perms = _PERMUTATIONS.get(kind)
+  return value if perms is None else value.transpose(perms[0 if to_torch else 1])
+
+
+def torch_names(module) -> dict[str, tuple[nnx.Variable, str]]:
+  """Every parameter / statistic of ``module`` by its torch key: ``(variable, kind)``
+  with kind ``"linear"``, ``"conv"`` (layout changes) or ``"plain"``."""
+  nodes = dict(nnx.iter_graph(module))
+  out = {}
+  for path, var in nodes.items():
+    if not isinstance(var, (nnx.Param, nnx.BatchStat)):
+      continue
+    parent, leaf = nodes[path[:-1]], str(path[-1])
+    prefix = ".".join(str(p) for p in path[:-1])
+    kind, name = "plain", leaf
+    if isinstance(parent, (nnx.Linear, nnx.Conv)):
+      kind = "linear" if isinstance(parent, nnx.Linear) else "conv"
+      name = "weight" if leaf == "kernel" else leaf
+      if leaf == "bias":
+        kind = "plain"
+    elif isinstance(parent, (nnx.LayerNorm, nnx.BatchNorm)):
+      name = _NORM_NAMES[leaf]
+    out[f"{prefix}.{name}" if prefix else name] = (var, kind)
+  return out
 
 
 def _as_numpy(value) -> np.ndarray:
@@ -23,38 +62,51 @@ def _as_numpy(value) -> np.ndarray:
   return np.asarray(value)
 
 
-def load_torch_state_dict(module, state_dict) -> None:
-  """Copies a torch ``state_dict`` into the NNX ``module``'s Linear layers, in place.
+def _is_derived(key: str, derived) -> bool:
+  return key.rsplit(".", 1)[-1] in (*ALWAYS_DERIVED, *derived)
 
-  Raises ValueError naming every missing or unexpected key and any shape mismatch.
+
+def load_torch_state_dict(module, state_dict, *, derived=()) -> None:
+  """Copies a torch ``state_dict`` into the NNX ``module`` in place.
+
+  Args:
+    state_dict: torch tensors or numpy arrays by torch key.
+    derived: key suffixes (the part after the last dot) of buffers the module
+      recomputes, accepted and ignored (``num_batches_tracked`` always is).
+
+  Raises ValueError naming every missing and unexpected key and every shape mismatch
+  (shapes in the checkpoint's torch layout).
   """
-  linears = _nnx_linears(module)
-  expected = {}
-  for name, linear in linears.items():
-    expected[f"{name}.weight"] = (linear, "kernel")
-    if linear.bias is not None:
-      expected[f"{name}.bias"] = (linear, "bias")
-  missing = sorted(set(expected) - set(state_dict))
-  unexpected = sorted(set(state_dict) - set(expected))
-  if missing or unexpected:
-    raise ValueError(f"checkpoint does not match {type(module).__name__}: missing keys "
-                     f"{missing}, unexpected keys {unexpected}")
-  for key, (linear, attr) in expected.items():
+  expected = torch_names(module)
+  given = {k for k in state_dict if not _is_derived(k, derived)}
+  missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
+  names = [f"missing keys {missing}"] if missing else []
+  names += [f"unexpected keys {unexpected}"] if unexpected else []
+  problems = [", ".join(names)] if names else []
+  values = {}
+  for key in sorted(set(expected) & given):
+    var, kind = expected[key]
     value = _as_numpy(state_dict[key])
-    param = getattr(linear, attr)
-    # Shapes are reported in the checkpoint's (torch) layout.
-    want = param.value.shape[::-1] if attr == "kernel" else param.value.shape
+    want = _relayout(kind, np.empty(var.shape, np.bool_), to_torch=True).shape
     if value.shape != want:
-      raise ValueError(f"checkpoint key {key!r} has shape {value.shape}, the module expects "
-                       f"{want}")
-    param.value = jnp.asarray(value.T if attr == "kernel" else value, param.value.dtype)
+      problems.append(f"{key!r} has shape {value.shape}, the module expects {want}")
+    values[key] = value
+  if problems:
+    raise ValueError(f"checkpoint does not match {type(module).__name__}: "
+                     + "; ".join(problems))
+  for key, value in values.items():
+    var, kind = expected[key]
+    _assign(var, jnp.asarray(_relayout(kind, value, to_torch=False), var.dtype))
+
+
+def _assign(var: nnx.Variable, value) -> None:
+  if hasattr(var, "set_value"):  # flax >= 0.12 (where ``.value =`` is deprecated)
+    var.set_value(value)
+  else:
+    var.value = value
 
 
 def to_torch_state_dict(module) -> dict[str, np.ndarray]:
-  """The NNX ``module``'s Linear layers as a torch-layout state dict of numpy arrays."""
-  out = {}
-  for name, linear in _nnx_linears(module).items():
-    out[f"{name}.weight"] = np.asarray(linear.kernel.value).T
-    if linear.bias is not None:
-      out[f"{name}.bias"] = np.asarray(linear.bias.value)
-  return out
+  """``module``'s parameters and statistics as a torch-layout state dict of numpy arrays."""
+  return {key: np.ascontiguousarray(_relayout(kind, np.asarray(var[...]), to_torch=True))
+          for key, (var, kind) in torch_names(module).items()}

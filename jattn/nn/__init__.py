@@ -1,6 +1,7 @@
 """Flax NNX modules built on the jattn ops."""
 
 from jattn.nn.attention import MultiHeadAttention
+from jattn.nn.dat import DAT, PRESETS as DAT_PRESETS, DATConfig
 from jattn.nn.retention import MultiScaleRetention, RetNet, RetNetLayer
 
-__all__ = ["MultiHeadAttention", "MultiScaleRetention", "RetNet", "RetNetLayer"]
+__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "MultiHeadAttention", "MultiScaleRetention", "RetNet", "RetNetLayer"]

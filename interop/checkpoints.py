@@ -1,0 +1,174 @@
+"""Reading PyTorch checkpoints and turning DAT ones into ``jattn.nn.DAT`` models.
+
+- ``read_state_dict(path)``: a ``.pth`` / ``.pt`` / ``.ckpt`` through
+  ``torch.load(weights_only=True)`` (no pickled code runs), or a ``.safetensors`` file;
+  BasicSR's ``params_ema`` / ``params`` wrappers and a ``module.`` prefix are removed.
+- ``infer_dat_config(state_dict)``: the DAT hyper-parameters from tensor names and shapes.
+- ``load_dat(path)`` / ``dat_from_state_dict(state)``: the weights copied into a Flax ``DAT``.
+- ``save_converted`` / ``load_converted``: Flax params as ``params.safetensors`` plus
+  ``config.json`` (what ``jattn-convert dat`` writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+from interop.convert import load_torch_state_dict, to_torch_state_dict
+
+# DAT buffers that the Flax model recomputes from its config.
+DAT_DERIVED = ("rpe_biases", "relative_position_index", "attn_mask_0", "attn_mask_1")
+WRAPPERS = ("params_ema", "params", "state_dict", "model")
+
+
+def _unwrap(obj, path):
+  for key in WRAPPERS:  # BasicSR saves {"params": ...} or {"params_ema": ...}
+    if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
+      return obj[key]
+  if not isinstance(obj, dict):
+    raise ValueError(f"{path}: expected a state dict (name -> tensor), got {type(obj).__name__}")
+  return obj
+
+
+def read_state_dict(path) -> dict[str, np.ndarray]:
+  """The tensors of a checkpoint file as numpy arrays by torch key."""
+  path = os.fspath(path)
+  if path.endswith(".safetensors"):
+    from safetensors.numpy import load_file
+
+    state = load_file(path)
+  else:
+    import torch
+
+    state = _unwrap(torch.load(path, map_location="cpu", weights_only=True), path)
+    state = {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.cpu().numpy()
+             for k, v in state.items() if hasattr(v, "detach")}
+  if state and all(k.startswith("module.") for k in state):  # saved from DataParallel
+    state = {k[len("module."):]: v for k, v in state.items()}
+  return state
+
+
+def _count(state, prefix: str) -> int:
+  """How many ``prefix.<i>.`` entries there are (``i`` = 0, 1, ...)."""
+  pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.")
+  found = {int(m.group(1)) for k in state for m in [pattern.match(k)] if m}
+  return max(found) + 1 if found else 0
+
+
+def infer_dat_config(state, **overrides):
+  """``(DATConfig, img_size)`` read off a DAT state dict's names and shapes.
+
+  ``img_range`` cannot be read from the tensors (default 1.0); ``overrides`` replace
+  any field. ``img_size`` is the size the stored shift masks were built for (None
+  without them); it does not change the model's output.
+  """
+  from jattn.nn import DATConfig
+
+  def need(key):
+    if key not in state:
+      raise ValueError(f"not a DAT checkpoint: key {key!r} is missing")
+    return state[key]
+
+  conv_first = need("conv_first.weight")
+  in_chans, embed_dim = int(conv_first.shape[1]), int(conv_first.shape[0])
+  groups = _count(state, "layers")
+  if not groups:
+    raise ValueError("not a DAT checkpoint: no 'layers.<i>.blocks.<j>' keys")
+  depth = tuple(_count(state, f"layers.{i}.blocks") for i in range(groups))
+  heads = []
+  for i, d in enumerate(depth):
+    if d >= 2:  # a channel-attention block stores one temperature per head
+      heads.append(int(need(f"layers.{i}.blocks.1.attn.temperature").shape[0]))
+    else:  # a spatial branch has half the heads
+      heads.append(2 * int(need(f"layers.{i}.blocks.0.attn.attns.0.pos.pos3.2.weight").shape[0]))
+  rpe = state.get("layers.0.blocks.0.attn.attns.0.rpe_biases")
+  if rpe is not None:  # offsets run up to (split_h - 1, split_w - 1)
+    split = (int(rpe[-1][0]) + 1, int(rpe[-1][1]) + 1)
+  elif "split_size" in overrides:
+    split = tuple(overrides["split_size"])
+  else:
+    raise ValueError("the checkpoint has no 'rpe_biases' buffer to read the window size "
+                     "from: pass split_size=(h, w)")
+  if "conv_last.weight" in state:
+    upsampler = "pixelshuffle"
+    num_feat = int(need("conv_before_upsample.0.weight").shape[0])
+    # Each upsample conv feeds a pixel shuffle: 4 * num_feat channels per x2, 9 per x3.
+    upscale = math.prod(int(round(math.sqrt(state[f"upsample.{i}.weight"].shape[0] // num_feat)))
+                        for i in range(0, _count(state, "upsample"), 2))
+  else:
+    upsampler = "pixelshuffledirect"
+    upscale = int(round(math.sqrt(need("upsample.0.weight").shape[0] // in_chans)))
+  fields = dict(
+      in_chans=in_chans, embed_dim=embed_dim, split_size=split, depth=depth,
+      num_heads=tuple(heads), upscale=upscale, upsampler=upsampler,
+      expansion_factor=float(need("layers.0.blocks.0.ffn.fc1.weight").shape[0]) / embed_dim,
+      qkv_bias="layers.0.blocks.0.attn.qkv.bias" in state,
+      resi_connection="1conv" if "conv_after_body.weight" in state else "3conv")
+  fields.update(overrides)
+  masks = [v for k, v in state.items() if k.endswith("attn.attn_mask_0")]
+  img_size = None
+  if masks:
+    windows = masks[0].shape[0]
+    img_size = int(round(math.sqrt(windows * split[0] * split[1])))
+  return DATConfig(**fields), img_size
+
+
+def dat_from_state_dict(state, *, dtype=None, backend: str = "auto", rngs=None, **overrides):
+  """A ``jattn.nn.DAT`` built from a DAT state dict's inferred config, with its weights."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jattn.nn import DAT
+
+  dtype = dtype or jnp.float32
+  config, _ = infer_dat_config(state, **overrides)
+  model = DAT(config, dtype=dtype, backend=backend, rngs=rngs or nnx.Rngs(0))
+  load_torch_state_dict(model, state, derived=DAT_DERIVED)
+  return model
+
+
+def load_dat(path, *, dtype=None, backend: str = "auto", rngs=None, **overrides):
+  """A ``jattn.nn.DAT`` with the weights of a PyTorch DAT checkpoint.
+
+  Args:
+    path: ``.pth`` / ``.pt`` (``torch.load(weights_only=True)``) or ``.safetensors``.
+    dtype: computation dtype (default float32); parameters stay float32.
+    overrides: ``DATConfig`` fields the tensors do not fix (``img_range``) or that
+      should be forced.
+
+  Raises ValueError naming what does not match (missing, unexpected or mis-shaped keys).
+  """
+  return dat_from_state_dict(read_state_dict(path), dtype=dtype, backend=backend, rngs=rngs,
+                             **overrides)
+
+
+def save_converted(model, out_dir) -> tuple[str, str]:
+  """Writes ``model``'s weights (torch names, torch layouts) to ``out_dir/params.safetensors``
+  and its config to ``out_dir/config.json``; returns both paths."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(out_dir, exist_ok=True)
+  params = os.path.join(out_dir, "params.safetensors")
+  config = os.path.join(out_dir, "config.json")
+  save_file(to_torch_state_dict(model), params)
+  with open(config, "w") as f:
+    json.dump({"model": type(model).__name__, "config": dataclasses.asdict(model.config)}, f,
+              indent=1)
+  return params, config
+
+
+def load_converted(out_dir, *, dtype=None, backend: str = "auto"):
+  """The model ``save_converted`` (or ``jattn-convert dat``) wrote to ``out_dir``."""
+  from safetensors.numpy import load_file
+
+  with open(os.path.join(out_dir, "config.json")) as f:
+    meta = json.load(f)
+  if meta.get("model") != "DAT":
+    raise ValueError(f"{out_dir}: config.json describes {meta.get('model')!r}, expected 'DAT'")
+  state = load_file(os.path.join(out_dir, "params.safetensors"))
+  return dat_from_state_dict(state, dtype=dtype, backend=backend, **meta["config"])

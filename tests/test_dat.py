@@ -1,0 +1,197 @@
+"""jattn.nn.DAT against the torch reference on the same random weights, the checkpoint
+converter (config inference, errors, files), tiled upscaling and the two CLIs."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+from interop.checkpoints import (DAT_DERIVED, dat_from_state_dict, infer_dat_config,
+                                 load_converted, load_dat, read_state_dict, save_converted)
+from interop.convert import load_torch_state_dict
+from interop.dat_torch import dat_torch
+from jattn.nn import DAT, DAT_PRESETS, DATConfig
+from jattn.upscale import jit_model, tile_starts, upscale_image
+
+# Presets with fewer blocks for CI time; (2, 2) keeps a plain and a shifted spatial
+# block and a channel block, DAT-light's single group keeps its 3conv + direct upsampler.
+REDUCED = {
+    "DAT": dict(depth=(2, 2), num_heads=(6, 6)),
+    "DAT-S": dict(depth=(2, 2), num_heads=(6, 6)),
+    "DAT-2": dict(depth=(2, 2), num_heads=(6, 6)),
+    "DAT-light": dict(depth=(3,), num_heads=(6,)),
+}
+SMALL = DATConfig(embed_dim=32, depth=(1, 2), num_heads=(2, 4), split_size=(4, 8), upscale=2)
+
+
+def _torch_out(model, x):
+  with torch.no_grad():
+    return model(torch.from_numpy(x).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+
+
+def _image(h, w, seed=0):
+  return np.random.default_rng(seed).uniform(size=(1, h, w, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("preset", sorted(REDUCED))
+def test_flax_matches_torch_reference(preset):
+  config = dataclasses.replace(DAT_PRESETS[preset], **REDUCED[preset])
+  reference = dat_torch(config, img_size=32)
+  model = dat_from_state_dict(reference.state_dict())
+  assert model.config == config
+  fn = jit_model(model)
+  for h, w in ((32, 32), (13, 21)):  # the stored shift masks, then the padded path
+    x = _image(h, w)
+    out = np.asarray(fn(jnp.asarray(x)))
+    assert out.shape == (1, 4 * h, 4 * w, 3)
+    np.testing.assert_allclose(out, _torch_out(reference, x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("upscale,upsampler", [(2, "pixelshuffle"), (3, "pixelshuffle"),
+                                               (3, "pixelshuffledirect")])
+def test_upsamplers_and_config_inference(upscale, upsampler):
+  config = dataclasses.replace(SMALL, upscale=upscale, upsampler=upsampler,
+                               resi_connection="3conv", qkv_bias=False, expansion_factor=1.5)
+  reference = dat_torch(config, img_size=16)
+  inferred, img_size = infer_dat_config(reference.state_dict())
+  assert inferred == config and img_size == 16
+  model = dat_from_state_dict(reference.state_dict())
+  x = _image(11, 9, seed=upscale)
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(x))), _torch_out(reference, x),
+                             atol=1e-4, rtol=0)
+
+
+def test_checkpoint_errors_name_the_keys():
+  state = {k: v.numpy() for k, v in dat_torch(SMALL).state_dict().items()}
+  model = DAT(SMALL, rngs=nnx.Rngs(0))
+  broken = dict(state)
+  broken["layers.0.blocks.0.attn.extra.weight"] = broken.pop("layers.0.blocks.0.attn.qkv.weight")
+  with pytest.raises(ValueError, match=r"missing keys \['layers.0.blocks.0.attn.qkv.weight'\], "
+                                       r"unexpected keys \['layers.0.blocks.0.attn.extra.weight'\]"):
+    load_torch_state_dict(model, broken, derived=DAT_DERIVED)
+  broken = dict(state, **{"norm.weight": np.ones(7, np.float32)})
+  with pytest.raises(ValueError, match=r"'norm.weight' has shape \(7,\), the module expects \(32,\)"):
+    load_torch_state_dict(model, broken, derived=DAT_DERIVED)
+  with pytest.raises(ValueError, match="not a DAT checkpoint: key 'conv_first.weight'"):
+    infer_dat_config({"encoder.weight": np.ones(3)})
+  no_rpe = {k: v for k, v in state.items() if not k.endswith("rpe_biases")}
+  with pytest.raises(ValueError, match="pass split_size"):
+    infer_dat_config(no_rpe)
+  assert infer_dat_config(no_rpe, split_size=(4, 8))[0] == SMALL
+
+
+def test_checkpoint_files_and_wrappers(tmp_path):
+  reference = dat_torch(SMALL, seed=4)
+  state = reference.state_dict()
+  torch.save({"params_ema": state, "params": {}}, tmp_path / "ema.pth")
+  torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "dp.pth")
+  from safetensors.torch import save_file
+
+  save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "m.safetensors"))
+  x = _image(10, 12)
+  expected = _torch_out(reference, x)
+  for name in ("ema.pth", "dp.pth", "m.safetensors"):
+    model = DAT.from_torch(tmp_path / name)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(x))), expected, atol=1e-4, rtol=0)
+  assert set(read_state_dict(tmp_path / "ema.pth")) == set(state)
+
+
+def test_converted_params_round_trip(tmp_path):
+  model = load_dat_from(dat_torch(SMALL, seed=5), tmp_path)
+  save_converted(model, tmp_path / "out")
+  again = load_converted(tmp_path / "out")
+  x = jnp.asarray(_image(9, 14))
+  np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(model(x)))
+
+
+def load_dat_from(reference, tmp_path):
+  torch.save(reference.state_dict(), tmp_path / "model.pth")
+  return load_dat(tmp_path / "model.pth")
+
+
+def test_bf16_is_close_to_fp32():
+  reference = dat_torch(SMALL, seed=6)
+  fp32 = dat_from_state_dict(reference.state_dict())
+  bf16 = dat_from_state_dict(reference.state_dict(), dtype=jnp.bfloat16)
+  x = jnp.asarray(_image(8, 12))
+  a, b = np.asarray(fp32(x)), np.asarray(bf16(x))
+  psnr = 10 * np.log10(1.0 / np.mean((a - b) ** 2))
+  assert b.dtype == np.float32 and psnr > 30, psnr
+
+
+def test_gradients_reach_the_position_bias_mlp(monkeypatch):
+  # Through the Pallas window kernels (interpret mode): d(bias) trains the bias MLP.
+  # embed_dim 64 gives the MLP 2 features (at 32 its one-feature LayerNorm makes the
+  # bias a per-head constant, which the softmax ignores: the gradient is then 0).
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  config = dataclasses.replace(SMALL, embed_dim=64, depth=(1,), num_heads=(2,),
+                               split_size=(4, 4))
+  model = DAT(config, backend="pallas_triton", rngs=nnx.Rngs(1))
+  x = jnp.asarray(_image(8, 8))
+  grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+  pos = grads.layers[0].blocks[0].attn.attns[0].pos.pos3[2].kernel[...]
+  assert bool(jnp.all(jnp.isfinite(pos))) and float(jnp.abs(pos).max()) > 0
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="num_heads 3 must be even"):
+    DATConfig(embed_dim=48, depth=(1,), num_heads=(3,))
+  with pytest.raises(ValueError, match="upscale 5 is not supported"):
+    DATConfig(upscale=5)
+  with pytest.raises(ValueError, match="embed_dim must be >= 32"):
+    DATConfig(embed_dim=16, num_heads=(2,), depth=(1,))
+  with pytest.raises(ValueError, match=r"x must be \[batch, H, W, 3\]"):
+    DAT(SMALL, rngs=nnx.Rngs(0))(jnp.zeros((1, 3, 8, 8)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(length=st.integers(1, 300), tile=st.integers(8, 64), overlap=st.integers(0, 7))
+def test_tiles_cover_the_image_with_the_overlap(length, tile, overlap):
+  starts = tile_starts(length, tile, overlap)
+  size = min(tile, length)
+  assert starts[0] == 0 and starts[-1] + size == length
+  for a, b in zip(starts, starts[1:]):
+    assert 0 < b - a <= size - overlap  # neighbours share at least `overlap` pixels
+
+
+def test_tiled_upscaling_blends_to_the_untiled_result():
+  # A pointwise "model" (nearest-neighbour x2 with a colour change) makes every tile
+  # exact, so blending must reproduce the whole-image output.
+  fn = lambda x: jnp.repeat(jnp.repeat(jnp.sqrt(x), 2, axis=1), 2, axis=2)
+  image = np.random.default_rng(3).uniform(size=(45, 70, 3)).astype(np.float32)
+  whole = upscale_image(fn, image, scale=2)
+  seen = []
+  tiled = upscale_image(fn, image, scale=2, tile=16, overlap=5,
+                        progress=lambda done, total: seen.append((done, total)))
+  np.testing.assert_allclose(tiled, whole, atol=1e-6)
+  assert seen[-1][0] == seen[-1][1] == len(tile_starts(45, 16, 5)) * len(tile_starts(70, 16, 5))
+
+
+def test_convert_and_upscale_command_lines(tmp_path, capsys):
+  from PIL import Image
+
+  from interop.cli import convert_main, main as jattn_main
+  from interop.upscale_cli import main as upscale_main
+
+  torch.save(dat_torch(SMALL, seed=7).state_dict(), tmp_path / "tiny.pth")
+  assert convert_main(["dat", str(tmp_path / "tiny.pth"), str(tmp_path / "conv")]) == 0
+  assert sorted(os.listdir(tmp_path / "conv")) == ["config.json", "params.safetensors"]
+  assert jattn_main(["convert", "dat", str(tmp_path / "tiny.pth"), str(tmp_path / "conv2")]) == 0
+  pixels = (np.random.default_rng(0).uniform(size=(20, 27, 3)) * 255).astype(np.uint8)
+  (tmp_path / "in").mkdir()
+  Image.fromarray(pixels).save(tmp_path / "in" / "a.png")
+  Image.fromarray(pixels[:13]).save(tmp_path / "in" / "b.jpg")
+  assert upscale_main(["--model", str(tmp_path / "tiny.pth"), "--tile", "16", "--overlap", "4",
+                       str(tmp_path / "in" / "a.png"), str(tmp_path / "a_x2.png")]) == 0
+  assert Image.open(tmp_path / "a_x2.png").size == (54, 40)
+  assert upscale_main(["--model", str(tmp_path / "conv"), "--precision", "bf16",
+                       str(tmp_path / "in"), str(tmp_path / "out")]) == 0
+  assert sorted(os.listdir(tmp_path / "out")) == ["a.png", "b.png"]
+  assert Image.open(tmp_path / "out" / "b.png").size == (54, 26)
+  assert "tiles" in capsys.readouterr().err
