@@ -41,8 +41,8 @@ def _check_decay(decay, heads: int):
   in (0, 1]: the kernels work with log2 γ and factor γ^(n-m) into parts <= 1."""
   if decay is None:
     return
-  if tuple(jnp.shape(decay)) != (heads,):
-    raise ValueError(f"decay must have shape [heads] = ({heads},), got {jnp.shape(decay)}")
+  if tuple(np.shape(decay)) != (heads,):
+    raise ValueError(f"decay must have shape [heads] = ({heads},), got {np.shape(decay)}")
   if not isinstance(decay, jax.core.Tracer):
     values = np.asarray(decay, np.float64)
     if not np.all((values > 0) & (values <= 1)):
