@@ -7,13 +7,16 @@ mask per window.
 
     python bench/window.py                      # fp32 + bf16, fwd and fwd+bwd
     python bench/window.py --dtypes bf16 --modes fwd
+    python bench/window.py --sweep              # tile sweep of the Pallas kernels
 
-Writes window.json / window.md / window.png under --out.
+Writes window.json / window.md / window.png under --out (window_sweep.json / .md with
+--sweep).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -26,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import (bar_chart, environment, results_table, time_jax, jax_peak_bytes,  # noqa: E402
                           time_torch_qkv, write_results)
 import jattn  # noqa: E402
+from pallas_kernels.window import default_window_config  # noqa: E402
 
 # (windows, tokens, heads, head_dim): DAT-2 on 64x64, 128x128 and 256x256 inputs.
 SHAPES = [(16, 256, 3, 30), (64, 256, 3, 30), (256, 256, 3, 30)]
@@ -124,13 +128,59 @@ def markdown(rows, env):
   return "\n".join(header) + "\n" + table
 
 
+def sweep_configs(dtype_bytes: int):
+  """(mode, config) pairs: forward tiles alone, then the dK/dV pair and the dQ / d(bias)
+  pair of the backward one at a time around the default (the kernels are independent)."""
+  base = default_window_config(32, dtype_bytes)
+  for bq, bk, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2)):
+    yield "fwd", dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=warps,
+                                     num_stages=stages)
+  pairs = ((32, 32), (64, 32), (32, 64), (64, 64), (128, 64), (64, 128))
+  for (bq, bk), warps in itertools.product(pairs, (4, 8)):
+    yield "fwd+bwd", dataclasses.replace(base, block_q_dkv=bq, block_k_dkv=bk,
+                                         bwd_num_warps=warps)
+  for (bq, bk), warps in itertools.product(pairs, (4, 8)):
+    yield "fwd+bwd", dataclasses.replace(base, block_q_dq=bq, block_k_dq=bk, bwd_num_warps=warps)
+
+
+def _sweep_markdown(rows, env):
+  best = {}
+  for r in rows:
+    key = (tuple(r["shape"]), r["dtype"], r["mode"])
+    if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+      best[key] = r
+  lines = [f"# Window-attention tile sweep, {env['device']} (jax {env['jax']}, {env['time']})",
+           "", "| shape | dtype | mode | best ms | config |", "|---|---|---|---|---|"]
+  lines += [f"| {','.join(map(str, k[0]))} | {k[1]} | {k[2]} | {r['ms']:.3f} | {r['config']} |"
+            for k, r in best.items()]
+  return "\n".join(lines) + "\n"
+
+
+def run_sweep(args, env, shapes):
+  """Times every ``sweep_configs`` config on ``shapes`` (default: the largest), saving
+  after each one so a run cut off by its time limit keeps what it measured."""
+  rows = []
+  for shape, dname in itertools.product(shapes, args.dtypes.split(",")):
+    q, k, v, bias, mask, do = window_inputs(shape, DTYPES[dname])
+    for mode, config in sweep_configs(jnp.dtype(DTYPES[dname]).itemsize):
+      fn = lambda q, k, v, b, config=config: jattn.window_attention(
+          q, k, v, b, mask=mask, backend="pallas_triton", config=config)
+      row = _row("jattn_pallas", shape, dname, mode,
+                 lambda: time_jax_window(fn, mode, q, k, v, bias, do))
+      rows.append(dict(row, config=dataclasses.asdict(config)))
+      write_results(args.out, f"{args.stem}_sweep", {"env": env, "rows": rows},
+                    _sweep_markdown(rows, env))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--stem", default="window")
   parser.add_argument("--dtypes", default="fp32,bf16")
   parser.add_argument("--modes", default="fwd,fwd+bwd")
+  parser.add_argument("--windows", help="only the shapes with these window counts, e.g. 256")
   parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--sweep", action="store_true", help="tile sweep instead of the peers")
   args = parser.parse_args()
   env = environment()
   rows = []
@@ -138,7 +188,10 @@ def main():
   def save():
     write_results(args.out, args.stem, {"env": env, "rows": rows}, markdown(rows, env))
 
-  for shape, dname, mode in itertools.product(SHAPES, args.dtypes.split(","),
+  shapes = [s for s in SHAPES if not args.windows or str(s[0]) in args.windows.split(",")]
+  if args.sweep:
+    return run_sweep(args, env, shapes if args.windows else SHAPES[-1:])
+  for shape, dname, mode in itertools.product(shapes, args.dtypes.split(","),
                                               args.modes.split(",")):
     q, k, v, bias, mask, do = window_inputs(shape, DTYPES[dname])
     for name, fn in jax_impls(mask).items():

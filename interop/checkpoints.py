@@ -5,6 +5,7 @@
   BasicSR's ``params_ema`` / ``params`` wrappers and a ``module.`` prefix are removed.
 - ``infer_dat_config(state_dict)``: the DAT hyper-parameters from tensor names and shapes.
 - ``load_dat(path)`` / ``dat_from_state_dict(state)``: the weights copied into a Flax ``DAT``.
+- ``dat_to_torch_state_dict(model)``: back to the original's state dict, buffers included.
 - ``save_converted`` / ``load_converted``: Flax params as ``params.safetensors`` plus
   ``config.json`` (what ``jattn-convert dat`` writes).
 """
@@ -145,6 +146,30 @@ def load_dat(path, *, dtype=None, backend: str = "auto", rngs=None, **overrides)
   """
   return dat_from_state_dict(read_state_dict(path), dtype=dtype, backend=backend, rngs=rngs,
                              **overrides)
+
+
+def dat_to_torch_state_dict(model, *, img_size: int = 64) -> dict[str, np.ndarray]:
+  """A Flax ``DAT``'s state dict as the original PyTorch DAT stores it: the weights
+  plus the buffers it keeps (each branch's relative offsets and their index, and the
+  shifted blocks' masks for ``img_size x img_size`` inputs, the original's default
+  64), so ``load_state_dict(strict=True)`` takes it and ``.pth`` readers such as
+  ``read_state_dict`` infer the full config from it."""
+  from jattn.nn.dat import AdaptiveSpatialAttention, relative_positions, shift_masks
+
+  state = to_torch_state_dict(model)
+  for i, group in enumerate(model.layers):
+    for j, block in enumerate(group.blocks):
+      attn, prefix = block.attn, f"layers.{i}.blocks.{j}.attn"
+      if not isinstance(attn, AdaptiveSpatialAttention):
+        continue
+      for b, branch in enumerate(attn.attns):
+        table, index = relative_positions(*branch.window)
+        state[f"{prefix}.attns.{b}.rpe_biases"] = table
+        state[f"{prefix}.attns.{b}.relative_position_index"] = index.astype(np.int64)
+      if attn.shifted:
+        masks = shift_masks(img_size, img_size, attn.split_size, attn.shift_size)
+        state[f"{prefix}.attn_mask_0"], state[f"{prefix}.attn_mask_1"] = masks
+  return state
 
 
 def save_converted(model, out_dir) -> tuple[str, str]:

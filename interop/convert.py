@@ -107,6 +107,12 @@ def _assign(var: nnx.Variable, value) -> None:
 
 
 def to_torch_state_dict(module) -> dict[str, np.ndarray]:
-  """``module``'s parameters and statistics as a torch-layout state dict of numpy arrays."""
-  return {key: np.ascontiguousarray(_relayout(kind, np.asarray(var[...]), to_torch=True))
-          for key, (var, kind) in torch_names(module).items()}
+  """``module``'s parameters and statistics as a torch-layout state dict of numpy arrays.
+
+  Each batch norm also gets torch's ``num_batches_tracked`` (0: NNX keeps no count),
+  so a strict ``load_state_dict`` accepts the result."""
+  state = {key: np.ascontiguousarray(_relayout(kind, np.asarray(var[...]), to_torch=True))
+           for key, (var, kind) in torch_names(module).items()}
+  for key in [k for k in state if k.endswith(".running_mean")]:
+    state[key[:-len("running_mean")] + "num_batches_tracked"] = np.array(0, np.int64)
+  return state

@@ -123,7 +123,7 @@ def _classes():
         if (hp, wp) == (self.reso, self.reso):
           masks = (self.attn_mask_0, self.attn_mask_1)
         else:
-          masks = [torch.from_numpy(m).to(x.device) for m in
+          masks = [torch.from_numpy(m).to(device=x.device, dtype=x.dtype) for m in
                    shift_masks(hp, wp, self.split_size, self.shift_size)]
         outs = []
         for attn, part, mask, (dh, dw) in zip(self.attns, halves, masks, ((s0, s1), (s1, s0))):

@@ -12,8 +12,9 @@ import torch
 from flax import nnx
 from hypothesis import given, settings, strategies as st
 
-from interop.checkpoints import (DAT_DERIVED, dat_from_state_dict, infer_dat_config,
-                                 load_converted, load_dat, read_state_dict, save_converted)
+from interop.checkpoints import (DAT_DERIVED, dat_from_state_dict, dat_to_torch_state_dict,
+                                 infer_dat_config, load_converted, load_dat, read_state_dict,
+                                 save_converted)
 from interop.convert import load_torch_state_dict
 from interop.dat_torch import dat_torch
 from jattn.nn import DAT, DAT_PRESETS, DATConfig
@@ -108,6 +109,21 @@ def test_converted_params_round_trip(tmp_path):
   again = load_converted(tmp_path / "out")
   x = jnp.asarray(_image(9, 14))
   np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(model(x)))
+
+
+def test_export_is_the_original_state_dict():
+  """Flax -> torch state dict gives back every tensor the torch model holds, buffers
+  included, so the original loads it strictly."""
+  config = dataclasses.replace(SMALL, depth=(2, 2))
+  reference = dat_torch(config, img_size=24, seed=8)
+  exported = dat_to_torch_state_dict(dat_from_state_dict(reference.state_dict()), img_size=24)
+  expected = reference.state_dict()
+  assert set(exported) == set(expected)
+  for key, value in expected.items():
+    assert exported[key].shape == tuple(value.shape), key
+    np.testing.assert_array_equal(exported[key], value.numpy(), err_msg=key)
+  fresh = dat_torch(config, img_size=24, seed=9)
+  fresh.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()}, strict=True)
 
 
 def load_dat_from(reference, tmp_path):

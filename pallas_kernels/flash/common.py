@@ -16,13 +16,17 @@ LN2 = math.log(2.0)
 EMPTY_ROW_LSE = -1e30
 
 
-def dot(a, b, contract_a: int, contract_b: int):
+def dot(a, b, contract_a: int, contract_b: int, fast_fp32: bool = False):
   """2-D matmul contracting ``a``'s and ``b``'s given axes, accumulating in fp32.
 
-  fp32 operands use IEEE fp32 products (not TF32), so fp32 calls are as exact
-  as the reference.
+  fp32 operands use IEEE fp32 products (not TF32), so fp32 calls are as exact as
+  the reference; ``fast_fp32`` uses three TF32 products instead (Triton's tf32x3:
+  relative error near 1e-7, on the tensor cores; compiled GPU kernels only, as
+  XLA on the CPU has no such dot).
   """
-  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  precision = None
+  if a.dtype == jnp.float32:
+    precision = lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if fast_fp32 else lax.Precision.HIGHEST
   return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
                          precision=precision, preferred_element_type=jnp.float32)
 
@@ -33,15 +37,16 @@ def online_softmax_init(rows: int, width: int):
           jnp.zeros((rows,), jnp.float32))
 
 
-def online_softmax_step(carry, s, c, v):
+def online_softmax_step(carry, s, c, v, fast_fp32: bool = False):
   """Folds one key tile into ``(acc, m, l)``: logits ``s * c`` in base-2 units
-  (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``."""
+  (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``
+  (``fast_fp32`` as in ``dot``)."""
   acc, m_prev, l_prev = carry
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * c)
   alpha = jnp.exp2(m_prev - m_next)
   p = jnp.exp2(s * c - m_next[:, None])
   l_next = l_prev * alpha + jnp.sum(p, axis=1)
-  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0)
+  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0, fast_fp32)
   return acc, m_next, l_next
 
 

@@ -8,8 +8,12 @@ and mask already in base-2 units (times log2 e) and ``-inf`` in the bias columns
 padded keys, so the kernels add them to the logits and need no element masks.
 
 Grids: forward and dQ ``(query tiles, windows, heads)``; dK/dV ``(key tiles,
-windows, heads)`` on transposed tiles; d(bias) ``(query tiles, key tiles, heads)``,
-summing the windows in a fixed order. No atomics: gradients are reproducible.
+windows, heads)`` on transposed tiles; d(bias) ``(query tiles, key tiles, heads,
+window groups)``: each program sums one group of windows in a fixed order into its own
+partial, and the partials are summed after. No atomics: gradients are reproducible.
+
+Compiled kernels take fp32 products as three TF32 ones (``dot``'s ``fast_fp32``); the
+interpreter, on XLA's CPU, takes them in IEEE fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash.common import (LOG2E, dot, online_softmax_finish, online_softmax_init,
                                          online_softmax_step)
+
+# Programs the d(bias) grid aims for: a few per SM of a large GPU, so the sum over
+# windows is spread out instead of run by one program per bias tile.
+DBIAS_PROGRAMS = 512
 
 
 def _tile(block: int, d: int):
@@ -59,14 +67,14 @@ def _logits2(qk, scale: float, bias, mask):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, scale: float,
-                    block_k: int):
+                    block_k: int, fast: bool):
   q = q_ref[...]
 
   def body(j, carry):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     mask = None if mask_ref is None else mask_ref[:, cols]
-    s = _logits2(dot(q, k_ref[cols, :], 1, 1), scale, bias_ref[:, cols], mask)
-    return online_softmax_step(carry, s, 1.0, v_ref[cols, :])
+    s = _logits2(dot(q, k_ref[cols, :], 1, 1, fast), scale, bias_ref[:, cols], mask)
+    return online_softmax_step(carry, s, 1.0, v_ref[cols, :], fast)
 
   carry = online_softmax_init(q.shape[0], v_ref.shape[-1])
   o, lse = online_softmax_finish(lax.fori_loop(0, k_ref.shape[0] // block_k, body, carry))
@@ -88,7 +96,7 @@ def window_forward(q, k, v, bias2, mask2, *, scale: float, block_q: int, block_k
   windows, tokens, heads, d = q.shape
   mask_spec = None if mask2 is None else _mask_rows(block_q, tokens, mask2.shape[0])
   return _call(
-      functools.partial(_forward_kernel, scale=scale, block_k=block_k),
+      functools.partial(_forward_kernel, scale=scale, block_k=block_k, fast=not interpret),
       grid=(tokens // block_q, windows, heads),
       in_specs=[_tile(block_q, d), _whole(tokens, d), _whole(tokens, d),
                 _bias_rows(block_q, tokens), mask_spec],
@@ -100,7 +108,7 @@ def window_forward(q, k, v, bias2, mask2, *, scale: float, block_q: int, block_k
 
 
 def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref, dq_ref, *,
-               scale: float, block_k: int):
+               scale: float, block_k: int, fast: bool):
   q, do = q_ref[...], do_ref[...]
   lse2 = lse_ref[...][:, None] * LOG2E
   delta = delta_ref[...][:, None]
@@ -109,16 +117,16 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[cols, :]
     mask = None if mask_ref is None else mask_ref[:, cols]
-    p = jnp.exp2(_logits2(dot(q, k, 1, 1), scale, bias_ref[:, cols], mask) - lse2)
-    ds = p * (dot(do, v_ref[cols, :], 1, 1) - delta)
-    return dq + dot(ds.astype(k.dtype), k, 1, 0)
+    p = jnp.exp2(_logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask) - lse2)
+    ds = p * (dot(do, v_ref[cols, :], 1, 1, fast) - delta)
+    return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mask_t_ref,
-                dk_ref, dv_ref, *, scale: float, block_q: int):
+                dk_ref, dv_ref, *, scale: float, block_q: int, fast: bool):
   # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
   k, v = k_ref[...], v_ref[...]
 
@@ -127,11 +135,11 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     mask = None if mask_t_ref is None else mask_t_ref[:, rows]
-    s_t = _logits2(dot(k, q, 1, 1), scale, bias_t_ref[:, rows], mask)
+    s_t = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask)
     p_t = jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E)
-    dv = dv + dot(p_t.astype(do.dtype), do, 1, 0)
-    ds_t = p_t * (dot(v, do, 1, 1) - delta_ref[rows][None, :])
-    return dk + dot(ds_t.astype(q.dtype), q, 1, 0), dv
+    dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
+    ds_t = p_t * (dot(v, do, 1, 1, fast) - delta_ref[rows][None, :])
+    return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, jnp.zeros(v.shape, jnp.float32)))
@@ -140,18 +148,27 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
 
 
 def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref, dbias_ref,
-                  *, scale: float, mask_windows: int):
+                  *, scale: float, mask_windows: int, groups: int, fast: bool):
   bias = bias_ref[...]
+  group = pl.program_id(3)
 
-  def body(w, acc):
+  def body(i, acc):
+    w = group + i * groups  # windows strided over the groups
     q, do = q_ref[w], do_ref[w]
     mask = None if mask_ref is None else mask_ref[lax.rem(w, mask_windows)]
-    s = _logits2(dot(q, k_ref[w], 1, 1), scale, bias, mask)
+    s = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask)
     p = jnp.exp2(s - lse_ref[w][:, None] * LOG2E)
-    return acc + p * (dot(do, v_ref[w], 1, 1) - delta_ref[w][:, None])
+    return acc + p * (dot(do, v_ref[w], 1, 1, fast) - delta_ref[w][:, None])
 
-  windows = q_ref.shape[0]
-  dbias_ref[...] = lax.fori_loop(0, windows, body, jnp.zeros(bias.shape, jnp.float32))
+  per_group = q_ref.shape[0] // groups
+  dbias_ref[...] = lax.fori_loop(0, per_group, body, jnp.zeros(bias.shape, jnp.float32))
+
+
+def dbias_groups(windows: int, bias_tiles: int) -> int:
+  """How many groups the d(bias) kernel splits the windows into: the largest divisor
+  of ``windows`` that keeps ``bias_tiles * groups`` within ``DBIAS_PROGRAMS``."""
+  target = max(1, DBIAS_PROGRAMS // bias_tiles)
+  return max(g for g in range(1, min(windows, target) + 1) if windows % g == 0)
 
 
 def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, blocks,
@@ -174,7 +191,7 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
   whole_stat = pl.BlockSpec((None, None, tokens), lambda i, w, h: (w, h, 0))
 
   dq = _call(
-      functools.partial(_dq_kernel, scale=scale, block_k=bk_dq),
+      functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, fast=not interpret),
       grid=(tokens // bq_dq, windows, heads),
       in_specs=[_whole(tokens, d), _whole(tokens, d), _tile(bq_dq, d), _tile(bq_dq, d),
                 row_stat(bq_dq), row_stat(bq_dq), _bias_rows(bq_dq, tokens),
@@ -185,7 +202,7 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
 
   mask2_t = None if mask2 is None else jnp.swapaxes(mask2, 1, 2)
   dk, dv = _call(
-      functools.partial(_dkv_kernel, scale=scale, block_q=bq_dkv),
+      functools.partial(_dkv_kernel, scale=scale, block_q=bq_dkv, fast=not interpret),
       grid=(tokens // bk_dkv, windows, heads),
       in_specs=[_whole(tokens, d), _whole(tokens, d), whole_stat, whole_stat,
                 _tile(bk_dkv, d), _tile(bk_dkv, d), _bias_rows(bk_dkv, tokens),
@@ -195,19 +212,21 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
       name="jattn_window_dkv", **launch,
   )(q, do, lse, delta, k, v, jnp.swapaxes(bias2, 1, 2), mask2_t)
 
+  groups = dbias_groups(windows, (tokens // bq_dq) * (tokens // bk_dq) * heads)
   every_window = lambda block: pl.BlockSpec((windows, block, None, d),
-                                            lambda i, j, h: (0, i, h, 0))
-  every_window_k = pl.BlockSpec((windows, bk_dq, None, d), lambda i, j, h: (0, j, h, 0))
-  stat = pl.BlockSpec((windows, None, bq_dq), lambda i, j, h: (0, h, i))
-  dbias = _call(
-      functools.partial(_dbias_kernel, scale=scale, mask_windows=mask_windows),
-      grid=(tokens // bq_dq, tokens // bk_dq, heads),
+                                            lambda i, j, h, g: (0, i, h, 0))
+  every_window_k = pl.BlockSpec((windows, bk_dq, None, d), lambda i, j, h, g: (0, j, h, 0))
+  stat = pl.BlockSpec((windows, None, bq_dq), lambda i, j, h, g: (0, h, i))
+  partials = _call(
+      functools.partial(_dbias_kernel, scale=scale, mask_windows=mask_windows, groups=groups,
+                        fast=not interpret),
+      grid=(tokens // bq_dq, tokens // bk_dq, heads, groups),
       in_specs=[every_window(bq_dq), every_window_k, every_window_k, every_window(bq_dq),
-                stat, stat, pl.BlockSpec((None, bq_dq, bk_dq), lambda i, j, h: (h, i, j)),
+                stat, stat, pl.BlockSpec((None, bq_dq, bk_dq), lambda i, j, h, g: (h, i, j)),
                 None if mask2 is None else pl.BlockSpec((mask_windows, bq_dq, bk_dq),
-                                                        lambda i, j, h: (0, i, j))],
-      out_specs=pl.BlockSpec((None, bq_dq, bk_dq), lambda i, j, h: (h, i, j)),
-      out_shape=jax.ShapeDtypeStruct((heads, tokens, tokens), jnp.float32),
+                                                        lambda i, j, h, g: (0, i, j))],
+      out_specs=pl.BlockSpec((None, None, bq_dq, bk_dq), lambda i, j, h, g: (g, h, i, j)),
+      out_shape=jax.ShapeDtypeStruct((groups, heads, tokens, tokens), jnp.float32),
       name="jattn_window_dbias", **launch,
   )(q, k, v, do, lse, delta, bias2, mask2)
-  return dq, dk, dv, dbias
+  return dq, dk, dv, partials.sum(axis=0)
