@@ -177,3 +177,89 @@ def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_st
 
   state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
   return jnp.moveaxis(o, 0, 1)[:, prefix:], state
+
+
+def dilated_positions(seq_len: int, heads: int, segment_length: int, dilation_rate: int):
+  """Where one (w, r) pair's dilated rows sit: ``pos[n, j, h]`` is the sequence position
+  of row ``j`` of segment ``n`` for head ``h`` (offset ``h mod r``), shape
+  ``[ceil(S / w), w / r, heads]``; positions ``>= seq_len`` are padding."""
+  w, r = segment_length, dilation_rate
+  segments = -(-seq_len // w)
+  return (jnp.arange(segments)[:, None, None] * w + jnp.arange(w // r)[None, :, None] * r
+          + (jnp.arange(heads) % r)[None, None, :])
+
+
+def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, causal=False,
+                           scale=None):
+  """One (w, r) pair of dilated attention in float32: head ``h`` attends within each
+  segment of ``w`` positions among those ``≡ h (mod r)`` (causal: earlier ones only).
+
+  Returns ``(o, lse)``: ``o: [batch, seq, heads, head_dim]`` float32, zero where the
+  pair does not cover a position for that head; ``lse: [batch, heads, seq]`` with
+  ``EMPTY_ROW_LSE`` there.
+  """
+  batch, seq, heads, head_dim = q.shape
+  w, r = segment_length, dilation_rate
+  scale = head_dim ** -0.5 if scale is None else scale
+  pos = dilated_positions(seq, heads, w, r)  # [n, L, H]
+  valid = pos < seq
+  heads_idx = jnp.arange(heads)
+  rows = jnp.minimum(pos, seq - 1)
+
+  def gather(x):  # [b, S, heads or kv_heads, D] -> [b, n, L, heads, D]
+    x = x.astype(jnp.float32)[:, :, heads_idx // (heads // x.shape[2])]
+    return x[:, rows, heads_idx]
+
+  qs, ks, vs = gather(q), gather(k), gather(v)
+  logits = jnp.einsum("bnqhd,bnkhd->bnhqk", qs, ks, precision=jax.lax.Precision.HIGHEST) * scale
+  mask = jnp.moveaxis(valid, -1, 1)[:, :, None, :]  # [n, H, 1, L]: keys that exist
+  if causal:
+    rows = jnp.arange(w // r)
+    mask = mask & (rows[None, None, None, :] <= rows[None, None, :, None])
+  mask = jnp.broadcast_to(mask[None], logits.shape)
+  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  empty = denom == 0.0
+  safe = jnp.where(empty, 1.0, denom)
+  o = jnp.einsum("bnhqk,bnkhd->bnqhd", p / safe, vs, precision=jax.lax.Precision.HIGHEST)
+  lse = jnp.moveaxis(jnp.where(empty, EMPTY_ROW_LSE, jnp.log(safe) + row_max)[..., 0], 2, 3)
+  # Scatter back; rows past the sequence end go to a spare slot that is dropped.
+  flat = jnp.where(valid, pos, seq).reshape(-1, heads)  # [n * L, H]
+  o_full = jnp.zeros((batch, seq + 1, heads, head_dim), jnp.float32)
+  o_full = o_full.at[:, flat, heads_idx[None, :]].set(o.reshape(batch, -1, heads, head_dim))
+  lse_full = jnp.full((batch, seq + 1, heads), EMPTY_ROW_LSE, jnp.float32)
+  lse_full = lse_full.at[:, flat, heads_idx[None, :]].set(lse.reshape(batch, -1, heads))
+  return o_full[:, :seq], jnp.moveaxis(lse_full[:, :seq], 1, 2)
+
+
+def mix_dilated_pairs(outs, lses):
+  """LongNet's mixing: ``O = Σ_i softmax_i(lse_i) · O_i`` per position and head, from
+  per-pair ``outs [pairs, batch, seq, heads, D]`` and ``lses [pairs, batch, heads, seq]``.
+  Returns ``(o float32, lse)``; positions no pair covers give zeros and
+  ``EMPTY_ROW_LSE``."""
+  lse = jax.nn.logsumexp(lses, axis=0)
+  weights = jnp.exp(lses - lse[None])  # [pairs, b, h, s]
+  o = jnp.einsum("pbhs,pbshd->bshd", weights, outs, precision=jax.lax.Precision.HIGHEST)
+  covered = jnp.max(lses, axis=0) > EMPTY_ROW_LSE / 2
+  return jnp.where(jnp.moveaxis(covered, 1, 2)[..., None], o, 0.0), jnp.where(
+      covered, lse, EMPTY_ROW_LSE)
+
+
+def dilated_attention_reference(q, k, v, *, segment_lengths, dilation_rates, causal=False,
+                                scale=None):
+  """LongNet dilated attention in float32 (gather, dense attention per pair, mix),
+  differentiable by autodiff, mixing weights included.
+
+  Args:
+    q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``.
+    segment_lengths, dilation_rates: the (w_i, r_i) pairs (``w_i % r_i == 0``).
+
+  Returns:
+    ``(o, lse)``: ``o`` in q's dtype, ``lse: [batch, heads, seq]`` float32.
+  """
+  pairs = [dilated_pair_reference(q, k, v, w, r, causal=causal, scale=scale)
+           for w, r in zip(segment_lengths, dilation_rates)]
+  o, lse = mix_dilated_pairs(jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs]))
+  return o.astype(q.dtype), lse

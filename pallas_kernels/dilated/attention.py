@@ -1,0 +1,150 @@
+"""Dilated attention over several (w, r) pairs (Triton-lowered Pallas) and its VJP.
+
+Pads the sequence only when its length is not a multiple of ``lcm(r) x tile`` (and
+head dims to a power of two), then runs the pairs one after another on free reshapes
+of the same buffers (see ``kernels``). The backward reuses the mixture's ``(o, lse)``:
+no per-pair output is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.dilated.kernels import PairGeometry, pair_backward, pair_forward
+from pallas_kernels.flash.common import EMPTY_ROW_LSE, pad_to, round_up
+from pallas_kernels.flash.config import MIN_BLOCK, next_power_of_two, padded_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DilatedConfig:
+  """Row tiles (powers of two >= 16) and launch parameters of the dilated kernels."""
+  block_q: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  bwd_num_warps: int = 4
+  bwd_num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if value < MIN_BLOCK or value & (value - 1):
+        raise ValueError(f"DilatedConfig.{name} must be a power of two >= {MIN_BLOCK}, got {value}")
+
+
+def default_dilated_config(head_dim: int, dtype_bytes: int) -> DilatedConfig:
+  """128-row tiles for 2-byte inputs with head dims up to 128, 64 otherwise (a
+  starting point: not yet tuned on a GPU)."""
+  if dtype_bytes <= 2 and padded_head_dim(head_dim) <= 128:
+    return DilatedConfig(block_q=128, block_k=64, num_warps=8, num_stages=2)
+  return DilatedConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  pairs: tuple[tuple[int, int], ...]
+  causal: bool
+  scale: float
+  config: DilatedConfig
+  interpret: bool
+
+
+def _layout(st: _Static, seq: int, head_dim: int):
+  """``(block_q, block_k, padded seq, padded head dim)``: every pair's row count
+  ``seq_p / r`` is a multiple of both tiles."""
+  rates = math.lcm(*(r for _, r in st.pairs))
+  fit = lambda b: max(MIN_BLOCK, min(b, next_power_of_two(-(-seq // rates))))
+  block_q, block_k = fit(st.config.block_q), fit(st.config.block_k)
+  return block_q, block_k, round_up(seq, rates * max(block_q, block_k)), padded_head_dim(head_dim)
+
+
+def _geometry(st: _Static, seq: int, seq_p: int, group: int, w: int, r: int) -> PairGeometry:
+  return PairGeometry(seq=seq, rows=seq_p // r, seg_rows=w // r, rate=r, group=group,
+                      causal=st.causal, scale=st.scale)
+
+
+def _view(x, r: int):
+  """``[b, s, h, d] -> [b, s / r, r, h, d]`` (a reshape: no copy)."""
+  b, s, h, d = x.shape
+  return x.reshape(b, s // r, r, h, d)
+
+
+def _stat_view(x, r: int):
+  b, h, s = x.shape
+  return x.reshape(b, h, s // r, r)
+
+
+def _forward(st: _Static, q, k, v):
+  batch, seq, heads, head_dim = q.shape
+  block_q, block_k, seq_p, d_p = _layout(st, seq, head_dim)
+  q_p, k_p, v_p = (pad_to(x, seq_p, d_p) for x in (q, k, v))
+  o_acc = jnp.zeros((batch, seq_p, heads, d_p), jnp.float32)
+  lse_acc = jnp.full((batch, heads, seq_p), EMPTY_ROW_LSE, jnp.float32)
+  launch = dict(block_q=block_q, block_k=block_k, num_warps=st.config.num_warps,
+                num_stages=st.config.num_stages, interpret=st.interpret)
+  for w, r in st.pairs:
+    o5, lse4 = pair_forward(_view(q_p, r), _view(k_p, r), _view(v_p, r), _view(o_acc, r),
+                            _stat_view(lse_acc, r),
+                            geo=_geometry(st, seq, seq_p, heads // k.shape[2], w, r), **launch)
+    o_acc, lse_acc = o5.reshape(o_acc.shape), lse4.reshape(lse_acc.shape)
+  return o_acc[:, :seq, :, :head_dim].astype(q.dtype), lse_acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dilated(st: _Static, q, k, v):
+  return _forward(st, q, k, v)[0]
+
+
+def _dilated_fwd(st: _Static, q, k, v):
+  o, lse_p = _forward(st, q, k, v)
+  return o, (q, k, v, o, lse_p)
+
+
+def _dilated_bwd(st: _Static, res, do):
+  q, k, v, o, lse_p = res
+  batch, seq, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  block_q, block_k, seq_p, d_p = _layout(st, seq, head_dim)
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, seq_p - seq)))
+  q_p, k_p, v_p, do_p = (pad_to(x, seq_p, d_p) for x in (q, k, v, do.astype(q.dtype)))
+  dq, dk, dv = (jnp.zeros((batch, seq_p, heads, d_p), jnp.float32) for _ in range(3))
+  launch = dict(block_q=block_q, block_k=block_k, num_warps=st.config.bwd_num_warps,
+                num_stages=st.config.bwd_num_stages, interpret=st.interpret)
+  for w, r in st.pairs:
+    grads = pair_backward(_view(q_p, r), _view(k_p, r), _view(v_p, r), _view(do_p, r),
+                          _stat_view(lse_p, r), _stat_view(delta, r), _view(dq, r),
+                          _view(dk, r), _view(dv, r),
+                          geo=_geometry(st, seq, seq_p, heads // kv_heads, w, r), **launch)
+    dq, dk, dv = (g.reshape(dq.shape) for g in grads)
+  per_kv_head = lambda x: x.reshape(batch, seq_p, kv_heads, heads // kv_heads, d_p).sum(3)
+  unpad = lambda x, like: x[:, :seq, :, :head_dim].astype(like.dtype)
+  return unpad(dq, q), unpad(per_kv_head(dk), k), unpad(per_kv_head(dv), v)
+
+
+_dilated.defvjp(_dilated_fwd, _dilated_bwd)
+
+
+def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
+                             scale: float, config: DilatedConfig | None = None,
+                             interpret: bool = False):
+  """Dilated attention through the Triton-lowered Pallas kernels.
+
+  Args:
+    q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``;
+      pairs ``(w_i, r_i)`` with ``w_i % r_i == 0``. Inputs assumed validated (see
+      ``jattn.dilated_attention``).
+    config: tiles (default ``default_dilated_config``).
+
+  Returns:
+    ``[batch, seq, heads, head_dim]`` in q's dtype.
+  """
+  config = config or default_dilated_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
+  st = _Static(pairs=tuple(zip(map(int, segment_lengths), map(int, dilation_rates))),
+               causal=bool(causal), scale=float(scale), config=config, interpret=interpret)
+  return _dilated(st, q, k, v)

@@ -1,0 +1,247 @@
+"""Dilated attention kernels for one (w, r) pair (Triton-lowered Pallas).
+
+The inputs are viewed, without a copy, as ``[batch, S / r, r, heads, D]``: row ``m``
+of slot ``o`` is sequence position ``m * r + o``. Head ``h`` takes slot ``h mod r``
+(LongNet's head offsets), so its dilated rows are contiguous rows ``m`` of that slot,
+and a segment of ``w`` positions is ``L = w / r`` consecutive rows. Every kernel
+therefore works on plain row tiles of that view; a row ``m`` may attend to rows of
+its own segment (``m // L``), that exist (``m * r + o < seq``) and, if causal, that
+are not later.
+
+- forward: grid (query tiles, batch, heads); online softmax over the key tiles of
+  the tile's segments, then merged into the running ``(o, lse)`` of the pairs before
+  (aliased in and out), so the pairs' mixing ``Σ softmax_i(lse_i) O_i`` is built
+  pair by pair with no per-pair output.
+- backward: with the final ``o``, ``lse`` of the mixture, each pair's gradient is
+  plain attention backward with ``p = exp(s - lse)`` and ``delta = rowsum(do · o)``
+  (the mixing weights' gradient folds into both), accumulated into float32 dQ and
+  per-query-head dK / dV (aliased), deterministically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash.common import (LOG2E, dot, online_softmax_finish, online_softmax_init,
+                                         online_softmax_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairGeometry:
+  """One pair on the ``[batch, rows, r, heads, D]`` view of a padded sequence."""
+  seq: int        # true sequence length (positions >= seq are padding)
+  rows: int       # padded length / r
+  seg_rows: int   # L = w / r rows per segment
+  rate: int       # r
+  group: int      # query heads per kv head
+  causal: bool
+  scale: float
+
+  def valid_rows(self, head):
+    """Rows of slot ``head mod r`` that are real positions (traced int32)."""
+    offset = lax.rem(head, self.rate)
+    return (self.seq - offset + self.rate - 1) // self.rate
+
+  def mask(self, q_idx, k_idx, head):
+    """Which logits of a ``[rows, keys]`` tile may count."""
+    keep = (q_idx // self.seg_rows == k_idx // self.seg_rows) & (k_idx < self.valid_rows(head))
+    if self.causal:
+      keep &= k_idx <= q_idx
+    return keep
+
+  def key_range(self, q_start: int, block_q: int):
+    """Key rows ``[lo, hi)`` any row of the tile may see."""
+    lo = (q_start // self.seg_rows) * self.seg_rows
+    hi = ((q_start + block_q - 1) // self.seg_rows + 1) * self.seg_rows
+    hi = jnp.minimum(hi, self.rows)
+    if self.causal:
+      hi = jnp.minimum(hi, q_start + block_q)
+    return lo, hi
+
+  def query_range(self, k_start: int, block_k: int):
+    """Query rows ``[lo, hi)`` that may see any key of the tile."""
+    lo = (k_start // self.seg_rows) * self.seg_rows
+    if self.causal:
+      lo = jnp.maximum(lo, k_start)
+    hi = jnp.minimum(((k_start + block_k - 1) // self.seg_rows + 1) * self.seg_rows, self.rows)
+    return lo, hi
+
+
+def _iota(n: int, axis: int, shape):
+  return lax.broadcasted_iota(jnp.int32, shape, axis) + n
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *,
+                    geo: PairGeometry, block_q: int, block_k: int, fast: bool):
+  del o_in_ref, lse_in_ref  # aliased to o_ref / lse_ref
+  head = pl.program_id(2)
+  q_start = pl.program_id(0) * block_q
+  q = q_ref[...]
+  q_idx = _iota(q_start, 0, (block_q, 1))
+
+  def body(j, carry):
+    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    s = dot(q, k_ref[cols, :], 1, 1, fast) * (geo.scale * LOG2E)
+    s = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), s, -jnp.inf)
+    return online_softmax_step(carry, s, 1.0, v_ref[cols, :], fast)
+
+  lo, hi = geo.key_range(q_start, block_q)
+  carry = online_softmax_init(block_q, q.shape[-1])
+  carry = lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, carry)
+  o_pair, lse_pair = online_softmax_finish(carry)
+  # Merge with the pairs before: weights exp(lse_i - lse) of the running log-sum-exp.
+  lse_prev = lse_ref[...]
+  top = jnp.maximum(lse_prev, lse_pair)
+  w_prev, w_pair = jnp.exp(lse_prev - top), jnp.exp(lse_pair - top)
+  total = w_prev + w_pair
+  o_ref[...] = (o_ref[...] * (w_prev / total)[:, None] + o_pair * (w_pair / total)[:, None])
+  lse_ref[...] = top + jnp.log(total)
+
+
+def _row_tile(block: int, d: int, rate: int):
+  """Rows of slot ``h mod r`` of head ``h`` in a ``[batch, rows, r, heads, d]`` view."""
+  return pl.BlockSpec((None, block, None, None, d), lambda i, b, h: (b, i, h % rate, h, 0))
+
+
+def _kv_rows(rows: int, d: int, rate: int, group: int):
+  return pl.BlockSpec((None, rows, None, None, d),
+                      lambda i, b, h: (b, 0, h % rate, h // group, 0))
+
+
+def _stat_tile(block: int, rate: int):
+  """Rows of a ``[batch, heads, rows, r]`` view of a ``[batch, heads, seq]`` statistic."""
+  return pl.BlockSpec((None, None, block, None), lambda i, b, h: (b, h, i, h % rate))
+
+
+def _params(num_warps: int, num_stages: int):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pair_forward(q5, k5, v5, o_acc, lse_acc, *, geo: PairGeometry, block_q: int, block_k: int,
+                 num_warps: int, num_stages: int, interpret: bool):
+  """Folds one pair into the running mixture.
+
+  Args:
+    q5: ``[batch, rows, r, heads, d]``; k5, v5: ``[batch, rows, r, kv_heads, d]``
+      (``rows`` a multiple of both tiles); o_acc: ``[batch, rows, r, heads, d]`` float32;
+      lse_acc: ``[batch, heads, rows, r]`` float32 (``EMPTY_ROW_LSE`` before any pair).
+
+  Returns:
+    the updated ``(o_acc, lse_acc)``.
+  """
+  batch, rows, rate, heads, d = q5.shape
+  kernel = functools.partial(_forward_kernel, geo=geo, block_q=block_q, block_k=block_k,
+                             fast=not interpret)
+  return pl.pallas_call(
+      kernel, grid=(rows // block_q, batch, heads),
+      in_specs=[_row_tile(block_q, d, rate), _kv_rows(rows, d, rate, geo.group),
+                _kv_rows(rows, d, rate, geo.group), _row_tile(block_q, d, rate),
+                _stat_tile(block_q, rate)],
+      out_specs=[_row_tile(block_q, d, rate), _stat_tile(block_q, rate)],
+      out_shape=[jax.ShapeDtypeStruct(o_acc.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(lse_acc.shape, jnp.float32)],
+      input_output_aliases={3: 0, 4: 1}, interpret=interpret, name="jattn_dilated_fwd",
+      compiler_params=_params(num_warps, num_stages),
+  )(q5, k5, v5, o_acc, lse_acc)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_ref, *,
+               geo: PairGeometry, block_q: int, block_k: int, fast: bool):
+  del dq_in_ref
+  head = pl.program_id(2)
+  q_start = pl.program_id(0) * block_q
+  q, do = q_ref[...], do_ref[...]
+  q_idx = _iota(q_start, 0, (block_q, 1))
+  lse2 = lse_ref[...][:, None] * LOG2E
+  delta = delta_ref[...][:, None]
+
+  def body(j, dq):
+    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k = k_ref[cols, :]
+    s = dot(q, k, 1, 1, fast) * (geo.scale * LOG2E)
+    keep = geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head)
+    p = jnp.where(keep, jnp.exp2(s - lse2), 0.0)
+    ds = p * (dot(do, v_ref[cols, :], 1, 1, fast) - delta)
+    return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
+
+  lo, hi = geo.key_range(q_start, block_q)
+  dq = lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] += dq * geo.scale
+
+
+def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_in_ref,
+                dk_ref, dv_ref, *, geo: PairGeometry, block_q: int, block_k: int, fast: bool):
+  del dk_in_ref, dv_in_ref
+  head = pl.program_id(2)
+  k_start = pl.program_id(0) * block_k
+  k, v = k_ref[...], v_ref[...]
+  k_idx = _iota(k_start, 0, (block_k, 1))  # tiles kept transposed: [keys, queries]
+
+  def body(i, carry):
+    dk, dv = carry
+    rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+    q, do = q_ref[rows, :], do_ref[rows, :]
+    s_t = dot(k, q, 1, 1, fast) * (geo.scale * LOG2E)
+    keep = geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head)
+    p_t = jnp.where(keep, jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E), 0.0)
+    dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
+    ds_t = p_t * (dot(v, do, 1, 1, fast) - delta_ref[rows][None, :])
+    return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
+
+  lo, hi = geo.query_range(k_start, block_k)
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(lo // block_q, pl.cdiv(hi, block_q), body, (zeros, zeros))
+  dk_ref[...] += dk * geo.scale
+  dv_ref[...] += dv
+
+
+def pair_backward(q5, k5, v5, do5, lse, delta, dq_acc, dk_acc, dv_acc, *, geo: PairGeometry,
+                  block_q: int, block_k: int, num_warps: int, num_stages: int,
+                  interpret: bool):
+  """Adds one pair's gradients to the float32 accumulators.
+
+  Args:
+    q5, do5: ``[batch, rows, r, heads, d]``; k5, v5: ``[batch, rows, r, kv_heads, d]``;
+      lse, delta: ``[batch, heads, rows, r]`` float32 of the whole mixture;
+      dq_acc, dk_acc, dv_acc: ``[batch, rows, r, heads, d]`` float32 (dK / dV per
+      query head: the caller sums each kv head's group).
+
+  Returns:
+    the updated ``(dq_acc, dk_acc, dv_acc)``.
+  """
+  batch, rows, rate, heads, d = q5.shape
+  fast = not interpret
+  params = _params(num_warps, num_stages)
+  acc_shape = jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32)
+  dq_acc = pl.pallas_call(
+      functools.partial(_dq_kernel, geo=geo, block_q=block_q, block_k=block_k, fast=fast),
+      grid=(rows // block_q, batch, heads),
+      in_specs=[_row_tile(block_q, d, rate), _kv_rows(rows, d, rate, geo.group),
+                _kv_rows(rows, d, rate, geo.group), _row_tile(block_q, d, rate),
+                _stat_tile(block_q, rate), _stat_tile(block_q, rate),
+                _row_tile(block_q, d, rate)],
+      out_specs=_row_tile(block_q, d, rate), out_shape=acc_shape,
+      input_output_aliases={6: 0}, interpret=interpret, name="jattn_dilated_dq",
+      compiler_params=params,
+  )(q5, k5, v5, do5, lse, delta, dq_acc)
+  whole_q = pl.BlockSpec((None, rows, None, None, d), lambda j, b, h: (b, 0, h % rate, h, 0))
+  whole_stat = pl.BlockSpec((None, None, rows, None), lambda j, b, h: (b, h, 0, h % rate))
+  kv_tile = pl.BlockSpec((None, block_k, None, None, d),
+                         lambda j, b, h: (b, j, h % rate, h // geo.group, 0))
+  dk_acc, dv_acc = pl.pallas_call(
+      functools.partial(_dkv_kernel, geo=geo, block_q=block_q, block_k=block_k, fast=fast),
+      grid=(rows // block_k, batch, heads),
+      in_specs=[kv_tile, kv_tile, whole_q, whole_q, whole_stat, whole_stat,
+                _row_tile(block_k, d, rate), _row_tile(block_k, d, rate)],
+      out_specs=[_row_tile(block_k, d, rate), _row_tile(block_k, d, rate)],
+      out_shape=[acc_shape, acc_shape], input_output_aliases={6: 0, 7: 1},
+      interpret=interpret, name="jattn_dilated_dkv", compiler_params=params,
+  )(k5, v5, q5, do5, lse, delta, dk_acc, dv_acc)
+  return dq_acc, dk_acc, dv_acc
