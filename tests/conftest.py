@@ -1,6 +1,12 @@
 import os
 
-import jax
+# The ring-attention tests shard over 4 simulated CPU devices; XLA reads this flag
+# once, when JAX starts, so it is set before anything imports jax.
+_FLAG = "--xla_force_host_platform_device_count=4"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+import jax  # noqa: E402
 import pytest
 
 # CPU runs exercise the real Pallas kernels in interpret mode.

@@ -1,0 +1,280 @@
+"""Attention over a sequence sharded across devices: ``ring_attention`` (inside
+``shard_map``), K/V blocks passed around a ring with ``jax.lax.ppermute``.
+
+Forward: each device keeps its query shard and an online-softmax merge of
+``(o, lse)`` while the K/V shards travel; the next shard is sent before the current
+one is used, so XLA can overlap the transfer with the block's attention. Backward,
+also a ring: with the final ``(o, lse)``, every block's gradient is plain attention
+backward (``p = exp(s - lse)``); dK / dV accumulators travel with their K / V shard
+and arrive home after a full turn.
+
+Causal load balance (``layout="zigzag"``): the sequence is cut into ``2P`` chunks and
+device ``i`` holds chunks ``i`` and ``2P - 1 - i`` (``zigzag_order`` arranges a
+sequence so); then at every step each device does half a block of unmasked work,
+so no device idles. With ``layout="contiguous"`` (device ``i`` holds chunk ``i``)
+causal rings leave later devices the most work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.flash.common import EMPTY_ROW_LSE
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def zigzag_order(x, devices: int, axis: int = 1):
+  """Reorders a full sequence so that sharding it evenly over ``devices`` gives device
+  ``i`` the chunks ``i`` and ``2 * devices - 1 - i``. ``x.shape[axis]`` must be a
+  multiple of ``2 * devices``."""
+  chunks = jnp.split(x, 2 * devices, axis=axis)
+  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
+  return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def zigzag_restore(x, devices: int, axis: int = 1):
+  """Inverse of ``zigzag_order``."""
+  chunks = jnp.split(x, 2 * devices, axis=axis)
+  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
+  back = [None] * len(chunks)
+  for pos, c in enumerate(order):
+    back[c] = chunks[pos]
+  return jnp.concatenate(back, axis=axis)
+
+
+# --- one block: (o, lse) of q against one K/V shard, and its gradients --------------
+
+def _block_forward(q, k, v, *, causal: bool, scale: float, backend: str):
+  """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k, v [b, sk, hk, d]``."""
+  from jattn.flash import flash_attention
+
+  o, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                           backend=backend)
+  return o.astype(jnp.float32), lse
+
+
+def _block_backward(q, k, v, o, lse, do, *, causal: bool, scale: float, backend: str):
+  """Gradients of one block given the final ``o``, ``lse`` of the whole row."""
+  if backend == "pallas_triton":
+    from jattn.backends import interpret_mode
+    from pallas_kernels.flash import default_config
+    from pallas_kernels.flash.triton import backward_triton
+
+    config = default_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
+    dq, dk, dv = backward_triton(q, k, v, o.astype(q.dtype), lse, do.astype(q.dtype),
+                                 jnp.zeros_like(lse), causal=causal, scale=scale,
+                                 config=config, interpret=interpret_mode())
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+  batch, sq, heads, d = q.shape
+  kv_heads = k.shape[2]
+  f32 = lambda x: x.astype(jnp.float32)
+  qg = f32(q).reshape(batch, sq, kv_heads, heads // kv_heads, d)
+  hi = lax.Precision.HIGHEST
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, f32(k), precision=hi) * scale
+  lse_g = lse.reshape(batch, kv_heads, heads // kv_heads, sq)[..., None]
+  p = jnp.exp(s - lse_g)
+  if causal:
+    keep = jnp.arange(k.shape[1])[None, :] <= jnp.arange(sq)[:, None]
+    p = jnp.where(keep, p, 0.0)
+  dog = f32(do).reshape(qg.shape)
+  delta = jnp.einsum("bqhgd,bqhgd->bhgq", f32(o).reshape(qg.shape), dog)[..., None]
+  dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=hi)
+  ds = p * (jnp.einsum("bqhgd,bkhd->bhgqk", dog, f32(v), precision=hi) - delta)
+  dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, f32(k), precision=hi).reshape(q.shape) * scale
+  dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=hi) * scale
+  return dq, dk, dv
+
+
+def _merge(acc, block):
+  """Online-softmax merge of two ``(o float32, lse)`` partial results of the same rows."""
+  (o1, l1), (o2, l2) = acc, block
+  top = jnp.maximum(l1, l2)
+  w1, w2 = jnp.exp(l1 - top), jnp.exp(l2 - top)
+  total = w1 + w2
+  weight = lambda w: jnp.moveaxis(w / total, 1, 2)[..., None]  # [b, h, s] -> [b, s, h, 1]
+  return o1 * weight(w1) + o2 * weight(w2), top + jnp.log(total)
+
+
+def _empty_rows(q):
+  """``(0, EMPTY_ROW_LSE)`` for q's rows; built from q so that inside ``shard_map``
+  they vary over the mesh axis as q does (``lax.cond`` branches must agree)."""
+  o = jnp.zeros_like(q, jnp.float32)
+  return o, jnp.moveaxis(o[..., 0], 1, 2) + EMPTY_ROW_LSE
+
+
+# --- which work a step does -----------------------------------------------------------
+
+def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
+  """``(o, lse)`` of the local queries against the K/V shard of device ``src``."""
+  block = functools.partial(_block_forward, scale=scale, backend=backend)
+  if not causal:
+    return block(q, k, v, causal=False)
+  if layout == "contiguous":
+    return lax.cond(src == me, lambda: block(q, k, v, causal=True),
+                    lambda: lax.cond(src < me, lambda: block(q, k, v, causal=False),
+                                     lambda: _empty_rows(q)))
+  half = q.shape[1] // 2
+
+  def earlier():  # every local query sees the source's first chunk
+    return block(q, k[:, :half], v[:, :half], causal=False)
+
+  def later():  # only the local second chunk sees the source, all of it
+    o, lse = block(q[:, half:], k, v, causal=False)
+    o0, l0 = _empty_rows(q[:, :half])
+    return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
+
+  return lax.cond(src == me, lambda: block(q, k, v, causal=True),
+                  lambda: lax.cond(src < me, earlier, later))
+
+
+def _step_backward(q, k, v, o, lse, do, src, me, *, causal, layout, scale, backend):
+  """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard."""
+  grads = functools.partial(_block_backward, scale=scale, backend=backend)
+  zeros = lambda: tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+  if not causal:
+    return grads(q, k, v, o, lse, do, causal=False)
+  if layout == "contiguous":
+    return lax.cond(src == me, lambda: grads(q, k, v, o, lse, do, causal=True),
+                    lambda: lax.cond(src < me, lambda: grads(q, k, v, o, lse, do, causal=False),
+                                     zeros))
+  half = q.shape[1] // 2
+
+  def earlier():
+    dq, dk, dv = grads(q, k[:, :half], v[:, :half], o, lse, do, causal=False)
+    pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+    return dq, pad(dk), pad(dv)
+
+  def later():
+    dq, dk, dv = grads(q[:, half:], k, v, o[:, half:], lse[:, :, half:], do[:, half:],
+                       causal=False)
+    return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+
+  return lax.cond(src == me, lambda: grads(q, k, v, o, lse, do, causal=True),
+                  lambda: lax.cond(src < me, earlier, later))
+
+
+# --- the ring -------------------------------------------------------------------------
+
+def _shift(x, axis_name: str, devices: int):
+  return lax.ppermute(x, axis_name, [(i, (i + 1) % devices) for i in range(devices)])
+
+
+def _ring_forward(st, q, k, v):
+  axis_name, causal, layout, scale, backend = st
+  devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+  acc = _empty_rows(q)
+  kv = (k, v)
+  for step in range(devices):
+    # Send before use: the transfer of the next shard overlaps this step's attention.
+    nxt = _shift(kv, axis_name, devices) if step + 1 < devices else None
+    src = (me - step) % devices
+    acc = _merge(acc, _step_forward(q, *kv, src, me, causal=causal, layout=layout,
+                                    scale=scale, backend=backend))
+    kv = nxt
+  return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(st, q, k, v):
+  o, _ = _ring_forward(st, q, k, v)
+  return o.astype(q.dtype)
+
+
+def _ring_fwd(st, q, k, v):
+  o, lse = _ring_forward(st, q, k, v)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, o, lse)
+
+
+def _ring_bwd(st, res, do):
+  axis_name, causal, layout, scale, backend = st
+  q, k, v, o, lse = res
+  devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+  dq = jnp.zeros_like(q, jnp.float32)
+  travelling = (k, v, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+  for step in range(devices):
+    kk, vv, dk, dv = travelling
+    src = (me - step) % devices
+    g_q, g_k, g_v = _step_backward(q, kk, vv, o, lse, do, src, me, causal=causal,
+                                   layout=layout, scale=scale, backend=backend)
+    dq = dq + g_q
+    # After the last step the accumulators take one more hop: home to their shard.
+    travelling = _shift((kk, vv, dk + g_k, dv + g_v), axis_name, devices)
+  _, _, dk, dv = travelling
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: float | None = None,
+                   layout: str = "contiguous", backend: str = "auto"):
+  """Exact attention over a sequence sharded on mesh axis ``axis_name``; call it
+  inside ``shard_map`` with the sequence axis split over ``axis_name``.
+
+  Args:
+    q: the local ``[batch, seq / P, heads, head_dim]`` shard; k, v: ``[batch, seq / P,
+      kv_heads, head_dim]`` (grouped-query attention allowed).
+    causal: causal over the global sequence.
+    layout: how the global sequence sits on the devices: ``"contiguous"`` (device
+      ``i`` holds chunk ``i``) or ``"zigzag"`` (chunks ``i`` and ``2P - 1 - i``, see
+      ``zigzag_order``; balances causal work, needs an even local length).
+    backend: the per-block attention (``jattn.flash_attention``'s: ``"auto"``,
+      ``"pallas_triton"`` or ``"xla"``); the backward uses the Triton kernels on
+      ``"pallas_triton"`` and jnp otherwise.
+
+  Returns:
+    the local output shard, like ``q``. Differentiable: the backward runs as a ring
+    too and returns each device's dK / dV home.
+  """
+  from jattn.backends import resolve_backend
+
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+    raise ValueError(f"q, k, v must be [batch, seq_shard, heads, head_dim] with k and v "
+                     f"alike, got {q.shape}, {k.shape}, {v.shape}")
+  if layout == "zigzag" and q.shape[1] % 2:
+    raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
+  if backend not in ("auto", "pallas_triton", "xla"):
+    raise ValueError(f"backend must be 'auto', 'pallas_triton' or 'xla', got {backend!r}")
+  name, _ = resolve_backend(backend, lambda: "pallas_triton" if backend == "auto" and
+                            _triton_usable() else "xla")
+  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  return _ring((axis_name, bool(causal), layout, scale, name), q, k, v)
+
+
+def _triton_usable() -> bool:
+  from jattn.backends import usable_backends
+
+  return "pallas_triton" in usable_backends()
+
+
+def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False,
+                           scale: float | None = None, layout: str = "contiguous",
+                           backend: str = "auto"):
+  """``ring_attention`` on whole ``[batch, seq, heads, head_dim]`` arrays: shards the
+  sequence over ``mesh``'s ``axis_name`` with ``shard_map`` (zig-zag ordered first
+  and restored after for ``layout="zigzag"``), so the caller needs no ``shard_map``.
+
+  ``seq`` must be a multiple of the axis size (twice it for ``"zigzag"``). The
+  ``shard_map`` runs with ``check_vma=False``: Pallas calls inside it declare no
+  per-axis variance.
+  """
+  devices = mesh.shape[axis_name]
+  multiple = devices * (2 if layout == "zigzag" else 1)
+  if q.shape[1] % multiple:
+    raise ValueError(f"the sequence length {q.shape[1]} must be a multiple of {multiple} "
+                     f"({devices} devices on axis {axis_name!r}, layout {layout!r})")
+  spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
+  ring = jax.shard_map(functools.partial(ring_attention, axis_name=axis_name, causal=causal,
+                                         scale=scale, layout=layout, backend=backend),
+                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+  if layout == "zigzag":
+    return zigzag_restore(ring(*(zigzag_order(x, devices) for x in (q, k, v))), devices)
+  return ring(q, k, v)

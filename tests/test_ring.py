@@ -1,0 +1,86 @@
+"""jattn.parallel: ring attention over 4 simulated CPU devices (see conftest) equals
+single-device attention, forward and gradients, in both layouts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jattn.parallel import ring_attention, sharded_ring_attention, zigzag_order, zigzag_restore
+from jattn.reference import flash_attention_reference
+
+DEVICES = 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  if len(jax.devices()) < DEVICES:
+    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+  return Mesh(np.array(jax.devices()[:DEVICES]), ("sp",))
+
+
+def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (batch, seq, heads, head_dim))
+  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim))
+  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim))
+  return q, k, v, jax.random.normal(ks[3], q.shape)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _check(fn, q, k, v, do, causal, tol=1e-5):
+  o, pull = jax.vjp(jax.jit(fn), q, k, v)
+  o_ref, pull_ref = jax.vjp(
+      lambda q, k, v: flash_attention_reference(q, k, v, causal=causal)[0], q, k, v)
+  assert _rel(o, o_ref) < tol
+  for name, g, g_ref in zip("qkv", pull(do), pull_ref(do)):
+    assert _rel(g, g_ref) < tol, name
+
+
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"),
+                                           (True, "zigzag")])
+def test_ring_equals_single_device(mesh, causal, layout):
+  q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=int(causal))
+  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
+                         layout=layout, backend="xla")
+  _check(fn, q, k, v, do, causal)
+
+
+def test_ring_with_pallas_blocks(mesh):
+  q, k, v, do = _inputs(1, 64, 2, 1, 16, seed=3)
+  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=True,
+                         layout="zigzag", backend="pallas_triton")
+  _check(fn, q, k, v, do, True)
+
+
+def test_inside_a_users_shard_map_on_sharded_input(mesh):
+  q, k, v, do = _inputs(1, 32, 2, 2, 8, seed=4)
+  spec = PartitionSpec(None, "sp", None, None)
+  q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+  fn = jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True,
+                                       backend="xla"),
+                     mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+  _check(fn, q, k, v, do, True)
+
+
+def test_zigzag_order_is_a_permutation_and_inverts():
+  x = jnp.arange(2 * 24).reshape(2, 24)
+  y = zigzag_order(x, 3)
+  assert sorted(np.asarray(y[0]).tolist()) == list(range(24))
+  assert np.asarray(y[0, :8]).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]  # chunks 0 and 5
+  np.testing.assert_array_equal(zigzag_restore(y, 3), x)
+
+
+def test_errors(mesh):
+  q, k, v, _ = _inputs(1, 36, 2, 2, 8)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    sharded_ring_attention(q, k, v, mesh=mesh, axis_name="sp", layout="zigzag")
+  with pytest.raises(ValueError, match="layout must be one of"):
+    ring_attention(q, k, v, axis_name="sp", layout="striped")
