@@ -31,6 +31,21 @@ def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
   return mask
 
 
+def masked_softmax(logits, mask):
+  """Softmax over the last axis where ``mask`` holds (float32), and its log-sum-exp.
+
+  Returns ``(p, lse)`` with ``lse`` keeping the reduced axis (size 1). Rows with no
+  allowed entry give ``p = 0`` and ``lse = EMPTY_ROW_LSE``, and finite gradients.
+  """
+  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  empty = denom == 0.0
+  safe = jnp.where(empty, 1.0, denom)
+  return p / safe, jnp.where(empty, EMPTY_ROW_LSE, jnp.log(safe) + row_max)
+
+
 def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                               kv_segment_ids=None, local_window=None, softcap=None):
   """Dense attention with every flash_attention feature, differentiable by autodiff.
@@ -57,15 +72,10 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
-  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  empty = denom == 0.0
-  safe = jnp.where(empty, 1.0, denom)
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", (p / safe).astype(v.dtype), v,
+  p, lse = masked_softmax(logits, mask)
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
                  preferred_element_type=jnp.float32, precision=precision)
-  lse = jnp.where(empty, EMPTY_ROW_LSE, jnp.log(safe) + row_max)[..., 0]
+  lse = lse[..., 0]
   return (o.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype),
           lse.reshape(batch, q_heads, q_len))
 
@@ -216,15 +226,9 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
   if causal:
     rows = jnp.arange(w // r)
     mask = mask & (rows[None, None, None, :] <= rows[None, None, :, None])
-  mask = jnp.broadcast_to(mask[None], logits.shape)
-  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  empty = denom == 0.0
-  safe = jnp.where(empty, 1.0, denom)
-  o = jnp.einsum("bnhqk,bnkhd->bnqhd", p / safe, vs, precision=jax.lax.Precision.HIGHEST)
-  lse = jnp.moveaxis(jnp.where(empty, EMPTY_ROW_LSE, jnp.log(safe) + row_max)[..., 0], 2, 3)
+  p, lse = masked_softmax(logits, jnp.broadcast_to(mask[None], logits.shape))
+  o = jnp.einsum("bnhqk,bnkhd->bnqhd", p, vs, precision=jax.lax.Precision.HIGHEST)
+  lse = jnp.moveaxis(lse[..., 0], 2, 3)
   # Scatter back; rows past the sequence end go to a spare slot that is dropped.
   flat = jnp.where(valid, pos, seq).reshape(-1, heads)  # [n * L, H]
   o_full = jnp.zeros((batch, seq + 1, heads, head_dim), jnp.float32)
