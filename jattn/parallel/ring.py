@@ -1,5 +1,6 @@
-"""Attention over a sequence sharded across devices: ``ring_attention`` (inside
-``shard_map``), K/V blocks passed around a ring with ``jax.lax.ppermute``.
+"""Ring attention: exact attention over a sequence sharded across devices;
+``ring_attention`` runs inside ``shard_map``, K/V blocks passed around a ring with
+``jax.lax.ppermute``.
 
 Forward: each device keeps its query shard and an online-softmax merge of
 ``(o, lse)`` while the K/V shards travel; the next shard is sent before the current
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.flash.common import EMPTY_ROW_LSE
+from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -47,77 +48,17 @@ def zigzag_restore(x, devices: int, axis: int = 1):
   return jnp.concatenate(back, axis=axis)
 
 
-# --- one block: (o, lse) of q against one K/V shard, and its gradients --------------
-
-def _block_forward(q, k, v, *, causal: bool, scale: float, backend: str):
-  """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k, v [b, sk, hk, d]``."""
-  from jattn.flash import flash_attention
-
-  o, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
-                           backend=backend)
-  return o.astype(jnp.float32), lse
-
-
-def _block_backward(q, k, v, o, lse, do, *, causal: bool, scale: float, backend: str):
-  """Gradients of one block given the final ``o``, ``lse`` of the whole row."""
-  if backend == "pallas_triton":
-    from jattn.backends import interpret_mode
-    from pallas_kernels.flash import default_config
-    from pallas_kernels.flash.triton import backward_triton
-
-    config = default_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
-    dq, dk, dv = backward_triton(q, k, v, o.astype(q.dtype), lse, do.astype(q.dtype),
-                                 jnp.zeros_like(lse), causal=causal, scale=scale,
-                                 config=config, interpret=interpret_mode())
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-  batch, sq, heads, d = q.shape
-  kv_heads = k.shape[2]
-  f32 = lambda x: x.astype(jnp.float32)
-  qg = f32(q).reshape(batch, sq, kv_heads, heads // kv_heads, d)
-  hi = lax.Precision.HIGHEST
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, f32(k), precision=hi) * scale
-  lse_g = lse.reshape(batch, kv_heads, heads // kv_heads, sq)[..., None]
-  p = jnp.exp(s - lse_g)
-  if causal:
-    keep = jnp.arange(k.shape[1])[None, :] <= jnp.arange(sq)[:, None]
-    p = jnp.where(keep, p, 0.0)
-  dog = f32(do).reshape(qg.shape)
-  delta = jnp.einsum("bqhgd,bqhgd->bhgq", f32(o).reshape(qg.shape), dog)[..., None]
-  dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=hi)
-  ds = p * (jnp.einsum("bqhgd,bkhd->bhgqk", dog, f32(v), precision=hi) - delta)
-  dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, f32(k), precision=hi).reshape(q.shape) * scale
-  dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=hi) * scale
-  return dq, dk, dv
-
-
-def _merge(acc, block):
-  """Online-softmax merge of two ``(o float32, lse)`` partial results of the same rows."""
-  (o1, l1), (o2, l2) = acc, block
-  top = jnp.maximum(l1, l2)
-  w1, w2 = jnp.exp(l1 - top), jnp.exp(l2 - top)
-  total = w1 + w2
-  weight = lambda w: jnp.moveaxis(w / total, 1, 2)[..., None]  # [b, h, s] -> [b, s, h, 1]
-  return o1 * weight(w1) + o2 * weight(w2), top + jnp.log(total)
-
-
-def _empty_rows(q):
-  """``(0, EMPTY_ROW_LSE)`` for q's rows; built from q so that inside ``shard_map``
-  they vary over the mesh axis as q does (``lax.cond`` branches must agree)."""
-  o = jnp.zeros_like(q, jnp.float32)
-  return o, jnp.moveaxis(o[..., 0], 1, 2) + EMPTY_ROW_LSE
-
-
 # --- which work a step does -----------------------------------------------------------
 
 def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
   """``(o, lse)`` of the local queries against the K/V shard of device ``src``."""
-  block = functools.partial(_block_forward, scale=scale, backend=backend)
+  block = functools.partial(block_forward, scale=scale, backend=backend)
   if not causal:
     return block(q, k, v, causal=False)
   if layout == "contiguous":
     return lax.cond(src == me, lambda: block(q, k, v, causal=True),
                     lambda: lax.cond(src < me, lambda: block(q, k, v, causal=False),
-                                     lambda: _empty_rows(q)))
+                                     lambda: empty_rows(q)))
   half = q.shape[1] // 2
 
   def earlier():  # every local query sees the source's first chunk
@@ -125,7 +66,7 @@ def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
 
   def later():  # only the local second chunk sees the source, all of it
     o, lse = block(q[:, half:], k, v, causal=False)
-    o0, l0 = _empty_rows(q[:, :half])
+    o0, l0 = empty_rows(q[:, :half])
     return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
 
   return lax.cond(src == me, lambda: block(q, k, v, causal=True),
@@ -134,7 +75,7 @@ def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
 
 def _step_backward(q, k, v, o, lse, do, src, me, *, causal, layout, scale, backend):
   """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard."""
-  grads = functools.partial(_block_backward, scale=scale, backend=backend)
+  grads = functools.partial(block_backward, scale=scale, backend=backend)
   zeros = lambda: tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
   if not causal:
     return grads(q, k, v, o, lse, do, causal=False)
@@ -160,20 +101,20 @@ def _step_backward(q, k, v, o, lse, do, src, me, *, causal, layout, scale, backe
 
 # --- the ring -------------------------------------------------------------------------
 
-def _shift(x, axis_name: str, devices: int):
-  return lax.ppermute(x, axis_name, [(i, (i + 1) % devices) for i in range(devices)])
+def _ring_perm(devices: int):
+  return [(i, (i + 1) % devices) for i in range(devices)]
 
 
 def _ring_forward(st, q, k, v):
   axis_name, causal, layout, scale, backend = st
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-  acc = _empty_rows(q)
+  acc = empty_rows(q)
   kv = (k, v)
   for step in range(devices):
     # Send before use: the transfer of the next shard overlaps this step's attention.
-    nxt = _shift(kv, axis_name, devices) if step + 1 < devices else None
+    nxt = shift(kv, axis_name, _ring_perm(devices)) if step + 1 < devices else None
     src = (me - step) % devices
-    acc = _merge(acc, _step_forward(q, *kv, src, me, causal=causal, layout=layout,
+    acc = merge(acc, _step_forward(q, *kv, src, me, causal=causal, layout=layout,
                                     scale=scale, backend=backend))
     kv = nxt
   return acc
@@ -204,7 +145,7 @@ def _ring_bwd(st, res, do):
                                    layout=layout, scale=scale, backend=backend)
     dq = dq + g_q
     # After the last step the accumulators take one more hop: home to their shard.
-    travelling = _shift((kk, vv, dk + g_k, dv + g_v), axis_name, devices)
+    travelling = shift((kk, vv, dk + g_k, dv + g_v), axis_name, _ring_perm(devices))
   _, _, dk, dv = travelling
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
