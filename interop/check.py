@@ -27,9 +27,13 @@ CASES = [
                                            normalize="abs_sum")),
     ("retention", "chunkwise", dict(q_len=50, mode="chunkwise", chunk_size=16)),
     ("window_attention", "8x8 shift d30", dict(tokens=64, head_dim=30)),
+    ("dilated_attention", "3 pairs gqa", dict(seq=64)),
+    ("dilated_attention", "causal s=50 w>s", dict(seq=50, causal=True, segment_lengths=(16, 64),
+                                                   dilation_rates=(2, 8))),
 ]
 # Backends each op has; the rest are skipped for it.
-OP_BACKENDS = {"retention": ("pallas_triton", "xla"), "window_attention": ("pallas_triton", "xla")}
+OP_BACKENDS = {"retention": ("pallas_triton", "xla"), "window_attention": ("pallas_triton", "xla"),
+               "dilated_attention": ("pallas_triton", "xla")}
 
 
 def _supported(op: str, backend: str, dtype: str, case: dict) -> bool:

@@ -142,11 +142,34 @@ def _window_torch(q, k, v, bias, **kwargs):
   return window_attention_torch(q, k, v, bias, **kwargs)
 
 
+def _dilated_inputs(key, dtype, *, batch=2, seq=48, heads=4, kv_heads=2, head_dim=16,
+                    segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), **flags):
+  keys = jax.random.split(key, 3)
+  q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
+  k, v = (jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
+          for kk in keys[1:])
+  return (q, k, v), dict(flags, segment_lengths=tuple(segment_lengths),
+                         dilation_rates=tuple(dilation_rates))
+
+
+def _dilated_jax(q, k, v, *, backend, **kwargs):
+  from jattn import dilated_attention
+
+  return dilated_attention(q, k, v, backend=backend, **kwargs)
+
+
+def _dilated_torch(q, k, v, **kwargs):
+  from interop.longnet_torch import dilated_attention_torch
+
+  return dilated_attention_torch(q, k, v, **kwargs)
+
+
 OPS: dict[str, OpPair] = {
     "flash_attention": OpPair(("q", "k", "v"), _flash_inputs, _flash_jax, _flash_torch),
     "retention": OpPair(("q", "k", "v"), _retention_inputs, _retention_jax, _retention_torch),
     "window_attention": OpPair(("q", "k", "v", "bias"), _window_inputs, _window_jax,
                                _window_torch),
+    "dilated_attention": OpPair(("q", "k", "v"), _dilated_inputs, _dilated_jax, _dilated_torch),
 }
 
 
@@ -235,7 +258,8 @@ def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "
   """Compares ``op`` with a reference on the same random inputs, forward and gradients.
 
   Args:
-    op: a key of ``OPS`` (``"flash_attention"``, ``"retention"``, ``"window_attention"``).
+    op: a key of ``OPS`` (``"flash_attention"``, ``"retention"``, ``"window_attention"``,
+      ``"dilated_attention"``).
     dtype: input dtype name or jnp dtype (``float32``, ``float16``, ``bfloat16``).
     backend: the jattn backend to test.
     reference: ``"torch"`` (the torch reference, inputs handed over through

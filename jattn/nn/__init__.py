@@ -2,6 +2,8 @@
 
 from jattn.nn.attention import MultiHeadAttention
 from jattn.nn.dat import DAT, PRESETS as DAT_PRESETS, DATConfig
+from jattn.nn.dilated import DilatedAttention, MultiheadDilatedAttention
 from jattn.nn.retention import MultiScaleRetention, RetNet, RetNetLayer
 
-__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "MultiHeadAttention", "MultiScaleRetention", "RetNet", "RetNetLayer"]
+__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "DilatedAttention", "MultiHeadAttention",
+           "MultiScaleRetention", "MultiheadDilatedAttention", "RetNet", "RetNetLayer"]

@@ -5,10 +5,19 @@
 - ``dilated_ring_attention`` / ``sharded_dilated_ring_attention``: LongNet's dilated
   attention, each device exchanging only the sparsified K/V of the segments it
   shares with others (``dilated_ring``).
+- ``hilbert_flatten`` / ``hilbert_unflatten``: an image's tokens in the order of a
+  generalized Hilbert curve (any height and width), so that contiguous shards of the
+  sequence are compact image regions (``hilbert``).
 """
 
+from jattn.parallel.dilated_ring import (dilated_ring_attention,
+                                         sharded_dilated_ring_attention)
+from jattn.parallel.hilbert import (hilbert_curve, hilbert_flatten, hilbert_permutation,
+                                    hilbert_unflatten, inverse_permutation)
 from jattn.parallel.ring import (LAYOUTS, ring_attention, sharded_ring_attention, zigzag_order,
                                  zigzag_restore)
 
-__all__ = ["LAYOUTS", "ring_attention", "sharded_ring_attention", "zigzag_order",
+__all__ = ["LAYOUTS", "dilated_ring_attention", "hilbert_curve", "hilbert_flatten",
+           "hilbert_permutation", "hilbert_unflatten", "inverse_permutation", "ring_attention",
+           "sharded_dilated_ring_attention", "sharded_ring_attention", "zigzag_order",
            "zigzag_restore"]

@@ -10,6 +10,21 @@ from jax import lax
 from pallas_kernels.flash.common import EMPTY_ROW_LSE
 
 
+BLOCK_BACKENDS = ("auto", "pallas_triton", "xla")
+
+
+def resolve_block_backend(backend: str) -> str:
+  """The blocks' backend: ``"auto"`` takes the Triton-lowered Pallas kernels where
+  usable (a GPU, or interpret mode), else XLA."""
+  from jattn.backends import resolve_backend, usable_backends
+
+  if backend not in BLOCK_BACKENDS:
+    raise ValueError(f"backend must be one of {BLOCK_BACKENDS}, got {backend!r}")
+  name, _ = resolve_backend(backend, lambda: "pallas_triton" if "pallas_triton" in
+                            usable_backends() else "xla")
+  return name
+
+
 def block_forward(q, k, v, *, causal: bool, scale: float, backend: str):
   """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k, v [b, sk, hk, d]``."""
   from jattn.flash import flash_attention

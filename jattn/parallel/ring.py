@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
+from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
+                                   resolve_block_backend, shift)
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -173,8 +174,6 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
     the local output shard, like ``q``. Differentiable: the backward runs as a ring
     too and returns each device's dK / dV home.
   """
-  from jattn.backends import resolve_backend
-
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
@@ -182,18 +181,9 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
                      f"alike, got {q.shape}, {k.shape}, {v.shape}")
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
-  if backend not in ("auto", "pallas_triton", "xla"):
-    raise ValueError(f"backend must be 'auto', 'pallas_triton' or 'xla', got {backend!r}")
-  name, _ = resolve_backend(backend, lambda: "pallas_triton" if backend == "auto" and
-                            _triton_usable() else "xla")
+  name = resolve_block_backend(backend)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
   return _ring((axis_name, bool(causal), layout, scale, name), q, k, v)
-
-
-def _triton_usable() -> bool:
-  from jattn.backends import usable_backends
-
-  return "pallas_triton" in usable_backends()
 
 
 def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False,

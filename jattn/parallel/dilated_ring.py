@@ -1,0 +1,310 @@
+"""Dilated ring attention: LongNet's dilated attention (``jattn.dilated_attention``)
+over a sequence sharded contiguously across devices; ``dilated_ring_attention`` runs
+inside ``shard_map``.
+
+Per pair ``(w, r)``, with ``L`` positions per device:
+
+- ``w <= L`` (``L % w == 0``): every segment lies on one device; no communication.
+- ``w > L`` (``w % L == 0``, or ``w >= seq``): a segment spans a group of ``G = w / L``
+  consecutive devices (the last group may be smaller). Each device gathers its
+  *sparsified* K/V, only the rows ``≡ h (mod r)`` that some head reads (``1 / r`` of
+  the shard for plain multi-head attention), and those travel around the group's
+  ring with ``ppermute`` while the current block is computed, merged with an online
+  softmax as in ``ring``.
+
+All pairs' partial results are merged into one ``(o, lse)``: LongNet's mixing
+``Σ softmax_i(lse_i) O_i`` is exactly that merge. The backward runs the same rings
+with the final ``(o, lse)`` (every block is plain attention backward with
+``p = exp(s - lse)``), so gradients are exact, mixing weights included; the
+sparsified dK / dV travel home and are scattered back into the shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
+                                   resolve_block_backend, shift)
+from pallas_kernels.flash.common import EMPTY_ROW_LSE
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+  """One ``(w, r)`` pair as it falls on ``devices`` shards of ``local`` positions."""
+  w: int
+  r: int
+  slots: tuple[int, ...]        # per query head: its slot h mod r
+  combos: tuple[tuple[int, int], ...]  # the (kv head, slot) rows that are sent
+  head_combo: tuple[int, ...]   # per query head: its index in combos
+  segments: int                 # whole segments per shard (1 if a segment spans devices)
+  group: int                    # devices one segment spans (1: no communication)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  axis_name: str
+  devices: int
+  pairs: tuple[_Pair, ...]
+  causal: bool
+  scale: float
+  backend: str
+
+
+def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads: int) -> _Pair:
+  """How pair ``(w, r)`` maps onto ``devices`` shards of ``local`` positions each."""
+  seq = local * devices
+  if local % r:
+    raise ValueError(f"the local sequence length {local} must be a multiple of every "
+                     f"dilation rate, got r={r}")
+  if w <= local and local % w == 0:
+    segments, group = local // w, 1
+  elif w >= seq:
+    segments, group = 1, devices
+  elif w > local and w % local == 0:
+    segments, group = 1, w // local
+  else:
+    raise ValueError(f"segment length {w} must divide the local sequence length {local}, "
+                     f"be a multiple of it, or reach the whole sequence {seq} (segments may "
+                     "not straddle a device boundary)")
+  group_size = heads // kv_heads
+  slots = tuple(h % r for h in range(heads))
+  combos = tuple(sorted({(h // group_size, h % r) for h in range(heads)}))
+  head_combo = tuple(combos.index((h // group_size, h % r)) for h in range(heads))
+  return _Pair(w=w, r=r, slots=slots, combos=combos, head_combo=head_combo,
+               segments=segments, group=group)
+
+
+# --- between the shard and a pair's dilated rows ---------------------------------------
+
+def _queries(x, pair: _Pair):
+  """``[b, L, heads, D] -> [b * segments, L / (r * segments), heads, D]``: each head's
+  rows of its slot, one block per local segment."""
+  b, n, h, d = x.shape
+  rows = x.reshape(b, n // pair.r, pair.r, h, d)[:, :, jnp.array(pair.slots), jnp.arange(h), :]
+  return rows.reshape(b * pair.segments, n // pair.r // pair.segments, h, d)
+
+
+def _sparse_kv(x, pair: _Pair):
+  """``[b, L, kv_heads, D] -> [b * segments, rows, len(combos), D]``: the rows sent."""
+  b, n, hk, d = x.shape
+  slot = jnp.array([s for _, s in pair.combos])
+  head = jnp.array([g for g, _ in pair.combos])
+  rows = x.reshape(b, n // pair.r, pair.r, hk, d)[:, :, slot, head, :]
+  return rows.reshape(b * pair.segments, n // pair.r // pair.segments, len(pair.combos), d)
+
+
+def _per_head(x, pair: _Pair):
+  """Sparsified ``[.., combos, D]`` rows -> one per query head ``[.., heads, D]``."""
+  return x[:, :, jnp.array(pair.head_combo), :]
+
+
+def _row_stats(lse, pair: _Pair):
+  """``lse [b, heads, L] -> [b * segments, heads, rows]`` at each head's slot."""
+  b, h, n = lse.shape
+  picked = jnp.take_along_axis(lse.reshape(b, h, n // pair.r, pair.r),
+                               jnp.array(pair.slots).reshape(1, h, 1, 1), axis=3)[..., 0]
+  rows = n // pair.r // pair.segments
+  return picked.reshape(b, h, pair.segments, rows).transpose(0, 2, 1, 3).reshape(
+      b * pair.segments, h, rows)
+
+
+def _scatter(o, lse, pair: _Pair, batch: int):
+  """A pair's ``(o [b * segments, rows, h, D], lse)`` back on the shard's positions;
+  positions the pair does not cover get ``(0, EMPTY_ROW_LSE)``."""
+  _, rows, h, d = o.shape
+  n_rows = rows * pair.segments
+  covered = jnp.arange(pair.r)[:, None] == jnp.array(pair.slots)[None, :]  # [r, h]
+  o = o.reshape(batch, n_rows, 1, h, d)
+  o = jnp.where(covered[None, None, :, :, None], o, 0.0).reshape(batch, n_rows * pair.r, h, d)
+  lse = lse.reshape(batch, pair.segments, h, rows).transpose(0, 2, 1, 3).reshape(
+      batch, h, n_rows, 1)
+  lse = jnp.where(covered.T[None, :, None, :], lse, EMPTY_ROW_LSE)
+  return o, lse.reshape(batch, h, n_rows * pair.r)
+
+
+# --- the group rings -------------------------------------------------------------------
+
+def _group_of(devices: int, group: int):
+  """Per device: its group's first device and size (the last group may be short)."""
+  first = [(i // group) * group for i in range(devices)]
+  size = [min(group, devices - f) for f in first]
+  return first, size
+
+
+def _hop(devices: int, group: int, step: int):
+  """The ``ppermute`` pairs of hop ``step``: one turn of each group's ring; groups
+  shorter than ``step + 1`` stay put, so after ``group`` hops every block is home."""
+  first, size = _group_of(devices, group)
+  return [(i, first[i] + (i - first[i] + 1) % size[i] if step < size[i] else i)
+          for i in range(devices)]
+
+
+def _position(st: _Static, pair: _Pair, step: int):
+  """``(local index in the group, source's local index, whether the step is real)``."""
+  first, size = _group_of(st.devices, pair.group)
+  me = lax.axis_index(st.axis_name)
+  mine = me - jnp.array(first)[me]
+  group_size = jnp.array(size)[me]
+  return mine, (mine - step) % group_size, step < group_size
+
+
+def _attend(st: _Static, q, k, v, src, mine, real):
+  """One block's ``(o, lse)``: causal against itself, full against earlier devices of
+  the group (or all of them when not causal), nothing otherwise."""
+  block = functools.partial(block_forward, scale=st.scale, backend=st.backend)
+  if not st.causal:
+    return lax.cond(real, lambda: block(q, k, v, causal=False), lambda: empty_rows(q))
+  # In a short group the steps past its size are not real: their source index wraps
+  # onto blocks already counted.
+  return lax.cond(real & (src == mine), lambda: block(q, k, v, causal=True),
+                  lambda: lax.cond(real & (src < mine), lambda: block(q, k, v, causal=False),
+                                   lambda: empty_rows(q)))
+
+
+def _attend_backward(st: _Static, q, k, v, o, lse, do, src, mine, real):
+  grads = functools.partial(block_backward, scale=st.scale, backend=st.backend)
+  zeros = lambda: tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+  if not st.causal:
+    return lax.cond(real, lambda: grads(q, k, v, o, lse, do, causal=False), zeros)
+  return lax.cond(real & (src == mine), lambda: grads(q, k, v, o, lse, do, causal=True),
+                  lambda: lax.cond(real & (src < mine),
+                                   lambda: grads(q, k, v, o, lse, do, causal=False), zeros))
+
+
+def _pair_forward(st: _Static, pair: _Pair, q, k, v):
+  """``(o, lse)`` of one pair on the shard's positions."""
+  qd = _queries(q, pair)
+  kv = (_sparse_kv(k, pair), _sparse_kv(v, pair))
+  if pair.group == 1:
+    acc = block_forward(qd, *(_per_head(x, pair) for x in kv), causal=st.causal,
+                        scale=st.scale, backend=st.backend)
+  else:
+    acc = empty_rows(qd)
+    for step in range(pair.group):
+      # Send before use: the next block's transfer overlaps this block's attention.
+      nxt = (shift(kv, st.axis_name, _hop(st.devices, pair.group, step))
+             if step + 1 < pair.group else None)
+      mine, src, real = _position(st, pair, step)
+      acc = merge(acc, _attend(st, qd, *(_per_head(x, pair) for x in kv), src, mine, real))
+      kv = nxt
+  return _scatter(*acc, pair, q.shape[0])
+
+
+def _forward(st: _Static, q, k, v):
+  acc = empty_rows(q)
+  for pair in st.pairs:
+    acc = merge(acc, _pair_forward(st, pair, q, k, v))
+  return acc
+
+
+def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
+  """``(dq, dk, dv)`` float32 of one pair's blocks, given the mixture's ``(o, lse)``."""
+  # The gathers are linear: their transposes scatter the gradients back.
+  f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+  pull_q = jax.linear_transpose(lambda x: _queries(x, pair), f32(q))
+  pull_kv = jax.linear_transpose(lambda x: _sparse_kv(x, pair), f32(k))
+  qd, od, dod = (_queries(x, pair) for x in (q, o, do))
+  lsed = _row_stats(lse, pair)
+  kc, vc = _sparse_kv(k, pair), _sparse_kv(v, pair)
+  to_combos = jax.linear_transpose(lambda x: _per_head(x, pair), f32(kc))
+  dq = jnp.zeros(qd.shape, jnp.float32)
+  travelling = (kc, vc, jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
+  for step in range(pair.group):
+    kk, vv, dk, dv = travelling
+    if pair.group == 1:
+      g_q, g_k, g_v = block_backward(qd, _per_head(kk, pair), _per_head(vv, pair), od, lsed,
+                                     dod, causal=st.causal, scale=st.scale, backend=st.backend)
+    else:
+      mine, src, real = _position(st, pair, step)
+      g_q, g_k, g_v = _attend_backward(st, qd, _per_head(kk, pair), _per_head(vv, pair), od,
+                                       lsed, dod, src, mine, real)
+    dq = dq + g_q
+    travelling = (kk, vv, dk + to_combos(g_k)[0], dv + to_combos(g_v)[0])
+    if pair.group > 1:
+      # After the last step the accumulators take one more hop: home.
+      travelling = shift(travelling, st.axis_name, _hop(st.devices, pair.group, step))
+  _, _, dk, dv = travelling
+  return pull_q(dq)[0], pull_kv(dk)[0], pull_kv(dv)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dilated_ring(st: _Static, q, k, v):
+  return _forward(st, q, k, v)[0].astype(q.dtype)
+
+
+def _dilated_ring_fwd(st: _Static, q, k, v):
+  o, lse = _forward(st, q, k, v)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, o, lse)
+
+
+def _dilated_ring_bwd(st: _Static, res, do):
+  q, k, v, o, lse = res
+  dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+  for pair in st.pairs:
+    g_q, g_k, g_v = _pair_backward(st, pair, q, k, v, o, lse, do)
+    dq, dk, dv = dq + g_q, dk + g_k, dv + g_v
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_dilated_ring.defvjp(_dilated_ring_fwd, _dilated_ring_bwd)
+
+
+def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation_rates,
+                           causal: bool = False, scale: float | None = None,
+                           backend: str = "auto"):
+  """``jattn.dilated_attention`` over a sequence split contiguously along mesh axis
+  ``axis_name``; call it inside ``shard_map`` (device ``i`` holds positions
+  ``[i L, (i + 1) L)``).
+
+  Args:
+    q: the local ``[batch, L, heads, head_dim]`` shard; k, v: ``[batch, L, kv_heads,
+      head_dim]``.
+    segment_lengths, dilation_rates: the pairs ``(w_i, r_i)`` as in
+      ``jattn.dilated_attention``; ``L`` must be a multiple of every ``r_i``, and each
+      ``w_i`` must divide ``L``, be a multiple of it, or cover the whole sequence
+      (segments never straddle a device boundary).
+    causal: within segments, over the global positions.
+    backend: the blocks' attention: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
+
+  Returns:
+    the local output shard, like ``q``; equal to ``jattn.dilated_attention`` on the
+    whole sequence. Differentiable (exact gradients, mixing weights included).
+  """
+  from jattn.dilated import _validate
+
+  _validate(q, k, v, segment_lengths, dilation_rates, backend)
+  devices = lax.axis_size(axis_name)
+  _, local, heads, head_dim = q.shape
+  pairs = tuple(plan_pair(int(w), int(r), local=local, devices=devices, heads=heads,
+                          kv_heads=k.shape[2])
+                for w, r in zip(segment_lengths, dilation_rates))
+  st = _Static(axis_name=axis_name, devices=devices, pairs=pairs, causal=bool(causal),
+               scale=head_dim ** -0.5 if scale is None else float(scale),
+               backend=resolve_block_backend(backend))
+  return _dilated_ring(st, q, k, v)
+
+
+def sharded_dilated_ring_attention(q, k, v, *, mesh, axis_name: str, segment_lengths,
+                                   dilation_rates, causal: bool = False,
+                                   scale: float | None = None, backend: str = "auto"):
+  """``dilated_ring_attention`` on whole ``[batch, seq, heads, head_dim]`` arrays: shards
+  the sequence over ``mesh``'s ``axis_name`` with ``shard_map`` (``check_vma=False``,
+  as Pallas calls declare no per-axis variance). ``seq`` must be a multiple of the
+  axis size."""
+  devices = mesh.shape[axis_name]
+  if q.shape[1] % devices:
+    raise ValueError(f"the sequence length {q.shape[1]} must be a multiple of the {devices} "
+                     f"devices on axis {axis_name!r}")
+  spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
+  fn = functools.partial(dilated_ring_attention, axis_name=axis_name,
+                         segment_lengths=tuple(segment_lengths),
+                         dilation_rates=tuple(dilation_rates), causal=causal, scale=scale,
+                         backend=backend)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                       check_vma=False)(q, k, v)
