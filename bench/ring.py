@@ -1,0 +1,226 @@
+"""Ring attention over several GPUs: weak scaling, the longest sequence, and dilated
+ring attention at a million tokens.
+
+    python bench/ring.py                         # weak scaling, 32k tokens per GPU, hd128
+    python bench/ring.py --longest               # double the sequence until too slow / OOM
+    python bench/ring.py --dilated 1048576       # dilated ring, fwd and fwd+bwd
+
+Weak scaling: on the first P GPUs (P in --devices), one sequence of P x --local tokens,
+sharded over the mesh axis; ``ring_attention`` runs inside ``shard_map`` on inputs
+already in the layout (contiguous, or zig-zag for balanced causal), as a model would
+keep them. Per-device TFLOP/s = attention FLOPs / time / P; efficiency = that over
+single-GPU ``flash_attention`` on --local tokens (same mode, causal or not).
+
+Writes ring.json / ring.md (ring_longest.*, ring_dilated.*) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.common import attention_flops, environment, time_jax, write_results  # noqa: E402
+from bench.dilated import RATES, SEGMENTS, dilated_flops  # noqa: E402
+import jattn  # noqa: E402
+from jattn.parallel import dilated_ring_attention, ring_attention  # noqa: E402
+
+SPEC = PartitionSpec(None, "sp", None, None)
+
+
+def sharded_inputs(mesh, shape, dtype, seed=0):
+  """q, k, v, dO generated on the devices, already sharded along the sequence."""
+  sharding = NamedSharding(mesh, SPEC)
+
+  @functools.partial(jax.jit, out_shardings=(sharding,) * 4)
+  def make():
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return tuple(jax.random.normal(key, shape, dtype) for key in keys)
+
+  return make()
+
+
+def step_fn(attend, mesh, mode):
+  """jit of the sharded forward, or of the forward and its VJP."""
+  fn = jax.shard_map(attend, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC,
+                     check_vma=False)
+  if mode == "fwd":
+    return jax.jit(fn), 3
+  return jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do)), 4
+
+
+def _time(fn, args, reps, inner):
+  return time_jax(fn, *args, reps=reps, inner=inner, warmup=1)
+
+
+def weak_scaling(args, env):
+  rows = []
+  shape1 = (1, args.local, args.heads, args.head_dim)
+  for causal, mode in itertools.product((False, True), args.modes.split(",")):
+    mesh1 = Mesh(np.array(jax.devices()[:1]), ("sp",))
+    q, k, v, do = sharded_inputs(mesh1, shape1, jnp.bfloat16)
+    flash = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend="pallas_triton")
+    fn, n = step_fn(flash, mesh1, mode)
+    seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
+    base = attention_flops(1, args.local, args.local, args.heads, args.head_dim, causal, mode)
+    base_tflops = base / seconds / 1e12
+    rows.append(dict(impl="flash (1 GPU)", devices=1, seq=args.local, causal=causal, mode=mode,
+                     ms=seconds * 1e3, tflops_per_device=base_tflops, efficiency=1.0))
+    print(rows[-1], flush=True)
+    layouts = ("zigzag", "contiguous") if causal else ("contiguous",)
+    for devices, layout in itertools.product(map(int, args.devices.split(",")), layouts):
+      if devices > len(jax.devices()):
+        continue
+      mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
+      seq = devices * args.local
+      q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
+      ring = functools.partial(ring_attention, axis_name="sp", causal=causal, layout=layout,
+                               backend="pallas_triton")
+      fn, n = step_fn(ring, mesh, mode)
+      seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
+      flops = attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode)
+      per_device = flops / seconds / devices / 1e12
+      rows.append(dict(impl=f"ring {layout}", devices=devices, seq=seq, causal=causal,
+                       mode=mode, ms=seconds * 1e3, tflops_per_device=per_device,
+                       efficiency=per_device / base_tflops))
+      print(rows[-1], flush=True)
+      write_results(args.out, args.stem, {"env": env, "rows": rows}, _markdown(rows, env, args))
+  return rows
+
+
+def _markdown(rows, env, args):
+  lines = [f"# Ring attention weak scaling, {env['device']} x{len(jax.devices())} "
+           f"(jax {env['jax']}, {env['time']})", "",
+           f"{args.local} tokens per GPU, batch 1, {args.heads} heads, head dim "
+           f"{args.head_dim}, bf16. Per-device TFLOP/s = attention FLOPs / time / GPUs; "
+           "efficiency = that / single-GPU flash_attention on the per-GPU length.", "",
+           "| impl | GPUs | seq | causal | mode | ms | TFLOP/s per GPU | efficiency |",
+           "|---|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['impl']} | {r['devices']} | {r['seq']} | {r['causal']} | {r['mode']} | "
+            f"{r['ms']:.1f} | {r['tflops_per_device']:.0f} | {100 * r['efficiency']:.0f}% |"
+            for r in rows]
+  return "\n".join(lines) + "\n"
+
+
+def longest(args, env):
+  """Causal zig-zag fwd+bwd on every GPU, doubling the per-GPU length until a step
+  exceeds --max-seconds or fails."""
+  devices = len(jax.devices())
+  mesh = Mesh(np.array(jax.devices()), ("sp",))
+  rows, local = [], args.local
+  while True:
+    seq = devices * local
+    row = dict(devices=devices, seq=seq, local=local)
+    try:
+      q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
+      ring = functools.partial(ring_attention, axis_name="sp", causal=True, layout="zigzag",
+                               backend="pallas_triton")
+      fn, _ = step_fn(ring, mesh, "fwd+bwd")
+      stats = fn.lower(q, k, v, do).compile().memory_analysis()
+      jax.block_until_ready(fn(q, k, v, do))
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(q, k, v, do))
+      seconds = time.perf_counter() - t0
+      flops = attention_flops(1, seq, seq, args.heads, args.head_dim, True, "fwd+bwd")
+      row.update(seconds=seconds, tflops_per_device=flops / seconds / devices / 1e12,
+                 temp_gib_per_device=None if stats is None else stats.temp_size_in_bytes / 2**30)
+    except Exception as e:
+      row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    rows.append(row)
+    print(row, flush=True)
+    lines = [f"# Longest causal ring attention fwd+bwd, {env['device']} x{devices} "
+             f"({env['time']})", "", f"batch 1, {args.heads} heads, hd {args.head_dim}, bf16, "
+             "zig-zag; one timed step after a warm-up.", "",
+             "| seq | per GPU | s | TFLOP/s per GPU | temp GiB per GPU |", "|---|---|---|---|---|"]
+    lines += [f"| {r['seq']} | {r['local']} | " + (
+        f"{r['seconds']:.2f} | {r['tflops_per_device']:.0f} | {r['temp_gib_per_device']:.2f} |"
+        if "seconds" in r else f"{r['error']} | | |") for r in rows]
+    write_results(args.out, f"{args.stem}_longest", {"env": env, "rows": rows},
+                  "\n".join(lines) + "\n")
+    if "error" in row or row["seconds"] > args.max_seconds:
+      return rows
+    local *= 2
+
+
+PAIR_SETS = {
+    "longnet": (SEGMENTS, RATES),
+    # Segments up to the whole sequence: the long pairs cross devices (group rings).
+    "to_full": ((2048, 16384, 131072, 1048576), (1, 4, 16, 64)),
+}
+
+
+def dilated(args, env):
+  rows = []
+  seq = args.dilated
+  for (name, (segments, rates)), devices, mode in itertools.product(
+      PAIR_SETS.items(), map(int, args.devices.split(",")), args.modes.split(",")):
+    if devices > len(jax.devices()):
+      continue
+    segments = tuple(min(w, seq) for w in segments)
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
+    row = dict(pairs=name, segments=segments, rates=rates, devices=devices, seq=seq, mode=mode)
+    try:
+      q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
+      if devices == 1:  # the single-device op and its in-place kernels
+        attend = functools.partial(jattn.dilated_attention, segment_lengths=segments,
+                                   dilation_rates=rates, causal=True, backend="pallas_triton")
+      else:
+        attend = functools.partial(dilated_ring_attention, axis_name="sp",
+                                   segment_lengths=segments, dilation_rates=rates, causal=True,
+                                   backend="pallas_triton")
+      fn, n = step_fn(attend, mesh, mode)
+      seconds = _time(fn, (q, k, v, do)[:n], reps=5, inner=1)
+      flops = dilated_flops(1, seq, args.heads, args.head_dim, segments, rates, True, mode)
+      row.update(ms=seconds * 1e3, tflops_per_device=flops / seconds / devices / 1e12)
+    except Exception as e:
+      row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    rows.append(row)
+    print(row, flush=True)
+    lines = [f"# Dilated (ring) attention at {seq} tokens, {env['device']} ({env['time']})", "",
+             f"batch 1, {args.heads} heads, hd {args.head_dim}, bf16, causal. 1 GPU: "
+             "jattn.dilated_attention; more: dilated_ring_attention.", "",
+             "| pairs (w; r) | GPUs | mode | ms | TFLOP/s per GPU |", "|---|---|---|---|---|"]
+    lines += [f"| {r['segments']}; {r['rates']} | {r['devices']} | {r['mode']} | " + (
+        f"{r['ms']:.1f} | {r['tflops_per_device']:.0f} |" if "ms" in r else f"{r['error']} | |")
+        for r in rows]
+    write_results(args.out, f"{args.stem}_dilated", {"env": env, "rows": rows},
+                  "\n".join(lines) + "\n")
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument("--stem", default="ring")
+  parser.add_argument("--devices", default="1,2,4")
+  parser.add_argument("--local", type=int, default=32768)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--modes", default="fwd,fwd+bwd")
+  parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--inner", type=int, default=2)
+  parser.add_argument("--longest", action="store_true")
+  parser.add_argument("--max-seconds", type=float, default=15.0)
+  parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")
+  args = parser.parse_args()
+  env = environment()
+  if args.longest:
+    longest(args, env)
+  elif args.dilated:
+    dilated(args, env)
+  else:
+    weak_scaling(args, env)
+
+
+if __name__ == "__main__":
+  main()
