@@ -31,7 +31,7 @@ from bench.common import (bar_chart, environment, random_inputs, results_table, 
                           time_jax_qkv, write_results)
 import jattn  # noqa: E402
 from jattn.reference import dilated_positions  # noqa: E402
-from pallas_kernels.dilated import DilatedConfig, default_dilated_config  # noqa: E402
+from pallas_kernels.flash import default_config  # noqa: E402
 
 SEGMENTS, RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -153,38 +153,41 @@ def markdown(rows, env):
   return "\n".join(header) + "\n" + table
 
 
-def sweep_configs(dtype_bytes):
-  base = default_dilated_config(128, dtype_bytes)
-  for bq, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
-    yield "fwd", dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=warps,
-                                     num_stages=stages)
-  for bq, bk, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2)):
-    yield "fwd+bwd", dataclasses.replace(base, block_q=bq, block_k=bk, bwd_num_warps=warps,
-                                         bwd_num_stages=stages)
-
-
 def run_sweep(args, env):
+  """Forward tiles first; then the backward's dK/dV tiles, then its dQ tiles, each
+  around the best so far (the kernels are independent). Saves after every config."""
   rows = []
   shape = (1, int(args.seqs.split(",")[0]), args.heads, args.head_dim)
   dname = args.dtypes.split(",")[0]
   q, k, v, do = random_inputs(shape, DTYPES[dname])
-  best = {}  # mode -> (ms, config)
-  for mode, config in sweep_configs(jnp.dtype(DTYPES[dname]).itemsize):
-    if mode == "fwd+bwd" and "fwd" in best:  # the forward launch of the best forward
-      config = dataclasses.replace(config, num_warps=best["fwd"][1].num_warps,
-                                   num_stages=best["fwd"][1].num_stages)
-    fn = jattn_dilated(config)
-    row = _row("jattn_pallas", shape, dname, mode, False,
-               lambda: time_jax_qkv(lambda q, k, v: fn(q, k, v, causal=False), mode, q, k, v, do))
-    rows.append(dict(row, config=dataclasses.asdict(config)))
-    if "ms" in row and row["ms"] < best.get(mode, (float("inf"),))[0]:
-      best[mode] = (row["ms"], config)
-    lines = [f"# Dilated tile sweep, {env['device']} ({env['time']}), shape {shape} {dname}",
-             "", "| mode | ms | config |", "|---|---|---|"]
-    lines += [f"| {r['mode']} | {r.get('ms', float('nan')):.3f} | {r['config']} |"
-              for r in sorted(rows, key=lambda r: (r["mode"], r.get("ms", 1e9)))]
-    write_results(args.out, f"{args.stem}_sweep", {"env": env, "rows": rows},
-                  "\n".join(lines) + "\n")
+  best = default_config(args.head_dim, jnp.dtype(DTYPES[dname]).itemsize)
+  launches = ((4, 2), (8, 2), (8, 3))
+  stages = [
+      ("fwd", [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+               for bq, bk, (w, s) in itertools.product((64, 128), (32, 64, 128), launches)]),
+      ("fwd+bwd", [dict(block_q_dkv=bq, block_k_dkv=bk, bwd_num_warps=w, bwd_num_stages=s)
+                   for bq, bk, (w, s) in itertools.product((32, 64, 128), (64, 128), launches)]),
+      ("fwd+bwd", [dict(block_q_dq=bq, block_k_dq=bk)
+                   for bq, bk in itertools.product((64, 128), (32, 64, 128))]),
+  ]
+  for mode, changes in stages:
+    timed = []
+    for change in changes:
+      config = dataclasses.replace(best, **change)
+      fn = jattn_dilated(config)
+      row = _row("jattn_pallas", shape, dname, mode, False, lambda: time_jax_qkv(
+          lambda q, k, v: fn(q, k, v, causal=False), mode, q, k, v, do))
+      rows.append(dict(row, config=dataclasses.asdict(config)))
+      if "ms" in row:
+        timed.append((row["ms"], config))
+      lines = [f"# Dilated tile sweep, {env['device']} ({env['time']}), shape {shape} {dname}",
+               "", "| mode | ms | config |", "|---|---|---|"]
+      lines += [f"| {r['mode']} | {r.get('ms', float('nan')):.3f} | {r['config']} |"
+                for r in rows]
+      write_results(args.out, f"{args.stem}_sweep", {"env": env, "rows": rows},
+                    "\n".join(lines) + "\n")
+    best = min(timed, key=lambda t: t[0])[1] if timed else best
+  print("best", best)
 
 
 def main():

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from jattn.backends import resolve_backend, usable_backends
 from jattn.reference import dilated_attention_reference
-from pallas_kernels.dilated import DilatedConfig, dilated_attention_triton
+from pallas_kernels.dilated import dilated_attention_triton
+from pallas_kernels.flash import FlashBlockConfig
 
 DILATED_BACKENDS = ("auto", "pallas_triton", "xla")
 MAX_HEAD_DIM = 256
@@ -54,7 +55,7 @@ def _validate(q, k, v, segment_lengths, dilation_rates, backend):
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False,
                       scale: float | None = None, backend: str = "auto",
-                      config: DilatedConfig | None = None):
+                      config: FlashBlockConfig | None = None):
   """LongNet dilated attention.
 
   Args:
@@ -69,7 +70,8 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     backend: ``"auto"`` (the Pallas kernels where usable, else ``"xla"``),
       ``"pallas_triton"`` or ``"xla"`` (the float32 reference: gather, dense
       attention per pair, mix).
-    config: tiles for the Pallas kernels (default ``default_dilated_config``).
+    config: tiles for the Pallas kernels, a ``jattn.FlashBlockConfig`` (default: the
+      flash kernels' default for the head dim and dtype).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in q's dtype. Positions that no pair covers for

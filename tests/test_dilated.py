@@ -11,7 +11,7 @@ import pytest
 
 import jattn
 from jattn.reference import dilated_attention_reference, dilated_pair_reference
-from pallas_kernels.dilated import DilatedConfig
+from pallas_kernels.flash import FlashBlockConfig
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.float32, seed=0):
@@ -85,7 +85,12 @@ CASES = [  # (batch, seq, heads, kv_heads, head_dim), pairs, causal
     ((2, 37, 4, 2, 16), ((8, 2), (16, 4)), False),   # GQA, partial segments, no r=1
     ((1, 64, 4, 4, 32), ((16, 1), (64, 2)), True),
     ((1, 50, 2, 1, 24), ((12, 4), (50, 1)), True),   # MQA, head dim padded to 32
+    ((1, 120, 2, 2, 16), ((40, 1), (120, 2)), False),  # segments of several tiles
 ]
+# Small, unequal tiles: several per segment, so both the masked edge tiles and the
+# unmasked interior ones run, in all three kernels.
+TILES = FlashBlockConfig(block_q=16, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32,
+                         block_k_dkv=16)
 
 
 @pytest.mark.parametrize("shape,pairs,causal", CASES)
@@ -94,7 +99,7 @@ def test_kernels_match_reference(shape, pairs, causal):
   kwargs = dict(segment_lengths=[w for w, _ in pairs], dilation_rates=[r for _, r in pairs],
                 causal=causal)
   ours = lambda q, k, v: jattn.dilated_attention(q, k, v, backend="pallas_triton",
-                                                 config=DilatedConfig(16, 16), **kwargs)
+                                                 config=TILES, **kwargs)
   ref = lambda q, k, v: dilated_attention_reference(q, k, v, **kwargs)[0]
   o, pull = jax.vjp(ours, q, k, v)
   o_ref, pull_ref = jax.vjp(ref, q, k, v)

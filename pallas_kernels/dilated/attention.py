@@ -17,32 +17,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.dilated.kernels import PairGeometry, pair_backward, pair_forward
 from pallas_kernels.flash.common import EMPTY_ROW_LSE, pad_to, round_up
-from pallas_kernels.flash.config import MIN_BLOCK, next_power_of_two, padded_head_dim
+from pallas_kernels.flash.config import (MIN_BLOCK, FlashBlockConfig, default_config,
+                                         next_power_of_two, padded_head_dim)
 
 
-@dataclasses.dataclass(frozen=True)
-class DilatedConfig:
-  """Row tiles (powers of two >= 16) and launch parameters of the dilated kernels."""
-  block_q: int = 64
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
-  bwd_num_warps: int = 4
-  bwd_num_stages: int = 2
-
-  def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if value < MIN_BLOCK or value & (value - 1):
-        raise ValueError(f"DilatedConfig.{name} must be a power of two >= {MIN_BLOCK}, got {value}")
-
-
-def default_dilated_config(head_dim: int, dtype_bytes: int) -> DilatedConfig:
-  """128-row tiles for 2-byte inputs with head dims up to 128, 64 otherwise (a
-  starting point: not yet tuned on a GPU)."""
-  if dtype_bytes <= 2 and padded_head_dim(head_dim) <= 128:
-    return DilatedConfig(block_q=128, block_k=64, num_warps=8, num_stages=2)
-  return DilatedConfig()
+_BLOCKS = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +29,18 @@ class _Static:
   pairs: tuple[tuple[int, int], ...]
   causal: bool
   scale: float
-  config: DilatedConfig
+  config: FlashBlockConfig
   interpret: bool
 
 
 def _layout(st: _Static, seq: int, head_dim: int):
-  """``(block_q, block_k, padded seq, padded head dim)``: every pair's row count
-  ``seq_p / r`` is a multiple of both tiles."""
+  """``(tiles, padded seq, padded head dim)``: ``tiles`` maps each of the config's
+  block fields to the tile used (at most the rows a pair has), and every pair's row
+  count ``seq_p / r`` is a multiple of all of them."""
   rates = math.lcm(*(r for _, r in st.pairs))
   fit = lambda b: max(MIN_BLOCK, min(b, next_power_of_two(-(-seq // rates))))
-  block_q, block_k = fit(st.config.block_q), fit(st.config.block_k)
-  return block_q, block_k, round_up(seq, rates * max(block_q, block_k)), padded_head_dim(head_dim)
+  tiles = {f: fit(getattr(st.config, f)) for f in _BLOCKS}
+  return tiles, round_up(seq, rates * max(tiles.values())), padded_head_dim(head_dim)
 
 
 def _geometry(st: _Static, seq: int, seq_p: int, group: int, w: int, r: int) -> PairGeometry:
@@ -81,11 +61,11 @@ def _stat_view(x, r: int):
 
 def _forward(st: _Static, q, k, v):
   batch, seq, heads, head_dim = q.shape
-  block_q, block_k, seq_p, d_p = _layout(st, seq, head_dim)
+  tiles, seq_p, d_p = _layout(st, seq, head_dim)
   q_p, k_p, v_p = (pad_to(x, seq_p, d_p) for x in (q, k, v))
   o_acc = jnp.zeros((batch, seq_p, heads, d_p), jnp.float32)
   lse_acc = jnp.full((batch, heads, seq_p), EMPTY_ROW_LSE, jnp.float32)
-  launch = dict(block_q=block_q, block_k=block_k, num_warps=st.config.num_warps,
+  launch = dict(block_q=tiles["block_q"], block_k=tiles["block_k"], num_warps=st.config.num_warps,
                 num_stages=st.config.num_stages, interpret=st.interpret)
   for w, r in st.pairs:
     o5, lse4 = pair_forward(_view(q_p, r), _view(k_p, r), _view(v_p, r), _view(o_acc, r),
@@ -109,12 +89,14 @@ def _dilated_bwd(st: _Static, res, do):
   q, k, v, o, lse_p = res
   batch, seq, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  block_q, block_k, seq_p, d_p = _layout(st, seq, head_dim)
+  tiles, seq_p, d_p = _layout(st, seq, head_dim)
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, seq_p - seq)))
   q_p, k_p, v_p, do_p = (pad_to(x, seq_p, d_p) for x in (q, k, v, do.astype(q.dtype)))
   dq, dk, dv = (jnp.zeros((batch, seq_p, heads, d_p), jnp.float32) for _ in range(3))
-  launch = dict(block_q=block_q, block_k=block_k, num_warps=st.config.bwd_num_warps,
+  launch = dict(dq_blocks=(tiles["block_q_dq"], tiles["block_k_dq"]),
+                dkv_blocks=(tiles["block_q_dkv"], tiles["block_k_dkv"]),
+                num_warps=st.config.bwd_num_warps,
                 num_stages=st.config.bwd_num_stages, interpret=st.interpret)
   for w, r in st.pairs:
     grads = pair_backward(_view(q_p, r), _view(k_p, r), _view(v_p, r), _view(do_p, r),
@@ -131,7 +113,7 @@ _dilated.defvjp(_dilated_fwd, _dilated_bwd)
 
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
-                             scale: float, config: DilatedConfig | None = None,
+                             scale: float, config: FlashBlockConfig | None = None,
                              interpret: bool = False):
   """Dilated attention through the Triton-lowered Pallas kernels.
 
@@ -139,12 +121,14 @@ def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal
     q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``;
       pairs ``(w_i, r_i)`` with ``w_i % r_i == 0``. Inputs assumed validated (see
       ``jattn.dilated_attention``).
-    config: tiles (default ``default_dilated_config``).
+    config: tiles and launch parameters (default: flash attention's
+      ``default_config``; the forward takes ``block_q`` / ``block_k``, the backward
+      the ``_dq`` and ``_dkv`` tiles).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in q's dtype.
   """
-  config = config or default_dilated_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
+  config = config or default_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
   st = _Static(pairs=tuple(zip(map(int, segment_lengths), map(int, dilation_rates))),
                causal=bool(causal), scale=float(scale), config=config, interpret=interpret)
   return _dilated(st, q, k, v)

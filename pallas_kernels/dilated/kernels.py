@@ -65,6 +65,29 @@ class PairGeometry:
       hi = jnp.minimum(hi, q_start + block_q)
     return lo, hi
 
+  def full_key_tiles(self, q_start, block_q: int, block_k: int, head):
+    """Key tiles ``[lo, hi)`` that need no mask for any row of the query tile: inside
+    its segment, real positions, and (causal) not after its first row. Empty when
+    the query tile straddles two segments."""
+    seg_lo = (q_start // self.seg_rows) * self.seg_rows
+    top = jnp.minimum(jnp.minimum(seg_lo + self.seg_rows, self.rows), self.valid_rows(head))
+    if self.causal:
+      top = jnp.minimum(top, q_start + 1)
+    lo = pl.cdiv(seg_lo, block_k)
+    one_segment = (q_start + block_q - 1) // self.seg_rows == q_start // self.seg_rows
+    return lo, jnp.where(one_segment, jnp.maximum(lo, top // block_k), lo)
+
+  def full_query_tiles(self, k_start, block_k: int, block_q: int, head):
+    """Query tiles ``[lo, hi)`` that need no mask against the key tile (see
+    ``full_key_tiles``)."""
+    seg_lo = (k_start // self.seg_rows) * self.seg_rows
+    bottom = jnp.maximum(seg_lo, k_start + block_k - 1) if self.causal else seg_lo
+    lo = pl.cdiv(bottom, block_q)
+    hi = jnp.minimum(seg_lo + self.seg_rows, self.rows) // block_q
+    ok = (((k_start + block_k - 1) // self.seg_rows == k_start // self.seg_rows)
+          & (k_start + block_k <= self.valid_rows(head)))
+    return lo, jnp.where(ok, jnp.maximum(lo, hi), lo)
+
   def query_range(self, k_start: int, block_k: int):
     """Query rows ``[lo, hi)`` that may see any key of the tile."""
     lo = (k_start // self.seg_rows) * self.seg_rows
@@ -78,6 +101,16 @@ def _iota(n: int, axis: int, shape):
   return lax.broadcasted_iota(jnp.int32, shape, axis) + n
 
 
+def _split_loop(lo, hi, full, body, carry):
+  """``body(masked, i, carry)`` over tiles ``[lo, hi)``: tiles in ``full = (f_lo, f_hi)``
+  skip the mask (the interior of a segment costs no compares)."""
+  f_lo = jnp.clip(full[0], lo, hi)
+  f_hi = jnp.clip(full[1], f_lo, hi)
+  carry = lax.fori_loop(lo, f_lo, functools.partial(body, True), carry)
+  carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, False), carry)
+  return lax.fori_loop(f_hi, hi, functools.partial(body, True), carry)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *,
                     geo: PairGeometry, block_q: int, block_k: int, fast: bool):
   del o_in_ref, lse_in_ref  # aliased to o_ref / lse_ref
@@ -86,15 +119,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *
   q = q_ref[...]
   q_idx = _iota(q_start, 0, (block_q, 1))
 
-  def body(j, carry):
+  def body(masked, j, carry):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     s = dot(q, k_ref[cols, :], 1, 1, fast) * (geo.scale * LOG2E)
-    s = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), s, -jnp.inf)
+    if masked:
+      s = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), s, -jnp.inf)
     return online_softmax_step(carry, s, 1.0, v_ref[cols, :], fast)
 
   lo, hi = geo.key_range(q_start, block_q)
-  carry = online_softmax_init(block_q, q.shape[-1])
-  carry = lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, carry)
+  carry = _split_loop(lo // block_k, pl.cdiv(hi, block_k),
+                      geo.full_key_tiles(q_start, block_q, block_k, head), body,
+                      online_softmax_init(block_q, q.shape[-1]))
   o_pair, lse_pair = online_softmax_finish(carry)
   # Merge with the pairs before: weights exp(lse_i - lse) of the running log-sum-exp.
   lse_prev = lse_ref[...]
@@ -162,17 +197,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_re
   lse2 = lse_ref[...][:, None] * LOG2E
   delta = delta_ref[...][:, None]
 
-  def body(j, dq):
+  def body(masked, j, dq):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[cols, :]
-    s = dot(q, k, 1, 1, fast) * (geo.scale * LOG2E)
-    keep = geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head)
-    p = jnp.where(keep, jnp.exp2(s - lse2), 0.0)
+    p = jnp.exp2(dot(q, k, 1, 1, fast) * (geo.scale * LOG2E) - lse2)
+    if masked:
+      p = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), p, 0.0)
     ds = p * (dot(do, v_ref[cols, :], 1, 1, fast) - delta)
     return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
 
   lo, hi = geo.key_range(q_start, block_q)
-  dq = lax.fori_loop(lo // block_k, pl.cdiv(hi, block_k), body, jnp.zeros(q.shape, jnp.float32))
+  dq = _split_loop(lo // block_k, pl.cdiv(hi, block_k),
+                   geo.full_key_tiles(q_start, block_q, block_k, head), body,
+                   jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] += dq * geo.scale
 
 
@@ -184,30 +221,34 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
   k, v = k_ref[...], v_ref[...]
   k_idx = _iota(k_start, 0, (block_k, 1))  # tiles kept transposed: [keys, queries]
 
-  def body(i, carry):
+  def body(masked, i, carry):
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     s_t = dot(k, q, 1, 1, fast) * (geo.scale * LOG2E)
-    keep = geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head)
-    p_t = jnp.where(keep, jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E), 0.0)
+    p_t = jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E)
+    if masked:
+      p_t = jnp.where(geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head), p_t, 0.0)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
     ds_t = p_t * (dot(v, do, 1, 1, fast) - delta_ref[rows][None, :])
     return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
 
   lo, hi = geo.query_range(k_start, block_k)
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(lo // block_q, pl.cdiv(hi, block_q), body, (zeros, zeros))
+  dk, dv = _split_loop(lo // block_q, pl.cdiv(hi, block_q),
+                       geo.full_query_tiles(k_start, block_k, block_q, head), body,
+                       (zeros, zeros))
   dk_ref[...] += dk * geo.scale
   dv_ref[...] += dv
 
 
 def pair_backward(q5, k5, v5, do5, lse, delta, dq_acc, dk_acc, dv_acc, *, geo: PairGeometry,
-                  block_q: int, block_k: int, num_warps: int, num_stages: int,
-                  interpret: bool):
+                  dq_blocks: tuple[int, int], dkv_blocks: tuple[int, int], num_warps: int,
+                  num_stages: int, interpret: bool):
   """Adds one pair's gradients to the float32 accumulators.
 
   Args:
+    dq_blocks, dkv_blocks: ``(query rows, key rows)`` tiles of the two kernels.
     q5, do5: ``[batch, rows, r, heads, d]``; k5, v5: ``[batch, rows, r, kv_heads, d]``;
       lse, delta: ``[batch, heads, rows, r]`` float32 of the whole mixture;
       dq_acc, dk_acc, dv_acc: ``[batch, rows, r, heads, d]`` float32 (dK / dV per
@@ -221,18 +262,20 @@ def pair_backward(q5, k5, v5, do5, lse, delta, dq_acc, dk_acc, dv_acc, *, geo: P
   params = _params(num_warps, num_stages)
   acc_shape = jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32)
   dq_acc = pl.pallas_call(
-      functools.partial(_dq_kernel, geo=geo, block_q=block_q, block_k=block_k, fast=fast),
-      grid=(rows // block_q, batch, heads),
-      in_specs=[_row_tile(block_q, d, rate), _kv_rows(rows, d, rate, geo.group),
-                _kv_rows(rows, d, rate, geo.group), _row_tile(block_q, d, rate),
-                _stat_tile(block_q, rate), _stat_tile(block_q, rate),
-                _row_tile(block_q, d, rate)],
-      out_specs=_row_tile(block_q, d, rate), out_shape=acc_shape,
+      functools.partial(_dq_kernel, geo=geo, block_q=dq_blocks[0], block_k=dq_blocks[1],
+                        fast=fast),
+      grid=(rows // dq_blocks[0], batch, heads),
+      in_specs=[_row_tile(dq_blocks[0], d, rate), _kv_rows(rows, d, rate, geo.group),
+                _kv_rows(rows, d, rate, geo.group), _row_tile(dq_blocks[0], d, rate),
+                _stat_tile(dq_blocks[0], rate), _stat_tile(dq_blocks[0], rate),
+                _row_tile(dq_blocks[0], d, rate)],
+      out_specs=_row_tile(dq_blocks[0], d, rate), out_shape=acc_shape,
       input_output_aliases={6: 0}, interpret=interpret, name="jattn_dilated_dq",
       compiler_params=params,
   )(q5, k5, v5, do5, lse, delta, dq_acc)
   whole_q = pl.BlockSpec((None, rows, None, None, d), lambda j, b, h: (b, 0, h % rate, h, 0))
   whole_stat = pl.BlockSpec((None, None, rows, None), lambda j, b, h: (b, h, 0, h % rate))
+  block_q, block_k = dkv_blocks
   kv_tile = pl.BlockSpec((None, block_k, None, None, d),
                          lambda j, b, h: (b, j, h % rate, h // geo.group, 0))
   dk_acc, dv_acc = pl.pallas_call(
