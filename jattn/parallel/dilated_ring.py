@@ -5,6 +5,8 @@ inside ``shard_map``.
 Per pair ``(w, r)``, with ``L`` positions per device:
 
 - ``w <= L`` (``L % w == 0``): every segment lies on one device; no communication.
+  With the Pallas backend these pairs run in the in-place dilated kernels of
+  ``jattn.dilated_attention`` (one mixture), and the rest merge into it.
 - ``w > L`` (``w % L == 0``, or ``w >= seq``): a segment spans a group of ``G = w / L``
   consecutive devices (the last group may be smaller). Each device gathers its
   *sparsified* K/V, only the rows ``≡ h (mod r)`` that some head reads (``1 / r`` of
@@ -28,8 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn.backends import interpret_mode
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
                                    resolve_block_backend, shift)
+from pallas_kernels.dilated import dilated_pairs_backward, dilated_pairs_forward
 from pallas_kernels.flash.common import EMPTY_ROW_LSE
 
 
@@ -53,6 +57,7 @@ class _Static:
   causal: bool
   scale: float
   backend: str
+  interpret: bool
 
 
 def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads: int) -> _Pair:
@@ -195,10 +200,24 @@ def _pair_forward(st: _Static, pair: _Pair, q, k, v):
   return _scatter(*acc, pair, q.shape[0])
 
 
+def _on_device(st: _Static):
+  """Pairs whose segments stay on the device, for the in-place dilated kernels (with
+  the Pallas backend; the XLA backend takes every pair through gathered blocks)."""
+  if st.backend != "pallas_triton":
+    return {}
+  pairs = [p for p in st.pairs if p.group == 1]
+  if not pairs:
+    return {}
+  return dict(segment_lengths=[p.w for p in pairs], dilation_rates=[p.r for p in pairs],
+              causal=st.causal, scale=st.scale, interpret=st.interpret)
+
+
 def _forward(st: _Static, q, k, v):
-  acc = empty_rows(q)
+  local = _on_device(st)
+  acc = dilated_pairs_forward(q, k, v, **local) if local else empty_rows(q)
   for pair in st.pairs:
-    acc = merge(acc, _pair_forward(st, pair, q, k, v))
+    if not (local and pair.group == 1):
+      acc = merge(acc, _pair_forward(st, pair, q, k, v))
   return acc
 
 
@@ -245,10 +264,15 @@ def _dilated_ring_fwd(st: _Static, q, k, v):
 
 def _dilated_ring_bwd(st: _Static, res, do):
   q, k, v, o, lse = res
-  dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+  local = _on_device(st)
+  if local:
+    dq, dk, dv = dilated_pairs_backward(q, k, v, o, lse, do, **local)
+  else:
+    dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
   for pair in st.pairs:
-    g_q, g_k, g_v = _pair_backward(st, pair, q, k, v, o, lse, do)
-    dq, dk, dv = dq + g_q, dk + g_k, dv + g_v
+    if not (local and pair.group == 1):
+      g_q, g_k, g_v = _pair_backward(st, pair, q, k, v, o, lse, do)
+      dq, dk, dv = dq + g_q, dk + g_k, dv + g_v
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -286,7 +310,7 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
                 for w, r in zip(segment_lengths, dilation_rates))
   st = _Static(axis_name=axis_name, devices=devices, pairs=pairs, causal=bool(causal),
                scale=head_dim ** -0.5 if scale is None else float(scale),
-               backend=resolve_block_backend(backend))
+               backend=resolve_block_backend(backend), interpret=interpret_mode())
   return _dilated_ring(st, q, k, v)
 
 

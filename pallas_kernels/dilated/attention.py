@@ -60,6 +60,7 @@ def _stat_view(x, r: int):
 
 
 def _forward(st: _Static, q, k, v):
+  """``(o float32 [b, s, h, d], lse [b, h, s])`` of the pairs' mixture."""
   batch, seq, heads, head_dim = q.shape
   tiles, seq_p, d_p = _layout(st, seq, head_dim)
   q_p, k_p, v_p = (pad_to(x, seq_p, d_p) for x in (q, k, v))
@@ -72,26 +73,19 @@ def _forward(st: _Static, q, k, v):
                             _stat_view(lse_acc, r),
                             geo=_geometry(st, seq, seq_p, heads // k.shape[2], w, r), **launch)
     o_acc, lse_acc = o5.reshape(o_acc.shape), lse4.reshape(lse_acc.shape)
-  return o_acc[:, :seq, :, :head_dim].astype(q.dtype), lse_acc
+  return o_acc[:, :seq, :, :head_dim], lse_acc[:, :, :seq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dilated(st: _Static, q, k, v):
-  return _forward(st, q, k, v)[0]
-
-
-def _dilated_fwd(st: _Static, q, k, v):
-  o, lse_p = _forward(st, q, k, v)
-  return o, (q, k, v, o, lse_p)
-
-
-def _dilated_bwd(st: _Static, res, do):
-  q, k, v, o, lse_p = res
+def _backward(st: _Static, q, k, v, o, lse, do):
+  """Float32 ``(dq, dk, dv)`` of the pairs' blocks, given the final ``(o, lse)`` of a
+  mixture that contains them (possibly with more pairs)."""
   batch, seq, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   tiles, seq_p, d_p = _layout(st, seq, head_dim)
-  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, seq_p - seq)))
+  pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, seq_p - seq)))
+  delta = pad_rows(jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32)))
+  # Padded query rows are zeros with dO = 0: with lse = 0 there, p = 1 and they add nothing.
+  lse_p = pad_rows(lse)
   q_p, k_p, v_p, do_p = (pad_to(x, seq_p, d_p) for x in (q, k, v, do.astype(q.dtype)))
   dq, dk, dv = (jnp.zeros((batch, seq_p, heads, d_p), jnp.float32) for _ in range(3))
   launch = dict(dq_blocks=(tiles["block_q_dq"], tiles["block_k_dq"]),
@@ -105,11 +99,54 @@ def _dilated_bwd(st: _Static, res, do):
                           geo=_geometry(st, seq, seq_p, heads // kv_heads, w, r), **launch)
     dq, dk, dv = (g.reshape(dq.shape) for g in grads)
   per_kv_head = lambda x: x.reshape(batch, seq_p, kv_heads, heads // kv_heads, d_p).sum(3)
-  unpad = lambda x, like: x[:, :seq, :, :head_dim].astype(like.dtype)
-  return unpad(dq, q), unpad(per_kv_head(dk), k), unpad(per_kv_head(dv), v)
+  unpad = lambda x: x[:, :seq, :, :head_dim]
+  return unpad(dq), unpad(per_kv_head(dk)), unpad(per_kv_head(dv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dilated(st: _Static, q, k, v):
+  return _forward(st, q, k, v)[0].astype(q.dtype)
+
+
+def _dilated_fwd(st: _Static, q, k, v):
+  o, lse = _forward(st, q, k, v)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, o, lse)
+
+
+def _dilated_bwd(st: _Static, res, do):
+  q, k, v, o, lse = res
+  dq, dk, dv = _backward(st, q, k, v, o, lse, do)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _dilated.defvjp(_dilated_fwd, _dilated_bwd)
+
+
+def _static(segment_lengths, dilation_rates, causal, scale, config, interpret, q) -> _Static:
+  config = config or default_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
+  return _Static(pairs=tuple(zip(map(int, segment_lengths), map(int, dilation_rates))),
+                 causal=bool(causal), scale=float(scale), config=config, interpret=interpret)
+
+
+def dilated_pairs_forward(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
+                          scale: float, config: FlashBlockConfig | None = None,
+                          interpret: bool = False):
+  """The pairs' mixture as partial results, for callers that merge in more (the
+  dilated ring): ``(o float32 [batch, seq, heads, head_dim], lse [batch, heads, seq])``,
+  ``EMPTY_ROW_LSE`` where no pair covers a position. Not differentiable by itself:
+  pair it with ``dilated_pairs_backward``."""
+  return _forward(_static(segment_lengths, dilation_rates, causal, scale, config, interpret, q),
+                  q, k, v)
+
+
+def dilated_pairs_backward(q, k, v, o, lse, do, *, segment_lengths, dilation_rates,
+                           causal: bool, scale: float, config: FlashBlockConfig | None = None,
+                           interpret: bool = False):
+  """Float32 ``(dq, dk, dv)`` of these pairs' attention blocks given the final output
+  ``o`` and ``lse`` of a mixture that contains them (and perhaps other blocks)."""
+  return _backward(_static(segment_lengths, dilation_rates, causal, scale, config, interpret, q),
+                   q, k, v, o, lse, do)
 
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
@@ -128,7 +165,5 @@ def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal
   Returns:
     ``[batch, seq, heads, head_dim]`` in q's dtype.
   """
-  config = config or default_config(q.shape[-1], jnp.dtype(q.dtype).itemsize)
-  st = _Static(pairs=tuple(zip(map(int, segment_lengths), map(int, dilation_rates))),
-               causal=bool(causal), scale=float(scale), config=config, interpret=interpret)
-  return _dilated(st, q, k, v)
+  return _dilated(_static(segment_lengths, dilation_rates, causal, scale, config, interpret, q),
+                  q, k, v)
