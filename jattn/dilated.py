@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jattn.backends import resolve_backend, usable_backends
+from jattn.backends import resolve_backend
+from jattn.gpu import select_backend
 from jattn.reference import dilated_attention_reference
 from pallas_kernels.dilated import dilated_attention_triton
 from pallas_kernels.flash import FlashBlockConfig
@@ -82,11 +83,10 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
   _validate(q, k, v, segment_lengths, dilation_rates, backend)
   head_dim = q.shape[-1]
   scale = head_dim ** -0.5 if scale is None else float(scale)
-  pallas_ok = head_dim <= MAX_HEAD_DIM
-  name, interpret = resolve_backend(backend, lambda: (
-      "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok else "xla"))
+  name, interpret = resolve_backend(
+      backend, lambda: select_backend("dilated_attention", head_dim=head_dim))
   if name == "pallas_triton":
-    if not pallas_ok:
+    if head_dim > MAX_HEAD_DIM:
       raise ValueError(f"the Pallas dilated kernels take head dims up to {MAX_HEAD_DIM}, got "
                        f"{head_dim}; use backend='xla'")
     return dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,

@@ -187,18 +187,26 @@ def flash_backend_supports(backend: str, *, dtype=jnp.float16, head_dim: int = 6
                                 return_lse=return_lse)
 
 
+SELECTABLE_OPS = ("flash_attention", "dilated_attention")
+
+
 def select_backend(op: str = "flash_attention", *, info: GPUInfo | None = None,
                    **problem) -> str:
   """The backend ``"auto"`` uses for ``op`` on ``problem``; see docs/backends.md.
 
-  ``problem`` holds what ``flash_backend_supports`` takes (dtype, head_dim, q_len,
-  kv_len, causal, segment_ids, softcap, return_lse, local_window). The answer is
-  always a backend usable on ``info`` (default: this machine) that supports it.
+  ``op``: ``"flash_attention"``, whose ``problem`` holds what
+  ``flash_backend_supports`` takes (dtype, head_dim, q_len, kv_len, causal,
+  segment_ids, softcap, return_lse, local_window), or ``"dilated_attention"``
+  (head_dim). The answer is always a backend usable on ``info`` (default: this
+  machine) that supports it.
   """
-  if op != "flash_attention":
-    raise ValueError(f"op must be 'flash_attention', got {op!r}")
+  if op not in SELECTABLE_OPS:
+    raise ValueError(f"op must be one of {SELECTABLE_OPS}, got {op!r}")
   if info is None:  # memory figures are not needed: skip the allocator query
     info = describe(**_static_info(jax.devices()[0]))
+  if op == "dilated_attention":  # its kernels: Triton-lowered Pallas, head dims to 256
+    pallas = "pallas_triton" in info.backends and problem.get("head_dim", 64) <= 256
+    return "pallas_triton" if pallas else "xla"
   for backend in info.backends:  # best first
     if flash_backend_supports(backend, **problem):
       return backend

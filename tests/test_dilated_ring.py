@@ -55,17 +55,16 @@ def _check(mesh, pairs, causal, heads, kv_heads, backend, seq=64, seed=0, tol=1e
 # 64 positions on 4 devices (16 each): w=8 and 16 stay local, 32 spans 2 devices,
 # 48 spans 3 (the last group is device 3 alone: a partial segment), 64 and 128 span all.
 @pytest.mark.parametrize("pairs,causal,heads,kv_heads", [
-    ([(8, 1), (16, 2), (32, 4), (64, 8)], False, 4, 4),
-    ([(8, 1), (16, 2), (32, 4), (64, 8)], True, 4, 2),
+    ([(8, 1), (32, 2), (64, 4)], False, 4, 4),
+    ([(16, 2), (32, 4)], True, 4, 2),
     ([(48, 2), (128, 4)], True, 4, 1),
-    ([(16, 4), (48, 4)], False, 8, 2),
 ])
 def test_dilated_ring_equals_single_device(mesh, pairs, causal, heads, kv_heads):
   _check(mesh, pairs, causal, heads, kv_heads, "xla", seed=len(pairs) + int(causal))
 
 
 def test_dilated_ring_with_pallas_blocks(mesh):
-  _check(mesh, [(16, 1), (32, 2), (64, 4)], True, 2, 1, "pallas_triton", seed=7)
+  _check(mesh, [(16, 1), (64, 4)], True, 2, 1, "pallas_triton", seed=7)
 
 
 def test_inside_user_shard_map_on_sharded_inputs(mesh):

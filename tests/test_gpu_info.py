@@ -101,8 +101,15 @@ def test_large_head_dims_fall_back_to_xla():
     assert gpu.select_backend(info=info, dtype=jnp.float16, head_dim=320) == "xla"
 
 
+def test_select_backend_for_dilated_attention():
+  for info in FAKES.values():
+    pallas = "pallas_triton" if "pallas_triton" in info.backends else "xla"
+    assert gpu.select_backend("dilated_attention", info=info, head_dim=128) == pallas
+    assert gpu.select_backend("dilated_attention", info=info, head_dim=320) == "xla"
+
+
 def test_select_backend_rejects_other_ops():
-  with pytest.raises(ValueError, match="op must be 'flash_attention', got 'retention'"):
+  with pytest.raises(ValueError, match="op must be one of .*got 'retention'"):
     gpu.select_backend("retention", info=FAKES[("H100", False)])
   with pytest.raises(ValueError, match="op must be 'flash_attention'"):
     gpu.benchmark_backends("retention")
