@@ -96,8 +96,13 @@ def plan(backends=None, dtypes=None):
 
 
 def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: int = 5,
-              progress=None) -> list[CheckRow]:
-  """Runs every case; returns one row per (case, backend, dtype)."""
+              progress=None, ops=None) -> list[CheckRow]:
+  """Runs every case (of ``ops`` only, if given); returns one row per (case, backend,
+  dtype)."""
+  unknown = set(ops or ()) - {op for op, _, _ in CASES}
+  if unknown:
+    raise ValueError(f"unknown ops {sorted(unknown)}; known: "
+                     f"{sorted({op for op, _, _ in CASES})}")
   backends, dtypes, interpret = plan(backends, dtypes)
   if interpret:
     os.environ[INTERPRET_ENV] = "1"
@@ -105,6 +110,8 @@ def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: in
   torch_device = default_torch_device() if use_torch else None
   rows = []
   for op, case_name, case in CASES:
+    if ops and op not in ops:
+      continue
     for backend in backends:
       for dtype in dtypes:
         if not _supported(op, backend, dtype, case):
@@ -147,7 +154,8 @@ def main_check(args) -> int:
   print("errors: max |ours - reference| / max |reference| over the output and every gradient")
   print(HEADER)
   rows = run_check(backends, dtypes, torch_reference=not args.no_torch, reps=args.reps,
-                   progress=lambda r: print(format_row(r, interpret), flush=True))
+                   progress=lambda r: print(format_row(r, interpret), flush=True),
+                   ops=args.ops.split(",") if args.ops else None)
   if interpret:
     print("* Pallas kernel in interpret mode (no GPU here): timings are not kernel speed")
   failed = [r for r in rows if not r.ok]

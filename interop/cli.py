@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
   check.add_argument("--backends", help="comma-separated backends (default: all usable here)")
   check.add_argument("--dtypes", help="comma-separated dtypes (default: float32,bfloat16"
                      "[,float16 on GPU])")
+  check.add_argument("--ops", help="comma-separated ops (default: all: flash_attention, "
+                     "retention, window_attention, dilated_attention)")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
   check.add_argument("--reps", type=int, default=5, help="timed repetitions per case")
   _add_convert_arguments(sub.add_parser(

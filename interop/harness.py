@@ -217,8 +217,13 @@ def jax_reference_errors(op: str, run: _JaxRun) -> dict[str, tuple[float, float]
   """Errors of a JAX run against the pure-jnp reference computed in float32."""
   pair = OPS[op]
   f32 = [x.astype(jnp.float32) for x in run.diff_args]
-  ref, pull = jax.vjp(lambda *a: pair.jax_fn(*a, backend="xla", **run.kwargs), *f32)
-  ref_grads = pull(run.cotangent.astype(jnp.float32))
+
+  @jax.jit  # one compile: eagerly, each op of the reference would compile on its own
+  def reference(args, cotangent):
+    ref, pull = jax.vjp(lambda *a: pair.jax_fn(*a, backend="xla", **run.kwargs), *args)
+    return ref, pull(cotangent)
+
+  ref, ref_grads = reference(f32, run.cotangent.astype(jnp.float32))
   errors = {"out": _errors(run.out, ref)}
   for name, g, g_ref in zip(pair.arg_names, run.grads, ref_grads):
     errors[f"d{name}"] = _errors(g, g_ref)
