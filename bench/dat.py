@@ -1,5 +1,5 @@
 """DAT super-resolution benchmark: our Flax DAT under ``jax.jit`` against the same
-random weights in PyTorch (the torch reference in ``interop.dat_torch``, eager and
+random weights in PyTorch (the torch reference in ``jattn.interop.dat_torch``, eager and
 ``torch.compile``), batch 1, fp32 and bf16, with compile times and the bf16-vs-fp32
 PSNR of our outputs.
 
@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.common import environment, results_table, write_results  # noqa: E402
-from interop.checkpoints import dat_from_state_dict  # noqa: E402
-from interop.dat_torch import dat_torch  # noqa: E402
+from jattn.interop.checkpoints import dat_from_state_dict  # noqa: E402
+from jattn.interop.dat_torch import dat_torch  # noqa: E402
 from jattn.nn import DAT_PRESETS  # noqa: E402
 from jattn.upscale import jit_model  # noqa: E402
 

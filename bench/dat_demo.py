@@ -27,7 +27,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from interop.checkpoints import dat_to_torch_state_dict  # noqa: E402
+from jattn.interop.checkpoints import dat_to_torch_state_dict  # noqa: E402
 from jattn.nn import DAT, DATConfig  # noqa: E402
 
 SCALE = 4
@@ -120,7 +120,7 @@ def main():
   lr = downscale(hr)
   lr_png, sr_png = os.path.join(work, "input.png"), os.path.join(work, "dat.png")
   Image.fromarray(np.round(lr * 255).astype(np.uint8)).save(lr_png)
-  subprocess.run([sys.executable, "-m", "interop.upscale_cli", "--model", checkpoint,
+  subprocess.run([sys.executable, "-m", "jattn.interop.upscale_cli", "--model", checkpoint,
                   "--tile", "48", "--overlap", "8", lr_png, sr_png], check=True,
                  cwd=os.path.join(os.path.dirname(__file__), ".."))
   sr = np.asarray(Image.open(sr_png), np.float32) / 255

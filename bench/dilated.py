@@ -27,11 +27,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import (bar_chart, environment, random_inputs, results_table,  # noqa: E402
-                          time_jax_qkv, write_results)
+from bench.common import (bar_chart, environment, random_inputs,  # noqa: E402
+                          results_table, time_jax_qkv, write_results)
 import jattn  # noqa: E402
+from jattn.kernels.common.config import default_block_config  # noqa: E402
 from jattn.reference import dilated_positions  # noqa: E402
-from pallas_kernels.flash import default_config  # noqa: E402
 
 SEGMENTS, RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -111,6 +111,7 @@ def flash_gathered(q, k, v, *, causal):
 
 
 def jattn_dilated(config=None):
+  """Our Pallas kernels, with ``config`` (a sweep candidate) if given."""
   def run(q, k, v, *, causal):
     return jattn.dilated_attention(q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES,
                                    causal=causal, backend="pallas_triton", config=config)
@@ -160,7 +161,7 @@ def run_sweep(args, env):
   shape = (1, int(args.seqs.split(",")[0]), args.heads, args.head_dim)
   dname = args.dtypes.split(",")[0]
   q, k, v, do = random_inputs(shape, DTYPES[dname])
-  best = default_config(args.head_dim, jnp.dtype(DTYPES[dname]).itemsize)
+  best = default_block_config(args.head_dim, jnp.dtype(DTYPES[dname]).itemsize)
   launches = ((4, 2), (8, 2), (8, 3))
   stages = [
       ("fwd", [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)

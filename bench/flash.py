@@ -23,11 +23,12 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import (attention_flops, bar_chart, environment, random_inputs,  # noqa: E402
-                          results_table, time_jax, time_jax_qkv, time_torch_qkv,
-                          write_results)
+from bench.common import (attention_flops, bar_chart, environment,  # noqa: E402
+                          random_inputs, results_table, time_jax, time_jax_qkv,
+                          time_torch_qkv, write_results)
 import jattn  # noqa: E402
-from pallas_kernels.flash import FlashBlockConfig, MosaicBlockConfig  # noqa: E402
+from jattn.kernels.common.config import BlockConfig  # noqa: E402
+from jattn.kernels.flash import MosaicBlockConfig  # noqa: E402
 
 SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64)]
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -39,6 +40,8 @@ RATIOS = [("jattn_triton", "jax_example"), ("jattn_triton", "cudnn"), ("jattn_mo
 
 
 def jax_impls(causal, config=None, mosaic_config=None):
+  """The JAX callables by name; ``config`` / ``mosaic_config``: tiles of our kernels
+  (sweep candidates; an explicit config is compiled as given, never pruned)."""
   from jax.experimental.pallas.ops.gpu import attention as jax_example
 
   def ours(q, k, v):
@@ -80,7 +83,7 @@ def time_torch_impl(backend_name, causal, mode, q, k, v, do):
   import torch
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
-  from interop import to_torch
+  from jattn.interop import to_torch
 
   backend = {"torch_sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
              "torch_sdpa_flash": SDPBackend.FLASH_ATTENTION}[backend_name]
@@ -157,7 +160,7 @@ def plot(rows, path):
 def _time_config(shape, causal, mode, cand, q, k, v, do):
   """TFLOP/s of our kernel with one candidate config, or None if it fails to compile."""
   try:
-    fn = jax_impls(causal, FlashBlockConfig(**cand))["jattn_triton"]
+    fn = jax_impls(causal, BlockConfig(**cand))["jattn_triton"]
     seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
   except Exception as e:  # e.g. tiles that exceed shared memory
     print("  fail", cand, type(e).__name__, str(e).splitlines()[0][:100], flush=True)
@@ -196,7 +199,7 @@ def sweep(shapes, modes):
 
 def sweep_mosaic(shapes, modes, dtype=jnp.float16):
   """Times Hopper tile candidates: forward tiles on fwd, then backward tiles on fwd+bwd."""
-  from jattn.autotune import TUNABLE, Problem
+  from jattn.flash import MOSAIC_STAGES, FlashProblem
   from jattn.gpu import gpu_info
 
   info = gpu_info()
@@ -205,12 +208,12 @@ def sweep_mosaic(shapes, modes, dtype=jnp.float16):
     q, k, v, do = random_inputs(shape, dtype)
     d = shape[3]
     # The autotuner's cost model drops tiles that cannot fit shared memory or registers.
-    forward_fits = TUNABLE[("flash_attention", "pallas_mosaic")].stages[0].fits
-    problem = Problem(q_len=shape[1], head_dim=d, dtype=dtype, causal=causal)
+    forward_fits = MOSAIC_STAGES[0].fits  # a reason the config does not fit, or None
+    problem = FlashProblem(q_len=shape[1], head_dim=d, dtype=dtype, causal=causal)
     fwd = [dict(block_q=bq, block_kv=bk, stages=st)
            for bq, bk, st in itertools.product((64, 128), (64, 128, 192, 256), (2, 3))
            if forward_fits(MosaicBlockConfig(block_q=bq, block_kv=bk, stages=st), problem,
-                           info)[0]]
+                           info) is None]
     best_fwd = (0.0, {})
     if "fwd" in modes:
       best_fwd = _best_mosaic(results, shape, causal, "fwd", fwd, q, k, v, do)
@@ -245,11 +248,11 @@ def _best_mosaic(results, shape, causal, mode, cands, q, k, v, do):
 
 def breakdown(shapes, dtype=jnp.float16):
   """Where a Hopper fwd+bwd step goes: each kernel timed alone on the same inputs."""
-  from pallas_kernels.flash import default_mosaic_config
-  from pallas_kernels.flash.common import LOG2E, backward_delta
-  from pallas_kernels.flash.masking import MaskSpec
-  from pallas_kernels.flash.mosaic_bwd import mosaic_dkv, mosaic_dq
-  from pallas_kernels.flash.mosaic_fwd import mosaic_forward
+  from jattn.kernels.common.masking import MaskSpec
+  from jattn.kernels.common.softmax import LOG2E, backward_delta
+  from jattn.kernels.flash import default_mosaic_config
+  from jattn.kernels.flash.mosaic_bwd import mosaic_dkv, mosaic_dq
+  from jattn.kernels.flash.mosaic_fwd import mosaic_forward
 
   rows = []
   for shape, causal in itertools.product(shapes, (False, True)):

@@ -18,6 +18,7 @@ Each writes ``<stem>.json`` and ``<stem>.md`` (the table also ``<stem>.png``) un
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -27,12 +28,14 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import (attention_flops, bar_chart, environment, random_inputs,  # noqa: E402
-                          results_table, time_jax_qkv, time_torch_qkv, write_results)
+from bench.common import (attention_flops, bar_chart, environment,  # noqa: E402
+                          random_inputs, results_table, time_jax_qkv, time_torch_qkv,
+                          write_results)
 import jattn  # noqa: E402
+from jattn.kernels.common.config import BlockConfig  # noqa: E402
+from jattn.kernels.retention import ChunkwiseConfig  # noqa: E402
 from jattn.reference import default_decay  # noqa: E402
-from pallas_kernels.flash import FlashBlockConfig  # noqa: E402
-from pallas_kernels.retention import ChunkwiseLaunch, retention_chunkwise_triton, retention_parallel_triton  # noqa: E402
+from jattn.retention import RETENTION_CHUNKWISE, RETENTION_PARALLEL  # noqa: E402
 
 SHAPES = [(8, 2048, 16, 128), (2, 8192, 16, 128), (4, 4096, 8, 64)]
 PARALLEL_SHAPE = (4, 4096, 16, 128)
@@ -45,20 +48,23 @@ RATIOS = [("jattn_chunkwise", "jattn_parallel"), ("jattn_chunkwise", "fla_chunk"
           ("jattn_parallel", "jattn_flash_causal_triton")]
 
 
-def jax_impls(chunk=None, launch=None, parallel_config=None):
+def jax_impls(chunk=None, chunkwise_config=None, parallel_config=None):
+  """The JAX callables by name. With ``chunkwise_config`` (a ``ChunkwiseConfig``: chunk
+  size, state tiles, warps) or ``parallel_config`` (a ``BlockConfig``) the kernels run
+  with exactly that config; without, as ``jattn.retention`` chooses (``chunk`` its
+  chunk_size)."""
   def chunkwise(q, k, v):
-    if launch is None:
+    if chunkwise_config is None:
       return jattn.retention(q, k, v, mode="chunkwise", chunk_size=chunk, backend="pallas_triton")
-    state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return retention_chunkwise_triton(q, k, v, default_decay(q.shape[2]), state,
-                                      scale=q.shape[-1] ** -0.5, chunk=chunk, launch=launch)[0]
+    # A zero initial state (None); the final state is dropped.
+    return RETENTION_CHUNKWISE(q, k, v, decay=default_decay(q.shape[2]), backend="pallas_triton",
+                               config=chunkwise_config)[0]
 
   def parallel(q, k, v):
     if parallel_config is None:
       return jattn.retention(q, k, v, mode="parallel", backend="pallas_triton")
-    return retention_parallel_triton(q, k, v, default_decay(q.shape[2]),
-                                     scale=q.shape[-1] ** -0.5, normalize=False,
-                                     config=parallel_config)
+    return RETENTION_PARALLEL(q, k, v, decay=default_decay(q.shape[2]), backend="pallas_triton",
+                              config=parallel_config)
 
   def xla_chunkwise(q, k, v):
     return jattn.retention(q, k, v, mode="chunkwise", backend="xla")
@@ -77,7 +83,7 @@ def time_fla(name, mode, q, k, v, do):
   import torch
   from fla.ops.retention import chunk_retention, parallel_retention
 
-  from interop import to_torch
+  from jattn.interop import to_torch
 
   op = {"fla_chunk": chunk_retention, "fla_parallel": parallel_retention}[name]
   qt, kt, vt, dot = (to_torch(x).contiguous() for x in (q, k, v, do))
@@ -160,25 +166,25 @@ def sweep_chunkwise(shapes):
   """Chunk size and launch parameters of the chunkwise kernels (fp16): forward first,
   then fwd+bwd around the two best forward launches."""
   results = []
-  fwd_cands = [dict(chunk=c, launch=ChunkwiseLaunch(state_block=sb, scan_stages=st, out_warps=w))
+  fwd_cands = [ChunkwiseConfig(chunk=c, state_block=sb, scan_stages=st, out_warps=w)
                for c, sb, st, w in itertools.product((64, 128), (32, 64), (1, 2), (4, 8))]
   for shape in shapes:
     q, k, v, do = random_inputs(shape, jnp.float16)
     timed = []
     for cand in fwd_cands:
       row = _row("sweep_chunkwise", shape, "fp16", "fwd", lambda: time_jax_qkv(
-          jax_impls(**cand)["jattn_chunkwise"], "fwd", q, k, v, do))
-      row["cand"] = {"chunk": cand["chunk"], **cand["launch"].__dict__}
+          jax_impls(chunkwise_config=cand)["jattn_chunkwise"], "fwd", q, k, v, do))
+      row["cand"] = dataclasses.asdict(cand)  # chunk, state_block, ..., grad_warps
       results.append(row)
       if "ms" in row:
         timed.append((row["ms"], cand))
     timed.sort(key=lambda t: t[0])
     for _, cand in timed[:2]:
       for gw, c in itertools.product((4, 8), (64, 128)):
-        launch = ChunkwiseLaunch(**{**cand["launch"].__dict__, "grad_warps": gw})
+        config = dataclasses.replace(cand, chunk=c, grad_warps=gw)
         row = _row("sweep_chunkwise", shape, "fp16", "fwd+bwd", lambda: time_jax_qkv(
-            jax_impls(chunk=c, launch=launch)["jattn_chunkwise"], "fwd+bwd", q, k, v, do))
-        row["cand"] = {"chunk": c, **launch.__dict__}
+            jax_impls(chunkwise_config=config)["jattn_chunkwise"], "fwd+bwd", q, k, v, do))
+        row["cand"] = dataclasses.asdict(config)
         results.append(row)
   return results
 
@@ -190,7 +196,7 @@ def sweep_parallel():
   cands = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
   cands += [(256, 32, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3)]
   for bq, bk, w, st in cands:
-    config = FlashBlockConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+    config = BlockConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
     row = _row("sweep_parallel", PARALLEL_SHAPE, "fp16", "fwd", lambda: time_jax_qkv(
         jax_impls(parallel_config=config)["jattn_parallel"], "fwd", q, k, v, do))
     row["cand"] = {"block_q": bq, "block_k": bk, "num_warps": w, "num_stages": st}
@@ -209,9 +215,10 @@ def fit(dtypes, dims, chunks):
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k = (jax.random.normal(kk, (1, 256, 2, dk), DTYPES[dname]) for kk in ks[:2])
     v, do = (jax.random.normal(kk, (1, 256, 2, dv), DTYPES[dname]) for kk in ks[2:])
-    fn = jax_impls(chunk=chunk, launch=ChunkwiseLaunch())["jattn_chunkwise"]
     row = {"dtype": dname, "dk": dk, "dv": dv, "chunk": chunk}
     try:
+      # Every chunk is compiled, also those the shared-memory model rules out.
+      fn = jax_impls(chunkwise_config=ChunkwiseConfig(chunk=chunk))["jattn_chunkwise"]
       jax.block_until_ready(jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))(q, k, v, do))
       row["ok"] = True
     except Exception as e:  # the shared-memory limit shows up as a compile/launch error
@@ -231,7 +238,7 @@ def main():
   parser.add_argument("--long", action="store_true",
                       help="65536-token chunkwise fwd+bwd at (1,65536,8,128), fp16 and bf16")
   parser.add_argument("--state-blocks", default="",
-                      help="with --long: also time these ChunkwiseLaunch.state_block values")
+                      help="with --long: also time these ChunkwiseConfig.state_block values")
   parser.add_argument("--crossover", action="store_true",
                       help="parallel vs chunkwise over sequence lengths (the auto threshold)")
   parser.add_argument("--parallel-bar", action="store_true",
@@ -266,7 +273,7 @@ def main():
     impls = {"jattn_chunkwise": jax_impls()["jattn_chunkwise"]}
     for sb in filter(None, args.state_blocks.split(",")):
       impls[f"jattn_chunkwise_sb{sb}"] = jax_impls(
-          chunk=64, launch=ChunkwiseLaunch(state_block=int(sb)))["jattn_chunkwise"]
+          chunkwise_config=ChunkwiseConfig(chunk=64, state_block=int(sb)))["jattn_chunkwise"]
     rows = run_table([LONG_SHAPE], args.dtypes.split(","), impls, ["fwd+bwd"], fla[:1])
     write_results(args.out, args.stem or "retention_long", {"env": env, "rows": rows},
                   markdown(rows, env, "Retention, 65536 tokens, chunkwise fwd+bwd"))

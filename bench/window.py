@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import (bar_chart, environment, results_table, time_jax, jax_peak_bytes,  # noqa: E402
                           time_torch_qkv, write_results)
 import jattn  # noqa: E402
-from pallas_kernels.window import default_window_config  # noqa: E402
+from jattn.kernels.window import default_window_config  # noqa: E402
 
 # (windows, tokens, heads, head_dim): DAT-2 on 64x64, 128x128 and 256x256 inputs.
 SHAPES = [(16, 256, 3, 30), (64, 256, 3, 30), (256, 256, 3, 30)]
@@ -84,7 +84,7 @@ def time_torch_sdpa(mode, q, k, v, bias, mask, do):
   import torch
   import torch.nn.functional as F
 
-  from interop import to_torch
+  from jattn.interop import to_torch
 
   qt, kt, vt, dot = (to_torch(x).transpose(1, 2).contiguous() for x in (q, k, v, do))
   bt = to_torch(_dense_bias(bias, mask, q.dtype)).contiguous()

@@ -1,11 +1,15 @@
-"""PyTorch side of jattn: DLPack bridge, torch references, cross-checks.
+"""``jattn.interop``: the PyTorch side of jattn. The DLPack bridge, torch references
+of every op, the cross-check harness (``crosscheck``, ``jattn check``), torch
+checkpoint loading into the Flax models (``load_dat``), and the command-line tools.
 
-torch is imported lazily, so ``import interop`` works without it.
+jattn itself never imports this package; torch is imported lazily here, so
+``import jattn.interop`` works without it.
 """
 
-from interop.harness import CrosscheckReport, crosscheck
-from interop.dlpack import same_memory, to_jax, to_torch
-from interop.torch_reference import flash_attention_torch, retention_torch
+from jattn.interop.checkpoints import load_dat, read_state_dict
+from jattn.interop.dlpack import same_memory, to_jax, to_torch
+from jattn.interop.harness import CrosscheckReport, crosscheck
+from jattn.interop.torch_reference import flash_attention_torch, retention_torch
 
-__all__ = ["CrosscheckReport", "crosscheck", "flash_attention_torch", "retention_torch", "same_memory", "to_jax",
-           "to_torch"]
+__all__ = ["CrosscheckReport", "crosscheck", "flash_attention_torch", "load_dat",
+           "read_state_dict", "retention_torch", "same_memory", "to_jax", "to_torch"]

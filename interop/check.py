@@ -1,51 +1,49 @@
 """``jattn check``: every op on every backend usable here, against the pure-JAX
-and torch references, on small built-in problems; prints errors and timings."""
+and torch references, on small built-in problems; prints errors and timings.
+
+The ops, their backends and which backend can run which case all come from the op
+core (``jattn.core.op.OPS``); this module only lists the cases.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
-import time
 
 import jax
 
-from interop.harness import (TOLERANCE, default_torch_device, jax_reference_errors,
-                                run_jax_side, torch_reference_errors)
-from jattn.backends import INTERPRET_ENV, gpu_compute_capability, usable_backends
-from jattn.gpu import flash_backend_supports
+from jattn.core.device import INTERPRET_ENV, current_device
+from jattn.core.op import OPS
+from jattn.core.timing import median_ms
+from jattn.interop.harness import (TOLERANCE, default_torch_device, jax_reference_errors,
+                                   run_jax_side, torch_reference_errors)
 
-# (op, case name, case kwargs); the op's inputs default to batch 2, 4 q heads, 2 kv heads.
+# (op, case name, problem keywords); small, so that interpret mode stays quick.
 CASES = [
-    ("flash_attention", "dense", dict(q_len=64, head_dim=32)),
-    ("flash_attention", "causal gqa", dict(q_len=64, head_dim=64, causal=True)),
-    ("flash_attention", "segments", dict(q_len=64, head_dim=32, causal=True, segments=True)),
-    ("flash_attention", "sq!=sk d=30", dict(q_len=24, kv_len=70, head_dim=30, causal=True)),
-    ("flash_attention", "window+softcap", dict(q_len=64, head_dim=32, local_window=(16, 8),
-                                               softcap=5.0)),
-    ("retention", "parallel abs_sum", dict(q_len=40, kv_len=56, mode="parallel",
+    ("flash_attention", "dense", dict(batch=2, q_len=64, q_heads=4, kv_heads=2, head_dim=32)),
+    ("flash_attention", "causal gqa", dict(batch=2, q_len=64, q_heads=4, kv_heads=2,
+                                           head_dim=64, causal=True)),
+    ("flash_attention", "segments", dict(batch=2, q_len=64, q_heads=4, kv_heads=2, head_dim=32,
+                                         causal=True, segment_ids=True)),
+    ("flash_attention", "sq!=sk d=30", dict(batch=2, q_len=24, kv_len=70, q_heads=4, kv_heads=2,
+                                            head_dim=30, causal=True)),
+    ("flash_attention", "window+softcap", dict(batch=2, q_len=64, q_heads=4, kv_heads=2,
+                                               head_dim=32, local_window=(16, 8), softcap=5.0)),
+    ("retention_parallel", "abs_sum", dict(batch=2, q_len=40, kv_len=56, heads=3, dk=16, dv=24,
                                            normalize="abs_sum")),
-    ("retention", "chunkwise", dict(q_len=50, mode="chunkwise", chunk_size=16)),
-    ("window_attention", "8x8 shift d30", dict(tokens=64, head_dim=30)),
-    ("dilated_attention", "3 pairs gqa", dict(seq=64)),
-    ("dilated_attention", "causal s=50 w>s", dict(seq=50, causal=True, segment_lengths=(16, 64),
-                                                   dilation_rates=(2, 8))),
+    ("retention_chunkwise", "chunks of 16", dict(batch=2, q_len=50, heads=3, dk=16, dv=24,
+                                                 chunk_size=16)),
+    ("retention_step", "one step", dict(batch=2, heads=3, dk=16, dv=24, initial_state=True)),
+    ("window_attention", "8x8 shift d30", dict(windows=8, tokens=64, heads=2, head_dim=30,
+                                               mask_windows=4)),
+    ("dilated_attention", "3 pairs gqa", dict(batch=2, seq=64, heads=4, kv_heads=2, head_dim=16,
+                                              segment_lengths=(8, 16, 32),
+                                              dilation_rates=(1, 2, 4))),
+    ("dilated_attention", "causal s=50 w>s", dict(batch=2, seq=50, heads=4, kv_heads=2,
+                                                  head_dim=16, causal=True,
+                                                  segment_lengths=(16, 64),
+                                                  dilation_rates=(2, 8))),
 ]
-# Backends each op has; the rest are skipped for it.
-OP_BACKENDS = {"retention": ("pallas_triton", "xla"), "window_attention": ("pallas_triton", "xla"),
-               "dilated_attention": ("pallas_triton", "xla")}
-
-
-def _supported(op: str, backend: str, dtype: str, case: dict) -> bool:
-  """Whether ``backend`` computes this case (cuDNN and the Hopper kernel lack features)."""
-  if op == "flash_attention":
-    q_len = case["q_len"]
-    return flash_backend_supports(
-        backend, dtype=dtype, head_dim=case["head_dim"], q_len=q_len,
-        kv_len=case.get("kv_len", q_len), causal=case.get("causal", False),
-        segment_ids=case.get("segments", False), softcap="softcap" in case,
-        local_window="local_window" in case)
-  return backend in OP_BACKENDS.get(op, (backend,))
 
 
 @dataclasses.dataclass
@@ -65,16 +63,6 @@ class CheckRow:
     return all(e <= self.tolerance for e in errs)
 
 
-def _median_ms(fn, args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(samples)
-
-
 def _torch_available() -> bool:
   try:
     import torch  # noqa: F401
@@ -84,10 +72,10 @@ def _torch_available() -> bool:
 
 
 def plan(backends=None, dtypes=None):
-  """The (backend, dtype) pairs to check here and whether Pallas runs interpreted."""
-  on_gpu = gpu_compute_capability() is not None
+  """The backends and dtypes to check here, and whether Pallas runs interpreted."""
+  on_gpu = current_device().is_gpu
   if backends is None:
-    backends = list(usable_backends())
+    backends = list(current_device().backends)
     if "pallas_triton" not in backends:
       backends.insert(0, "pallas_triton")  # interpret mode off-GPU
   if dtypes is None:
@@ -97,32 +85,35 @@ def plan(backends=None, dtypes=None):
 
 def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: int = 5,
               progress=None, ops=None) -> list[CheckRow]:
-  """Runs every case (of ``ops`` only, if given); returns one row per (case, backend,
-  dtype)."""
-  unknown = set(ops or ()) - {op for op, _, _ in CASES}
+  """Runs every case (of ``ops`` only, if given) on every backend that can run it;
+  returns one row per (case, backend, dtype)."""
+  known = sorted({op for op, _, _ in CASES})
+  unknown = set(ops or ()) - set(known)
   if unknown:
-    raise ValueError(f"unknown ops {sorted(unknown)}; known: "
-                     f"{sorted({op for op, _, _ in CASES})}")
+    raise ValueError(f"unknown ops {sorted(unknown)}; known: {known}")
   backends, dtypes, interpret = plan(backends, dtypes)
   if interpret:
     os.environ[INTERPRET_ENV] = "1"
   use_torch = torch_reference and _torch_available()
   torch_device = default_torch_device() if use_torch else None
   rows = []
-  for op, case_name, case in CASES:
-    if ops and op not in ops:
+  for op_name, case_name, case in CASES:
+    if ops and op_name not in ops:
       continue
-    for backend in backends:
-      for dtype in dtypes:
-        if not _supported(op, backend, dtype, case):
+    op = OPS[op_name]
+    for dtype in dtypes:
+      can_run = dict(op.choices(op.problem(**case, dtype=dtype)))
+      for backend in backends:
+        if can_run.get(backend, "not a backend of this op") is not None:
           continue
-        run = run_jax_side(op, dtype=dtype, backend=backend, seed=0, **case)
-        err_jax = max(r for _, r in jax_reference_errors(op, run).values())
+        run = run_jax_side(op_name, dtype=dtype, backend=backend, seed=0, **case)
+        err_jax = max(r for _, r in jax_reference_errors(run).values())
         err_torch = None
         if use_torch:
-          err_torch = max(r for _, r in torch_reference_errors(op, run, torch_device).values())
-        ms = _median_ms(run.fwd_bwd, run.diff_args, reps)
-        row = CheckRow(op, case_name, backend, dtype, err_jax, err_torch, TOLERANCE[dtype], ms)
+          err_torch = max(r for _, r in torch_reference_errors(run, torch_device).values())
+        ms = median_ms(run.fwd_bwd, run.diff_args, reps)
+        row = CheckRow(op_name, case_name, backend, dtype, err_jax, err_torch,
+                       TOLERANCE[dtype], ms)
         rows.append(row)
         if progress:
           progress(row)
@@ -133,11 +124,11 @@ def format_row(row: CheckRow, interpret: bool) -> str:
   backend = row.backend + ("*" if interpret and row.backend.startswith("pallas") else "")
   torch_err = "-" if row.err_torch is None else f"{row.err_torch:.1e}"
   status = "ok" if row.ok else "FAIL"
-  return (f"{row.op:<16} {row.case:<15} {backend:<15} {row.dtype:<9} {row.err_jax:>9.1e} "
+  return (f"{row.op:<19} {row.case:<15} {backend:<15} {row.dtype:<9} {row.err_jax:>9.1e} "
           f"{torch_err:>9} {row.tolerance:>7.0e} {row.ms:>10.2f}  {status}")
 
 
-HEADER = (f"{'op':<16} {'case':<15} {'backend':<15} {'dtype':<9} {'err jax':>9} "
+HEADER = (f"{'op':<19} {'case':<15} {'backend':<15} {'dtype':<9} {'err jax':>9} "
           f"{'err torch':>9} {'tol':>7} {'fwd+bwd ms':>10}  status")
 
 

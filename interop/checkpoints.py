@@ -18,9 +18,12 @@ import math
 import os
 import re
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from interop.convert import load_torch_state_dict, to_torch_state_dict
+from jattn.interop.convert import load_torch_state_dict, to_torch_state_dict
+from jattn.nn.dat import DAT, AdaptiveSpatialAttention, DATConfig, relative_positions, shift_masks
 
 # DAT buffers that the Flax model recomputes from its config.
 DAT_DERIVED = ("rpe_biases", "relative_position_index", "attn_mask_0", "attn_mask_1")
@@ -68,8 +71,6 @@ def infer_dat_config(state, **overrides):
   any field. ``img_size`` is the size the stored shift masks were built for (None
   without them); it does not change the model's output.
   """
-  from jattn.nn import DATConfig
-
   def need(key):
     if key not in state:
       raise ValueError(f"not a DAT checkpoint: key {key!r} is missing")
@@ -121,11 +122,6 @@ def infer_dat_config(state, **overrides):
 
 def dat_from_state_dict(state, *, dtype=None, backend: str = "auto", rngs=None, **overrides):
   """A ``jattn.nn.DAT`` built from a DAT state dict's inferred config, with its weights."""
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from jattn.nn import DAT
-
   dtype = dtype or jnp.float32
   config, _ = infer_dat_config(state, **overrides)
   model = DAT(config, dtype=dtype, backend=backend, rngs=rngs or nnx.Rngs(0))
@@ -154,8 +150,6 @@ def dat_to_torch_state_dict(model, *, img_size: int = 64) -> dict[str, np.ndarra
   shifted blocks' masks for ``img_size x img_size`` inputs, the original's default
   64), so ``load_state_dict(strict=True)`` takes it and ``.pth`` readers such as
   ``read_state_dict`` infer the full config from it."""
-  from jattn.nn.dat import AdaptiveSpatialAttention, relative_positions, shift_masks
-
   state = to_torch_state_dict(model)
   for i, group in enumerate(model.layers):
     for j, block in enumerate(group.blocks):

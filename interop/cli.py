@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jattn.interop.check import CASES, main_check
+from jattn.interop.checkpoints import (dat_from_state_dict, infer_dat_config, read_state_dict,
+                                       save_converted)
+
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jattn", description="jattn command line tools")
@@ -15,8 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
   check.add_argument("--backends", help="comma-separated backends (default: all usable here)")
   check.add_argument("--dtypes", help="comma-separated dtypes (default: float32,bfloat16"
                      "[,float16 on GPU])")
-  check.add_argument("--ops", help="comma-separated ops (default: all: flash_attention, "
-                     "retention, window_attention, dilated_attention)")
+  check.add_argument("--ops", help="comma-separated ops (default: all: " + ", ".join(
+      sorted({op for op, _, _ in CASES})) + ")")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
   check.add_argument("--reps", type=int, default=5, help="timed repetitions per case")
   _add_convert_arguments(sub.add_parser(
@@ -32,9 +36,6 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args) -> int:
-  from interop.checkpoints import (dat_from_state_dict, infer_dat_config, read_state_dict,
-                                   save_converted)
-
   overrides = {} if args.img_range is None else {"img_range": args.img_range}
   state = read_state_dict(args.checkpoint)
   config, img_size = infer_dat_config(state, **overrides)
@@ -56,8 +57,6 @@ def convert_main(argv=None) -> int:
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   if args.command == "check":
-    from interop.check import main_check
-
     return main_check(args)
   if args.command == "convert":
     return run_convert(args)

@@ -104,6 +104,22 @@ def retention_torch(q, k, v, *, decay=None, scale=None, normalize=None, mode=Non
   return torch.einsum("bhqk,bkhd->bqhd", scores, v).to(dtype)
 
 
+def retention_step_torch(q, k, v, state, *, decay=None, scale=None):
+  """One recurrent retention step in torch (float32): ``S' = γ S + kᵀ v``,
+  ``o = scale · q S'``; ``q, k: [batch, heads, dk]``, ``v: [batch, heads, dv]``,
+  ``state: [batch, heads, dk, dv]``. Returns ``(o, S')``."""
+  import torch
+
+  heads, dk = q.shape[1], q.shape[2]
+  if decay is None:
+    decay = 1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float32, device=q.device))
+  decay = torch.as_tensor(decay, dtype=torch.float32, device=q.device)
+  scale = dk ** -0.5 if scale is None else scale
+  state = decay[None, :, None, None] * state.float() + torch.einsum(
+      "bhk,bhv->bhkv", k.float(), v.float())
+  return (scale * torch.einsum("bhk,bhkv->bhv", q.float(), state)).to(q.dtype), state
+
+
 def window_attention_torch(q, k, v, bias, *, mask=None, scale=None):
   """Window attention as Swin / DAT compute it, in float32: ``softmax(scale · q kᵀ +
   bias + mask) v``.

@@ -23,7 +23,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
 def load_model(path: str, precision: str):
   import jax.numpy as jnp
 
-  from interop.checkpoints import load_converted, load_dat
+  from jattn.interop.checkpoints import load_converted, load_dat
 
   dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
   if os.path.isdir(path):

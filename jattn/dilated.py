@@ -7,41 +7,65 @@ and themselves). Each pair gives an output ``O_i`` and a log-sum-exp ``lse_i`` p
 position it covers (``lse_i = -inf`` elsewhere), and the pairs are mixed as
 ``O = Σ_i softmax_i(lse_i) · O_i``. Gradients are exact: they flow through the mixing
 weights too (torchscale detaches them).
+
+Implementations: ``pallas_triton`` (``jattn.kernels.dilated``: in-place kernels on
+dilated views, pairs merged into one running ``(o, lse)``) and ``xla`` (the float32
+reference: gather, dense attention per pair, mix).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 
-from jattn.backends import resolve_backend
-from jattn.gpu import select_backend
+from jattn.core.op import SoftmaxOp, TritonImpl, XlaImpl
+from jattn.core.validation import check_array, check_heads, check_same_dtype, check_shape, scale_of
+from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
+from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
 from jattn.reference import dilated_attention_reference
-from pallas_kernels.dilated import dilated_attention_triton
-from pallas_kernels.flash import FlashBlockConfig
+from jattn.tuning.cache import bucket
+from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
 
-DILATED_BACKENDS = ("auto", "pallas_triton", "xla")
-MAX_HEAD_DIM = 256
-FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+LAYOUT = "batch, seq, heads, head_dim"
 
 
-def _validate(q, k, v, segment_lengths, dilation_rates, backend):
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not hasattr(x, "ndim") or x.ndim != 4:
-      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], "
-                       f"got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape, got k {k.shape}, v {v.shape}")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  batch, seq, heads, head_dim = q.shape
-  if k.shape[0] != batch or k.shape[1] != seq or k.shape[3] != head_dim:
-    raise ValueError(f"k and v must be [batch, seq, kv_heads, head_dim] with q's batch, seq "
-                     f"and head_dim {(batch, seq, head_dim)}, got {k.shape}")
-  if heads % k.shape[2]:
-    raise ValueError(f"q's {heads} heads must be a multiple of k/v's {k.shape[2]} heads "
-                     "(grouped-query attention)")
+@dataclasses.dataclass(frozen=True)
+class DilatedProblem:
+  """One dilated-attention call, without its arrays."""
+
+  batch: int = 1
+  seq: int = 1
+  heads: int = 1
+  kv_heads: int | None = None  # default heads
+  head_dim: int = 64
+  dtype: Any = jnp.float16
+  segment_lengths: tuple[int, ...] = (2048,)
+  dilation_rates: tuple[int, ...] = (1,)
+  causal: bool = False
+  scale: float | None = None  # default head_dim ** -0.5
+
+  def __post_init__(self):
+    fix = lambda name, value: object.__setattr__(self, name, value)
+    fix("kv_heads", self.heads if self.kv_heads is None else self.kv_heads)
+    fix("dtype", jnp.dtype(self.dtype))
+    fix("segment_lengths", tuple(int(w) for w in self.segment_lengths))
+    fix("dilation_rates", tuple(int(r) for r in self.dilation_rates))
+    fix("scale", self.head_dim ** -0.5 if self.scale is None else float(self.scale))
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim,)
+
+  @property
+  def pairs(self) -> tuple[tuple[int, int], ...]:
+    return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+
+def check_pairs(segment_lengths, dilation_rates) -> None:
+  """LongNet's pairs: non-empty, matched, positive ints, ``w`` a multiple of ``r``."""
   segment_lengths, dilation_rates = list(segment_lengths), list(dilation_rates)
   if not segment_lengths or len(segment_lengths) != len(dilation_rates):
     raise ValueError(f"segment_lengths {segment_lengths} and dilation_rates {dilation_rates} "
@@ -50,13 +74,87 @@ def _validate(q, k, v, segment_lengths, dilation_rates, backend):
     if int(w) != w or int(r) != r or w < 1 or r < 1 or w % r:
       raise ValueError(f"each pair needs positive integers with the segment length a "
                        f"multiple of the dilation rate, got (w={w}, r={r})")
-  if backend not in DILATED_BACKENDS:
-    raise ValueError(f"backend must be one of {DILATED_BACKENDS}, got {backend!r}")
+
+
+class TritonDilated(TritonImpl):
+  config_cls = BlockConfig
+
+  def heuristic_config(self, p, info):
+    return default_block_config(p.head_dim, p.dtype.itemsize)
+
+  def cache_key(self, p):
+    pairs = ",".join(f"{w}:{r}" for w, r in p.pairs)
+    return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}",
+            "causal" if p.causal else "noncausal", f"s{bucket(p.seq)}", pairs)
+
+  def tuning_stages(self):
+    return BLOCK_STAGES
+
+  def normalize_config(self, config, p):
+    rows = -(-p.seq // min(p.dilation_rates))
+    return clamp_blocks(config, rows, rows)
+
+  def fits(self, config, p, info):
+    return block_fits()(config, p, info)
+
+  def forward(self, call, q, k, v):
+    p = call.problem
+    o, lse = dilated_triton_forward(q, k, v, pairs=p.pairs, causal=p.causal, scale=p.scale,
+                                    config=call.config, interpret=call.interpret)
+    return (o, lse), ((q, k, v), o.astype(q.dtype), lse)
+
+  def backward(self, call, residuals, cotangents):
+    (q, k, v), o, lse = residuals
+    p = call.problem
+    return dilated_triton_backward(q, k, v, o, lse, *cotangents, pairs=p.pairs,
+                                   causal=p.causal, scale=p.scale, config=call.config,
+                                   interpret=call.interpret)
+
+
+class XlaDilated(XlaImpl):
+  def forward(self, call, q, k, v):
+    p = call.problem
+    return dilated_attention_reference(q, k, v, segment_lengths=p.segment_lengths,
+                                       dilation_rates=p.dilation_rates, causal=p.causal,
+                                       scale=p.scale), None
+
+
+class DilatedAttention(SoftmaxOp):
+  name = "dilated_attention"
+  problem_cls = DilatedProblem
+  arg_names = ("q", "k", "v")
+
+  def bind(self, q, k, v, *, segment_lengths, dilation_rates, causal=False, scale=None):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+      check_array(name, x, LAYOUT)
+    check_same_dtype(q=q, k=k, v=v)
+    batch, seq, heads, head_dim = q.shape
+    check_shape("k", k, (batch, seq, None, head_dim), "batch, seq, kv_heads, head_dim")
+    check_shape("v", v, tuple(k.shape), "batch, seq, kv_heads, head_dim")
+    check_heads(heads, k.shape[2])
+    check_pairs(segment_lengths, dilation_rates)
+    problem = DilatedProblem(batch=batch, seq=seq, heads=heads, kv_heads=k.shape[2],
+                             head_dim=head_dim, dtype=q.dtype, segment_lengths=segment_lengths,
+                             dilation_rates=dilation_rates, causal=bool(causal),
+                             scale=scale_of(scale, head_dim))
+    return problem, (q, k, v)
+
+  def finish(self, problem, outputs):
+    return outputs[0].astype(problem.dtype)
+
+  def example(self, p: DilatedProblem, key):
+    kq, kk, kv = jax.random.split(key, 3)
+    normal = lambda k, h: jax.random.normal(k, (p.batch, p.seq, h, p.head_dim),
+                                            jnp.float32).astype(p.dtype)
+    return normal(kq, p.heads), normal(kk, p.kv_heads), normal(kv, p.kv_heads)
+
+
+DILATED = DilatedAttention(TritonDilated(), XlaDilated())
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False,
                       scale: float | None = None, backend: str = "auto",
-                      config: FlashBlockConfig | None = None):
+                      config: BlockConfig | None = None):
   """LongNet dilated attention.
 
   Args:
@@ -71,8 +169,8 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     backend: ``"auto"`` (the Pallas kernels where usable, else ``"xla"``),
       ``"pallas_triton"`` or ``"xla"`` (the float32 reference: gather, dense
       attention per pair, mix).
-    config: tiles for the Pallas kernels, a ``jattn.FlashBlockConfig`` (default: the
-      flash kernels' default for the head dim and dtype).
+    config: tiles for the Pallas kernels, a ``BlockConfig`` (default: the tuning
+      cache, else the flash kernels' default for the head dim and dtype).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in q's dtype. Positions that no pair covers for
@@ -80,18 +178,5 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
 
   A single pair ``(seq, 1)`` is exactly full attention.
   """
-  _validate(q, k, v, segment_lengths, dilation_rates, backend)
-  head_dim = q.shape[-1]
-  scale = head_dim ** -0.5 if scale is None else float(scale)
-  name, interpret = resolve_backend(
-      backend, lambda: select_backend("dilated_attention", head_dim=head_dim))
-  if name == "pallas_triton":
-    if head_dim > MAX_HEAD_DIM:
-      raise ValueError(f"the Pallas dilated kernels take head dims up to {MAX_HEAD_DIM}, got "
-                       f"{head_dim}; use backend='xla'")
-    return dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
-                                    dilation_rates=dilation_rates, causal=causal, scale=scale,
-                                    config=config, interpret=interpret)
-  return dilated_attention_reference(q, k, v, segment_lengths=segment_lengths,
-                                     dilation_rates=dilation_rates, causal=causal,
-                                     scale=scale)[0]
+  return DILATED(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                 causal=causal, scale=scale, backend=backend, config=config)

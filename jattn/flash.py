@@ -1,119 +1,305 @@
-"""``jattn.flash_attention``: validation, backend choice, dispatch."""
+"""``jattn.flash_attention``: the op, its problem, and its four implementations.
+
+- ``pallas_mosaic``: the Hopper kernels (``jattn.kernels.flash.mosaic``);
+- ``pallas_triton``: the Triton-lowered kernels (``jattn.kernels.flash.triton``);
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``;
+- ``xla``: the float32 reference (``jattn.reference.flash_attention_reference``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jattn.backends import resolve_backend
-from jattn.gpu import flash_backend_gaps, select_backend
+from jattn.core.device import CUDNN, GPUInfo, shared_memory_limit
+from jattn.core.op import Impl, MosaicImpl, SoftmaxOp, TritonImpl, XlaImpl
+from jattn.core.validation import (check_array, check_heads, check_integer_array,
+                                   check_same_dtype, check_shape, scale_of)
+from jattn.kernels.common.config import (BlockConfig, default_block_config,
+                                         padded_head_dim)
+from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
+                                 flash_mosaic_backward, flash_mosaic_forward,
+                                 flash_triton_backward, flash_triton_forward)
+from jattn.kernels.flash.mosaic_config import mosaic_head_dim
+from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
 from jattn.reference import flash_attention_reference
-from pallas_kernels.flash import (FlashBlockConfig, MosaicBlockConfig, default_config,
-                                  default_mosaic_config, flash_attention_mosaic,
-                                  flash_attention_triton)
+from jattn.tuning.cache import bucket
+from jattn.tuning.search import SearchStage
+from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
 
-SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-MAX_PALLAS_HEAD_DIM = 256
-
-
-def _check_array(name, x):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if x.ndim != 4:
-    raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {x.shape}")
-  if x.dtype not in SUPPORTED_DTYPES:
-    raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
-  if any(d == 0 for d in x.shape):
-    raise ValueError(f"{name} has an empty dimension: shape {x.shape}")
+LAYOUT = "batch, seq, heads, head_dim"
 
 
-def _validate(q, k, v, q_segment_ids, kv_segment_ids, local_window, softcap, scale):
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    _check_array(name, x)
-  if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape [batch, kv_len, kv_heads, head_dim], "
-                     f"got k {k.shape} and v {v.shape}")
-  if k.shape[0] != q.shape[0]:
-    raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-  if k.shape[3] != q.shape[3]:
-    raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
-  if q.shape[2] % k.shape[2]:
-    raise ValueError(f"q_heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]}) "
-                     "for grouped-query attention")
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
-  if q_segment_ids is not None:
-    for name, ids, length in (("q_segment_ids", q_segment_ids, q.shape[1]),
-                              ("kv_segment_ids", kv_segment_ids, k.shape[1])):
-      expected = (q.shape[0], length)
-      if not hasattr(ids, "shape") or tuple(ids.shape) != expected:
-        raise ValueError(f"{name} must have shape [batch, seq] = {expected}, "
-                         f"got {getattr(ids, 'shape', type(ids).__name__)}")
-      if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"{name} must be integers, got dtype {ids.dtype}")
-  if local_window is not None:
-    ok = isinstance(local_window, (tuple, list)) and len(local_window) == 2 and all(
-        w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
-        for w in local_window)
-    if not ok:
-      raise ValueError("local_window must be (left, right) with each a non-negative int or "
-                       f"None (unbounded), got {local_window!r}")
-  if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-    raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-  if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                and scale > 0):
-    raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+@dataclasses.dataclass(frozen=True)
+class FlashProblem:
+  """One flash-attention call, without its arrays. From keywords (``select_backend``,
+  tuning) ``softcap=True`` / ``local_window=True`` stand for "some cap / window"."""
+
+  batch: int = 1
+  q_len: int = 1
+  kv_len: int | None = None  # default q_len
+  q_heads: int = 1
+  kv_heads: int | None = None  # default q_heads
+  head_dim: int = 64
+  dtype: Any = jnp.float16
+  causal: bool = False
+  scale: float | None = None  # default head_dim ** -0.5
+  local_window: tuple | None = None
+  softcap: float | None = None
+  segment_ids: bool = False
+  return_lse: bool = False
+
+  def __post_init__(self):
+    fix = lambda name, value: object.__setattr__(self, name, value)
+    fix("kv_len", self.q_len if self.kv_len is None else self.kv_len)
+    fix("kv_heads", self.q_heads if self.kv_heads is None else self.kv_heads)
+    fix("dtype", jnp.dtype(self.dtype))
+    fix("scale", self.head_dim ** -0.5 if self.scale is None else float(self.scale))
+    if self.local_window is True:
+      fix("local_window", (None, None))
+    elif self.local_window is False:
+      fix("local_window", None)
+    elif self.local_window is not None:
+      fix("local_window", tuple(self.local_window))
+    if isinstance(self.softcap, bool):
+      fix("softcap", 1.0 if self.softcap else None)
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim,)
 
 
-def _check_gaps(backend, q, k, *, causal, q_segment_ids, softcap, return_lse, advice):
-  gaps = flash_backend_gaps(backend, dtype=q.dtype, q_len=q.shape[1], kv_len=k.shape[1],
-                            causal=causal, segment_ids=q_segment_ids is not None,
-                            softcap=softcap is not None, return_lse=return_lse)
-  if gaps:
-    raise ValueError(f"backend={backend!r} does not support: " + ", ".join(gaps) + advice)
+def _check_window(local_window):
+  ok = isinstance(local_window, (tuple, list)) and len(local_window) == 2 and all(
+      w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
+      for w in local_window)
+  if not ok:
+    raise ValueError("local_window must be (left, right) with each a non-negative int or "
+                     f"None (unbounded), got {local_window!r}")
 
 
-def _cudnn(q, k, v, *, causal, scale, q_segment_ids, local_window, softcap, return_lse):
-  _check_gaps("cudnn", q, k, causal=causal, q_segment_ids=q_segment_ids, softcap=softcap,
-              return_lse=return_lse, advice="; use backend='pallas_triton' or 'xla'")
-  window = None if local_window is None else tuple(
-      -1 if w is None else w for w in local_window)
-  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+# --- implementations ---------------------------------------------------------------------
+
+def _cache_key(p: FlashProblem) -> tuple[str, ...]:
+  return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}",
+          "causal" if p.causal else "noncausal", f"s{bucket(max(p.q_len, p.kv_len))}")
+
+
+class TritonFlash(TritonImpl):
+  config_cls = BlockConfig
+
+  def heuristic_config(self, p, info):
+    return default_block_config(p.head_dim, p.dtype.itemsize)
+
+  def cache_key(self, p):
+    return _cache_key(p)
+
+  def tuning_stages(self):
+    return BLOCK_STAGES
+
+  def normalize_config(self, config, p):
+    return clamp_blocks(config, p.q_len, p.kv_len)
+
+  def fits(self, config, p, info):
+    return block_fits()(config, p, info)
+
+  def forward(self, call, q, k, v, q_seg, kv_seg):
+    p = call.problem
+    o, lse = flash_triton_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
+                                  local_window=p.local_window, softcap=p.softcap,
+                                  config=call.config, interpret=call.interpret)
+    return (o, lse), ((q, k, v, q_seg, kv_seg), o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    (q, k, v, q_seg, kv_seg), o, lse = residuals
+    p = call.problem
+    dq, dk, dv = flash_triton_backward(
+        q, k, v, q_seg, kv_seg, o, lse, *cotangents, causal=p.causal, scale=p.scale,
+        local_window=p.local_window, softcap=p.softcap, config=call.config,
+        interpret=call.interpret)
+    return dq, dk, dv, None, None
+
+
+# Consumer warpgroups hold 232 registers; ~30 go to addresses and row statistics.
+# Measured on the H100 sweep (bench/results/flash_sweep_mosaic.json): 192 fp32 per
+# thread ran at full speed, 256 spilled (d128 128x128 tiles: 270 vs 527 TFLOP/s).
+MOSAIC_REGISTER_BUDGET = 200
+_MOSAIC_SMEM_OVERHEAD = 4 * 1024  # barriers and alignment
+
+
+def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int) -> dict[str, tuple[int, float]]:
+  """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread
+  (``W`` consumer warpgroups of 128 threads, each owning ``block`` rows)."""
+  w, o = CONSUMERS, _MOSAIC_SMEM_OVERHEAD
+  return {
+      "forward": ((w * c.block_q * d + c.stages * 2 * c.block_kv * d) * nbytes + o,
+                  (c.block_q * d + c.block_q * c.block_kv) / 128),
+      "dQ": ((2 * w * c.block_q_dq * d + c.bwd_stages * 2 * c.block_kv_dq * d) * nbytes + o,
+             (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / 128),
+      "dK/dV": ((2 * w * c.block_kv_dkv * d + c.bwd_stages * 2 * c.block_q_dkv * d) * nbytes
+                + c.bwd_stages * 2 * c.block_q_dkv * 4 + o,
+                (2 * c.block_kv_dkv * d + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
+  }
+
+
+def mosaic_fits(*kernels: str):
+  """The Hopper cost model restricted to ``kernels`` (all three when none are named)."""
+
+  def fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
+    limit = shared_memory_limit(info)
+    costs = mosaic_costs(c, mosaic_head_dim(p.head_dim), p.dtype.itemsize)
+    for name in kernels or tuple(costs):
+      smem, per_thread = costs[name]
+      if smem > limit:
+        return f"{name} shared memory: {smem // 1024} KiB > {limit // 1024} KiB"
+      if per_thread > MOSAIC_REGISTER_BUDGET:
+        return f"{name} registers: {per_thread:.0f} fp32/thread > {MOSAIC_REGISTER_BUDGET}"
+    return None
+
+  return fits
+
+
+MOSAIC_STAGES = (
+    SearchStage("forward", "fwd", {"block_q": (64, 128), "block_kv": (64, 128, 192, 256),
+                                   "stages": (2, 3, 4)}, mosaic_fits("forward")),
+    # The dK/dV kernel shares the backward ring depth.
+    SearchStage("dQ", "fwd+bwd", {"block_q_dq": (64, 128), "block_kv_dq": (64, 128),
+                                  "bwd_stages": (2, 3)}, mosaic_fits("dQ", "dK/dV")),
+    SearchStage("dK/dV", "fwd+bwd", {"block_q_dkv": (64, 128), "block_kv_dkv": (64, 128)},
+                mosaic_fits("dK/dV")),
+)
+
+
+class MosaicFlash(MosaicImpl):
+  config_cls = MosaicBlockConfig
+
+  def gaps(self, p):
+    return super().gaps(p) + tuple(name for name, used in (
+        ("segment ids", p.segment_ids), ("softcap", p.softcap is not None)) if used)
+
+  def heuristic_config(self, p, info):
+    return default_mosaic_config(p.head_dim)
+
+  def cache_key(self, p):
+    return _cache_key(p)
+
+  def tuning_stages(self):
+    return MOSAIC_STAGES
+
+  def fits(self, config, p, info):
+    return mosaic_fits()(config, p, info)
+
+  def forward(self, call, q, k, v, q_seg, kv_seg):
+    p = call.problem
+    o, lse = flash_mosaic_forward(q, k, v, causal=p.causal, scale=p.scale,
+                                  local_window=p.local_window, config=call.config)
+    return (o, lse), ((q, k, v, q_seg, kv_seg), o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    (q, k, v, _, _), o, lse = residuals
+    p = call.problem
+    dq, dk, dv = flash_mosaic_backward(q, k, v, o, lse, *cotangents, causal=p.causal,
+                                       scale=p.scale, local_window=p.local_window,
+                                       config=call.config)
+    return dq, dk, dv, None, None
+
+
+class CudnnFlash(Impl):
+  """cuDNN's fused attention through ``jax.nn.dot_product_attention`` (its own VJP)."""
+
+  backend = CUDNN
+
+  def gaps(self, p):
+    return tuple(name for name, used in (
+        ("head dims above 256 or not a multiple of 8", p.head_dim > 256 or p.head_dim % 8),
+        ("segment ids", p.segment_ids), ("softcap", p.softcap is not None),
+        ("return_lse", p.return_lse), ("float32 inputs", p.dtype == jnp.float32),
+        ("causal with q_len != kv_len (cuDNN aligns causal masks top-left)",
+         p.causal and p.q_len != p.kv_len)) if used)
+
+  def forward(self, call, q, k, v, q_seg, kv_seg):
+    p = call.problem
+    window = None if p.local_window is None else tuple(
+        -1 if w is None else w for w in p.local_window)
+    o = jax.nn.dot_product_attention(q, k, v, scale=p.scale, is_causal=p.causal,
                                       local_window_size=window, implementation="cudnn")
+    return (o, None), None
 
 
-_CONFIG_TYPES = {"pallas_triton": FlashBlockConfig, "pallas_mosaic": MosaicBlockConfig}
+class XlaFlash(XlaImpl):
+  def forward(self, call, q, k, v, q_seg, kv_seg):
+    p = call.problem
+    return flash_attention_reference(q, k, v, causal=p.causal, scale=p.scale,
+                                     q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                     local_window=p.local_window, softcap=p.softcap), None
 
 
-def _pallas_config(backend, config, q, k, causal):
-  """The tiles a Pallas backend runs with: the caller's, the tuned ones, or defaults."""
-  expected = _CONFIG_TYPES[backend]
-  if config is not None:
-    if not isinstance(config, expected):
-      raise TypeError(f"config for backend={backend!r} must be a {expected.__name__}, "
-                      f"got {type(config).__name__}")
-    return config
-  from jattn.autotune import lookup_config
+# --- the op --------------------------------------------------------------------------------
 
-  head_dim = q.shape[-1]
-  tuned = lookup_config("flash_attention", backend, dtype=q.dtype, head_dim=head_dim,
-                        q_len=q.shape[1], kv_len=k.shape[1], causal=causal)
-  if tuned is not None:
-    return tuned
-  if backend == "pallas_mosaic":
-    return default_mosaic_config(head_dim)
-  return default_config(head_dim, jnp.dtype(q.dtype).itemsize)
+class FlashAttention(SoftmaxOp):
+  name = "flash_attention"
+  problem_cls = FlashProblem
+  arg_names = ("q", "k", "v", "q_segment_ids", "kv_segment_ids")
+
+  def bind(self, q, k, v, *, causal=False, scale=None, q_segment_ids=None, kv_segment_ids=None,
+           local_window=None, softcap=None, deterministic=True, return_lse=False):
+    del deterministic  # every backward here is deterministic
+    for name, x in (("q", q), ("k", k), ("v", v)):
+      check_array(name, x, LAYOUT)
+    check_same_dtype(q=q, k=k, v=v)
+    batch, q_len, q_heads, head_dim = q.shape
+    check_shape("k", k, (batch, None, None, head_dim), "batch, kv_len, kv_heads, head_dim")
+    check_shape("v", v, tuple(k.shape), "batch, kv_len, kv_heads, head_dim")
+    check_heads(q_heads, k.shape[2])
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+      raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None:
+      check_integer_array("q_segment_ids", q_segment_ids, (batch, q_len), "batch, q_len")
+      check_integer_array("kv_segment_ids", kv_segment_ids, (batch, k.shape[1]),
+                          "batch, kv_len")
+      q_segment_ids = q_segment_ids.astype(jnp.int32)
+      kv_segment_ids = kv_segment_ids.astype(jnp.int32)
+    if local_window is not None:
+      _check_window(local_window)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(
+        softcap, bool) and math.isfinite(softcap) and softcap > 0):
+      raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    problem = FlashProblem(
+        batch=batch, q_len=q_len, kv_len=k.shape[1], q_heads=q_heads, kv_heads=k.shape[2],
+        head_dim=head_dim, dtype=q.dtype, causal=bool(causal), scale=scale_of(scale, head_dim),
+        local_window=local_window, softcap=None if softcap is None else float(softcap),
+        segment_ids=q_segment_ids is not None, return_lse=bool(return_lse))
+    return problem, (q, k, v, q_segment_ids, kv_segment_ids)
+
+  def finish(self, problem, outputs):
+    o, lse = outputs
+    return (o, lse) if problem.return_lse else o
+
+  def example(self, p: FlashProblem, key):
+    kq, kk, kv, ks = jax.random.split(key, 4)
+    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(p.dtype)
+    q = normal(kq, (p.batch, p.q_len, p.q_heads, p.head_dim))
+    k = normal(kk, (p.batch, p.kv_len, p.kv_heads, p.head_dim))
+    v = normal(kv, (p.batch, p.kv_len, p.kv_heads, p.head_dim))
+    if not p.segment_ids:
+      return q, k, v, None, None
+    # Packed sequences: sorted ids, kv ids shifted so that some queries see nothing.
+    ids = jnp.sort(jax.random.randint(ks, (p.batch, max(p.q_len, p.kv_len)), 0, 3), axis=1)
+    return q, k, v, ids[:, :p.q_len], ids[:, :p.kv_len] + (ids[:, :p.kv_len] == 2)
+
+
+FLASH = FlashAttention(MosaicFlash(), TritonFlash(), CudnnFlash(), XlaFlash())
 
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     q_segment_ids=None, kv_segment_ids=None, local_window=None,
                     softcap: float | None = None, deterministic: bool = True,
                     return_lse: bool = False, backend: str = "auto",
-                    config: FlashBlockConfig | MosaicBlockConfig | None = None):
+                    config: BlockConfig | MosaicBlockConfig | None = None):
   """Memory-efficient exact attention, differentiable (custom VJP on Pallas backends).
 
   ``softmax(softcap(q kᵀ · scale) + mask) v`` computed tile by tile in fp32,
@@ -123,7 +309,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     q: ``[batch, q_len, q_heads, head_dim]``.
     k, v: ``[batch, kv_len, kv_heads, head_dim]``. ``q_heads`` must be a multiple
       of ``kv_heads`` (grouped-query / multi-query attention). float32, float16
-      or bfloat16, all the same dtype; any lengths; head_dim up to 256.
+      or bfloat16, all the same dtype; any lengths; head_dim up to 256 on the
+      Pallas backends (any on ``xla``).
     causal: mask keys after the query. With ``q_len != kv_len`` the mask is
       aligned at the bottom-right (as flash-attn does): query ``i`` sits at key
       position ``i + kv_len - q_len``, so with ``q_len > kv_len`` the first rows
@@ -138,11 +325,12 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     deterministic: the Pallas backward never uses atomics, so it is always
       bitwise reproducible; the flag is accepted for API compatibility.
     return_lse: also return the log-sum-exp of each row.
-    backend: ``"auto"``, ``"pallas_triton"``, ``"pallas_mosaic"``, ``"cudnn"`` or ``"xla"``.
-      ``"auto"`` takes the best usable backend that supports the call
-      (``jattn.gpu.select_backend``; rules in docs/backends.md).
-    config: tiles for the Pallas kernels: a ``FlashBlockConfig`` for ``pallas_triton``,
-      a ``MosaicBlockConfig`` for ``pallas_mosaic``. Default: the autotuner's cache
+    backend: ``"auto"``, ``"pallas_mosaic"``, ``"pallas_triton"``, ``"cudnn"`` or
+      ``"xla"``. ``"auto"`` takes the first, in that order, that this device runs
+      and that supports the call (``jattn.gpu.select_backend``; docs/backends.md).
+    config: tiles for the Pallas kernels: a ``BlockConfig`` for ``pallas_triton``,
+      a ``MosaicBlockConfig`` for ``pallas_mosaic`` (with ``"auto"``, only the
+      backend that takes it is considered). Default: the autotuner's cache
       (``jattn.autotune``), else a heuristic by head_dim.
 
   Returns:
@@ -151,40 +339,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     gives zeros and ``lse = -1e30`` (finite), never NaN. Gradients flow to q, k,
     v (and through ``lse`` when it is used); segment ids get none.
   """
-  del deterministic  # Every backward here is deterministic.
-  _validate(q, k, v, q_segment_ids, kv_segment_ids, local_window, softcap, scale)
-  head_dim = q.shape[-1]
-  name, interpret = resolve_backend(backend, lambda: select_backend(
-      dtype=q.dtype, head_dim=head_dim, q_len=q.shape[1], kv_len=k.shape[1], causal=causal,
-      segment_ids=q_segment_ids is not None, softcap=softcap is not None,
-      return_lse=return_lse, local_window=local_window is not None))
-  scale = head_dim ** -0.5 if scale is None else float(scale)
-  if local_window is not None:
-    local_window = tuple(local_window)
-  if q_segment_ids is not None:
-    q_segment_ids = q_segment_ids.astype(jnp.int32)
-    kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-
-  if name == "cudnn":
-    return _cudnn(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
-                  local_window=local_window, softcap=softcap, return_lse=return_lse)
-  if name == "xla":
-    o, lse = flash_attention_reference(
-        q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, local_window=local_window, softcap=softcap)
-  else:
-    if head_dim > MAX_PALLAS_HEAD_DIM:
-      raise ValueError(f"head_dim {head_dim} is above {MAX_PALLAS_HEAD_DIM}, the largest the "
-                       "Pallas kernels support; use backend='xla'")
-    config = _pallas_config(name, config, q, k, causal)
-    if name == "pallas_mosaic":
-      _check_gaps("pallas_mosaic", q, k, causal=causal, q_segment_ids=q_segment_ids,
-                  softcap=softcap, return_lse=return_lse,
-                  advice="; use backend='pallas_triton' (or 'auto')")
-      o, lse = flash_attention_mosaic(q, k, v, causal=causal, scale=scale,
-                                      local_window=local_window, config=config)
-    else:
-      o, lse = flash_attention_triton(
-          q, k, v, q_segment_ids, kv_segment_ids, causal=causal, scale=scale,
-          local_window=local_window, softcap=softcap, config=config, interpret=interpret)
-  return (o, lse) if return_lse else o
+  return FLASH(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+               kv_segment_ids=kv_segment_ids, local_window=local_window, softcap=softcap,
+               deterministic=deterministic, return_lse=return_lse, backend=backend,
+               config=config)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash.common import EMPTY_ROW_LSE
+from jattn.core.validation import scale_of
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
@@ -61,8 +62,7 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   batch, q_len, q_heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
-  if scale is None:
-    scale = head_dim ** -0.5
+  scale = scale_of(scale, head_dim)
   qg = q.reshape(batch, q_len, kv_heads, group, head_dim)
   precision = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32,
@@ -89,7 +89,7 @@ def additive_window_mask(mask):
   return mask.astype(jnp.float32)
 
 
-def window_attention_reference(q, k, v, bias, *, mask=None, scale=None):
+def window_attention_reference(q, k, v, bias, *, mask=None, scale=None, return_lse=False):
   """Dense window attention in float32, differentiable by autodiff.
 
   ``softmax(scale · q kᵀ + bias[h] + mask[w % mask_windows]) v`` per window ``w`` and
@@ -98,25 +98,23 @@ def window_attention_reference(q, k, v, bias, *, mask=None, scale=None):
   Args:
     q, k, v: ``[windows, tokens, heads, head_dim]``; bias ``[heads, tokens, tokens]``;
       mask ``[mask_windows, tokens, tokens]`` (boolean or additive float) or None.
+    return_lse: also return the log-sum-exp of each row, ``[windows, heads, tokens]``.
 
   Returns:
-    ``[windows, tokens, heads, head_dim]`` in q's dtype; rows that see no key give zeros.
+    ``[windows, tokens, heads, head_dim]`` in q's dtype (and the lse); rows that see
+    no key (every logit ``-inf``) give zeros (and ``EMPTY_ROW_LSE``).
   """
   windows, _, _, head_dim = q.shape
-  scale = head_dim ** -0.5 if scale is None else scale
+  scale = scale_of(scale, head_dim)
   precision = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=jnp.float32,
                       precision=precision) * scale + bias.astype(jnp.float32)[None]
   if mask is not None:
     mask = additive_window_mask(mask)
     logits = logits + mask[jnp.arange(windows) % mask.shape[0]][:, None]
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.exp(logits - row_max)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom == 0.0, 1.0, denom)
+  p, lse = masked_softmax(logits, logits > -jnp.inf)
   o = jnp.einsum("whqk,wkhd->wqhd", p, v.astype(jnp.float32), precision=precision)
-  return o.astype(q.dtype)
+  return (o.astype(q.dtype), lse[..., 0]) if return_lse else o.astype(q.dtype)
 
 
 def default_decay(heads: int):
@@ -153,7 +151,7 @@ def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   heads, dk = q.shape[2], q.shape[3]
   decay = default_decay(heads) if decay is None else decay
-  scale = dk ** -0.5 if scale is None else scale
+  scale = scale_of(scale, dk)
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
   s = s * retention_decay_mask(q.shape[1], k.shape[1], decay)[None]
   if normalize == "abs_sum":
@@ -176,7 +174,7 @@ def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_st
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   batch, _, heads, dk = q.shape
   decay = (default_decay(heads) if decay is None else decay).astype(jnp.float32)
-  scale = dk ** -0.5 if scale is None else scale
+  scale = scale_of(scale, dk)
   state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
            else initial_state.astype(jnp.float32))
 
@@ -210,7 +208,7 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
   """
   batch, seq, heads, head_dim = q.shape
   w, r = segment_length, dilation_rate
-  scale = head_dim ** -0.5 if scale is None else scale
+  scale = scale_of(scale, head_dim)
   pos = dilated_positions(seq, heads, w, r)  # [n, L, H]
   valid = pos < seq
   heads_idx = jnp.arange(heads)

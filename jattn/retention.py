@@ -7,33 +7,75 @@ Semantics (Sun et al. 2023, "Retentive Network"), per head with decay ``γ``:
 - chunkwise: the recurrent state carried between chunks of ``chunk_size`` positions,
   the parallel form inside a chunk. All three give the same output.
 
-Backends: ``"pallas_triton"`` runs the parallel form (a flash-style kernel), the
-chunkwise form (a state kernel and a per-chunk kernel) and the decoding step
-(``retention_step``) in Pallas with custom VJPs (``pallas_kernels/retention``);
-``"xla"`` is pure jnp (all modes). ``mode="recurrent"`` over a whole sequence runs in jnp.
+Each form is an op of its own (``retention_parallel``, ``retention_chunkwise``,
+``retention_recurrent``, ``retention_step``) sharing one problem class and one
+validation; ``retention`` picks the form (``mode``). Implementations:
+``pallas_triton`` (``jattn.kernels.retention``: a flash-style parallel kernel, the
+chunk-state and per-chunk kernels, the decoding step) and ``xla`` (pure jnp, all
+forms; the only one of the recurrent form over a whole sequence).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.backends import gpu_compute_capability, interpret_mode, resolve_backend, usable_backends
-from jattn.gpu import gpu_info, shared_memory_limit
+from jattn.core.device import shared_memory_limit
+from jattn.core.op import Op, TritonImpl, XlaImpl, run
+from jattn.core.validation import (check_array, check_choice, check_positive_int,
+                                   check_same_dtype, check_shape, scale_of)
+from jattn.kernels.common.config import BlockConfig, padded_head_dim
+from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwise_config,
+                                     default_parallel_config, fitting_chunk,
+                                     retention_chunkwise_backward, retention_chunkwise_forward,
+                                     retention_parallel_backward, retention_parallel_forward,
+                                     retention_step_backward, retention_step_forward)
+from jattn.kernels.retention.chunkwise import grad_kernel_bytes
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
-from pallas_kernels.retention import (MIN_CHUNK, default_launch, default_parallel_config,
-                                      fitting_chunk, retention_chunkwise_triton,
-                                      retention_parallel_triton, retention_step_triton)
+from jattn.tuning.cache import bucket
+from jattn.tuning.search import SearchStage
+from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
-RETENTION_BACKENDS = ("auto", "pallas_triton", "xla")
 DEFAULT_CHUNK = 64
 # Above this many key positions "auto" runs chunkwise: the parallel form's work grows
 # with seq², the chunkwise form's linearly. On an H100 (bench/results/
 # retention_crossover.md) the two kernels tie at 512 and chunkwise wins fwd+bwd from 1024.
 PARALLEL_MAX_LEN = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionProblem:
+  """One retention call (any form), without its arrays. ``q_len <= kv_len``: queries
+  are the last ``q_len`` positions; for ``retention_step`` both are 1."""
+
+  batch: int = 1
+  q_len: int = 1
+  kv_len: int | None = None  # default q_len
+  heads: int = 1
+  dk: int = 64
+  dv: int | None = None  # default dk
+  dtype: Any = jnp.float16
+  scale: float | None = None  # default dk ** -0.5
+  normalize: str | None = None
+  chunk_size: int | None = None  # the caller's; None: the config's
+  initial_state: bool = False
+
+  def __post_init__(self):
+    fix = lambda name, value: object.__setattr__(self, name, value)
+    fix("kv_len", self.q_len if self.kv_len is None else self.kv_len)
+    fix("dv", self.dk if self.dv is None else self.dv)
+    fix("dtype", jnp.dtype(self.dtype))
+    fix("scale", self.dk ** -0.5 if self.scale is None else float(self.scale))
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.dk, self.dv)
 
 
 def _check_decay(decay, heads: int):
@@ -49,58 +91,183 @@ def _check_decay(decay, heads: int):
       raise ValueError(f"decay must be in (0, 1] for every head, got {values.tolist()}")
 
 
-def _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backend):
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not hasattr(x, "ndim") or x.ndim != 4:
-      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, dim], "
-                       f"got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
+def _decay_array(decay, heads: int):
+  _check_decay(decay, heads)
+  return default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
+
+
+def _state_array(initial_state, batch, heads, dk, dv):
+  expected = (batch, heads, dk, dv)
+  if initial_state is None:
+    return jnp.zeros(expected, jnp.float32)
+  check_shape("initial_state", initial_state, expected, "batch, heads, dk, dv")
+  return initial_state.astype(jnp.float32)
+
+
+def bind_sequence(q, k, v, *, decay=None, scale=None, normalize=None, initial_state=None,
+                  chunk_size=None):
+  """The shared validation of the sequence forms: ``(problem, (q, k, v, decay, state))``."""
+  check_array("q", q, "batch, q_len, heads, dk")
+  check_array("k", k, "batch, kv_len, heads, dk")
+  check_array("v", v, "batch, kv_len, heads, dv")
+  check_same_dtype(q=q, k=k, v=v)
   batch, q_len, heads, dk = q.shape
-  if k.shape[0] != batch or k.shape[2:] != (heads, dk):
-    raise ValueError(f"k must be [batch, kv_len, heads, dk] = [{batch}, kv_len, {heads}, {dk}], "
-                     f"got {k.shape}")
-  if v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"v must be [batch, kv_len, heads, dv] matching k {k.shape[:3]}, "
-                     f"got {v.shape}")
+  check_shape("k", k, (batch, None, heads, dk), "batch, kv_len, heads, dk")
+  check_shape("v", v, (*k.shape[:3], None), "batch, kv_len, heads, dv")
   if q_len > k.shape[1]:
     raise ValueError(f"q_len ({q_len}) must be <= kv_len ({k.shape[1]}): queries are the "
                      "last q_len positions")
-  _check_decay(decay, heads)
-  if normalize not in NORMALIZERS:
-    raise ValueError(f"normalize must be one of {NORMALIZERS}, got {normalize!r}")
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  if backend not in RETENTION_BACKENDS:
-    raise ValueError(f"backend must be one of {RETENTION_BACKENDS}, got {backend!r}")
-  if backend == "pallas_triton" and mode == "recurrent":
-    raise ValueError("backend='pallas_triton' has no recurrent kernel (use "
-                     "retention_step for decoding, or mode='chunkwise')")
-  if chunk_size is not None and backend == "pallas_triton" and (
-      chunk_size < 16 or chunk_size & (chunk_size - 1)):
-    raise ValueError(f"chunk_size for backend='pallas_triton' must be a power of two >= 16, "
-                     f"got {chunk_size}")
-  if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size >= 1):
-    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-  if initial_state is not None:
-    expected = (batch, heads, dk, v.shape[-1])
-    if tuple(initial_state.shape) != expected:
-      raise ValueError(f"initial_state must be [batch, heads, dk, dv] = {expected}, "
-                       f"got {tuple(initial_state.shape)}")
-  if normalize is not None and (mode in ("chunkwise", "recurrent") or initial_state is not None):
-    raise ValueError("normalize='abs_sum' needs the whole row of scores: use "
-                     "mode='parallel' without initial_state")
+  check_choice("normalize", normalize, NORMALIZERS)
+  check_positive_int("chunk_size", chunk_size, optional=True)
+  problem = RetentionProblem(batch=batch, q_len=q_len, kv_len=k.shape[1], heads=heads, dk=dk,
+                             dv=v.shape[-1], dtype=q.dtype, scale=scale_of(scale, dk),
+                             normalize=normalize, chunk_size=chunk_size,
+                             initial_state=initial_state is not None)
+  arrays = (q, k, v, _decay_array(decay, heads),
+            _state_array(initial_state, batch, heads, dk, v.shape[-1]))
+  return problem, arrays
 
 
-def _kernel_chunk(chunk: int, dk: int, dv: int, dtype) -> int | None:
-  """The chunk the Pallas kernels run: ``chunk`` lowered (halved) until the kernels fit
-  the GPU's shared memory; None if ``chunk`` is no power of two >= 16 or nothing fits.
-  The result does not depend on it. Interpret mode has no limit."""
-  if chunk < MIN_CHUNK or chunk & (chunk - 1):
+def _example(p: RetentionProblem, key):
+  kq, kk, kv, ks = jax.random.split(key, 4)
+  normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(p.dtype)
+  q = normal(kq, (p.batch, p.q_len, p.heads, p.dk))
+  k = normal(kk, (p.batch, p.kv_len, p.heads, p.dk))
+  v = normal(kv, (p.batch, p.kv_len, p.heads, p.dv))
+  # Decays from fast to RetNet-slow, so that γ^(n-m) spans orders of magnitude.
+  decay = jnp.linspace(0.7, 0.99, p.heads, dtype=jnp.float32)
+  state = (0.1 * jax.random.normal(ks, (p.batch, p.heads, p.dk, p.dv), jnp.float32)
+           if p.initial_state else jnp.zeros((p.batch, p.heads, p.dk, p.dv), jnp.float32))
+  return q, k, v, decay, state
+
+
+class _SequenceForm(Op):
+  """A sequence form of retention: arrays ``(q, k, v, decay, state)``."""
+
+  problem_cls = RetentionProblem
+  arg_names = ("q", "k", "v", "decay", "initial_state")
+
+  def bind(self, q, k, v, **kwargs):
+    return bind_sequence(q, k, v, **kwargs)
+
+  def example(self, p, key):
+    return _example(p, key)
+
+
+def _cache_fields(p: RetentionProblem) -> tuple[str, ...]:
+  return (p.dtype.name, f"dk{padded_head_dim(p.dk)}", f"dv{padded_head_dim(p.dv)}",
+          f"s{bucket(p.kv_len)}")
+
+
+# --- parallel ------------------------------------------------------------------------------
+
+class TritonParallel(TritonImpl):
+  config_cls = BlockConfig
+
+  def heuristic_config(self, p, info):
+    return default_parallel_config(max(p.dk, p.dv), p.dtype.itemsize)
+
+  def cache_key(self, p):
+    return _cache_fields(p) + (str(p.normalize),)
+
+  def tuning_stages(self):
+    return BLOCK_STAGES
+
+  def normalize_config(self, config, p):
+    return clamp_blocks(config, p.q_len, p.kv_len)
+
+  def fits(self, config, p, info):
+    return block_fits()(config, p, info)
+
+  def forward(self, call, q, k, v, decay, state):
+    p = call.problem
+    log2_decay = jnp.log2(decay)
+    o, den = retention_parallel_forward(q, k, v, log2_decay, scale=p.scale,
+                                        normalize=p.normalize == "abs_sum", config=call.config,
+                                        interpret=call.interpret)
+    return o, (q, k, v, log2_decay, den)
+
+  def backward(self, call, residuals, do):
+    q, k, v, log2_decay, den = residuals
+    dq, dk, dv = retention_parallel_backward(q, k, v, log2_decay, den, do,
+                                             scale=call.problem.scale, config=call.config,
+                                             interpret=call.interpret)
+    return dq, dk, dv, None, None
+
+
+class XlaParallel(XlaImpl):
+  def forward(self, call, q, k, v, decay, state):
+    p = call.problem
+    return retention_reference(q, k, v, decay=decay, scale=p.scale,
+                               normalize=p.normalize).astype(q.dtype), None
+
+
+class RetentionParallel(_SequenceForm):
+  name = "retention_parallel"
+
+
+# --- chunkwise -----------------------------------------------------------------------------
+
+def _chunk_bytes(chunk: int, p: RetentionProblem) -> int:
+  return grad_kernel_bytes(chunk, padded_head_dim(p.dk), padded_head_dim(p.dv), p.dtype.itemsize)
+
+
+class TritonChunkwise(TritonImpl):
+  config_cls = ChunkwiseConfig
+
+  def gaps(self, p):
+    chunk = p.chunk_size
+    odd = chunk is not None and (chunk < MIN_CHUNK or chunk & (chunk - 1))
+    return super().gaps(p) + ((f"chunk_size {chunk} (it takes powers of two >= {MIN_CHUNK})",)
+                              if odd else ())
+
+  def heuristic_config(self, p, info):
+    """The caller's chunk (default 64), halved until the kernels fit the GPU's shared
+    memory (interpret mode has no limit); state tiles by ``default_chunkwise_config``."""
+    chunk = p.chunk_size or DEFAULT_CHUNK
+    if info.is_gpu and not info.interpret:
+      chunk = fitting_chunk(chunk, p.dk, p.dv, p.dtype.itemsize,
+                            shared_memory_limit(info)) or MIN_CHUNK
+    return default_chunkwise_config(p.batch, p.heads, p.dk, p.dv,
+                                    info.sm_count if info.is_gpu else None, chunk=chunk)
+
+  def cache_key(self, p):
+    # A caller's chunk_size is kept as asked (lowered only to fit): no tuned chunk.
+    return None if p.chunk_size is not None else _cache_fields(p) + (f"b{p.batch * p.heads}",)
+
+  def tuning_stages(self):
+    return (SearchStage("chunk", "fwd+bwd", {"chunk": (16, 32, 64, 128),
+                                             "state_block": (16, 32, 64)}, self.fits),
+            SearchStage("warps", "fwd+bwd", {"scan_warps": (2, 4, 8), "out_warps": (4, 8),
+                                             "grad_warps": (4, 8)}, self.fits))
+
+  def fits(self, config, p, info):
+    need, limit = _chunk_bytes(config.chunk, p), shared_memory_limit(info)
+    if need > limit:
+      return (f"needs {need // 1024} KiB of shared memory at chunk {config.chunk} "
+              f"(dk={p.dk}, dv={p.dv}, {p.dtype.name}) > {limit // 1024} KiB")
     return None
-  if interpret_mode() or gpu_compute_capability() is None:
-    return chunk
-  return fitting_chunk(chunk, dk, dv, jnp.dtype(dtype).itemsize, shared_memory_limit(gpu_info()))
+
+  def forward(self, call, q, k, v, decay, state):
+    p = call.problem
+    # Keys before the first query: zero queries there give outputs that are dropped.
+    prefix = p.kv_len - p.q_len
+    q_full = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else q
+    log2_decay = jnp.log2(decay)
+    o, final, states = retention_chunkwise_forward(q_full, k, v, state, log2_decay,
+                                                   scale=p.scale, config=call.config,
+                                                   interpret=call.interpret)
+    return (o[:, prefix:], final), (q_full, k, v, states, log2_decay)
+
+  def backward(self, call, residuals, cotangents):
+    q_full, k, v, states, log2_decay = residuals
+    do, dfinal = cotangents
+    prefix = call.problem.kv_len - call.problem.q_len
+    do = jnp.pad(do, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else do
+    dq, dk, dv, ds0 = retention_chunkwise_backward(q_full, k, v, states, log2_decay, do, dfinal,
+                                                   scale=call.problem.scale, config=call.config,
+                                                   interpret=call.interpret)
+    return dq[:, prefix:], dk, dv, None, ds0
 
 
 def _chunk_terms(q, k, v, decay, scale, state):
@@ -132,30 +299,128 @@ def _state_of(k, v, decay, state):
                        precision="highest"))
 
 
-def _chunkwise_xla(q, k, v, decay, scale, state, chunk):
-  """Chunkwise retention in jnp: a scan over full chunks, then the remainder."""
-  q_len, kv_len = q.shape[1], k.shape[1]
-  prefix = kv_len - q_len  # keys before the first query only feed the state
+def _split_prefix(q, k, v, decay, state):
+  """Keys before the first query only feed the state: the state after them, and the
+  keys and values from the first query on."""
+  prefix = k.shape[1] - q.shape[1]
   if prefix:
     state = _state_of(k[:, :prefix], v[:, :prefix], decay, state)
-    k, v = k[:, prefix:], v[:, prefix:]
-  n_full = q_len // chunk
-  outputs = []
-  if n_full:
-    def split(x):
-      return jnp.moveaxis(x[:, :n_full * chunk].reshape(x.shape[0], n_full, chunk, *x.shape[2:]), 1, 0)
+  return k[:, prefix:], v[:, prefix:], state
+
+
+class XlaChunkwise(XlaImpl):
+  def forward(self, call, q, k, v, decay, state):
+    """A scan over full chunks, then the remainder."""
+    p = call.problem
+    chunk = p.chunk_size or DEFAULT_CHUNK
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v, state = _split_prefix(q, k, v, decay, state)
+    n_full = p.q_len // chunk
+    outputs = []
+    if n_full:
+      def split(x):
+        x = x[:, :n_full * chunk]
+        return jnp.moveaxis(x.reshape(x.shape[0], n_full, chunk, *x.shape[2:]), 1, 0)
+
+      def body(state, qkv):
+        o, state = _chunk_terms(*qkv, decay, p.scale, state)
+        return state, o
+
+      state, o = jax.lax.scan(body, state, (split(q), split(k), split(v)))
+      outputs.append(jnp.moveaxis(o, 0, 1).reshape(q.shape[0], n_full * chunk, *o.shape[3:]))
+    if p.q_len % chunk:
+      tail = slice(n_full * chunk, p.q_len)
+      o, state = _chunk_terms(q[:, tail], k[:, tail], v[:, tail], decay, p.scale, state)
+      outputs.append(o)
+    return (jnp.concatenate(outputs, axis=1).astype(p.dtype), state), None
+
+
+class RetentionChunkwise(_SequenceForm):
+  name = "retention_chunkwise"
+  diff_argnums = (0, 1, 2, 4)
+
+
+# --- recurrent -----------------------------------------------------------------------------
+
+def _step(q, k, v, decay, scale, state):
+  state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k, v,
+                                                         precision="highest")
+  return scale * jnp.einsum("bhk,bhkv->bhv", q, state, precision="highest"), state
+
+
+class XlaRecurrent(XlaImpl):
+  def forward(self, call, q, k, v, decay, state):
+    p = call.problem
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v, state = _split_prefix(q, k, v, decay, state)
 
     def body(state, qkv):
-      o, state = _chunk_terms(*qkv, decay, scale, state)
+      o, state = _step(*qkv, decay, p.scale, state)
       return state, o
 
-    state, o = jax.lax.scan(body, state, (split(q), split(k), split(v)))
-    outputs.append(jnp.moveaxis(o, 0, 1).reshape(q.shape[0], n_full * chunk, *o.shape[3:]))
-  if q_len % chunk:
-    tail = slice(n_full * chunk, q_len)
-    o, state = _chunk_terms(q[:, tail], k[:, tail], v[:, tail], decay, scale, state)
-    outputs.append(o)
-  return jnp.concatenate(outputs, axis=1), state
+    state, o = jax.lax.scan(body, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
+    return (jnp.moveaxis(o, 0, 1).astype(p.dtype), state), None
+
+
+class RetentionRecurrent(_SequenceForm):
+  name = "retention_recurrent"
+  diff_argnums = (0, 1, 2, 4)
+
+
+# --- the decoding step ---------------------------------------------------------------------
+
+class TritonStep(TritonImpl):
+  def forward(self, call, q, k, v, state, decay):
+    log2_decay = jnp.log2(decay)
+    o, new_state = retention_step_forward(q, k, v, state, log2_decay, scale=call.problem.scale,
+                                          interpret=call.interpret)
+    return (o, new_state), (q, k, v, new_state, log2_decay)
+
+  def backward(self, call, residuals, cotangents):
+    q, k, v, new_state, log2_decay = residuals
+    dq, dk, dv, dstate = retention_step_backward(q, k, v, new_state, log2_decay, *cotangents,
+                                                 scale=call.problem.scale)
+    return dq, dk, dv, dstate, None
+
+
+class XlaStep(XlaImpl):
+  def forward(self, call, q, k, v, state, decay):
+    o, state = _step(*(x.astype(jnp.float32) for x in (q, k, v)), decay, call.problem.scale,
+                     state)
+    return (o.astype(q.dtype), state), None
+
+
+class RetentionStep(Op):
+  name = "retention_step"
+  problem_cls = RetentionProblem
+  arg_names = ("q", "k", "v", "state", "decay")
+  diff_argnums = (0, 1, 2, 3)
+
+  def bind(self, q, k, v, state, *, decay=None, scale=None):
+    check_array("q", q, "batch, heads, dk")
+    check_array("k", k, "batch, heads, dk")
+    check_array("v", v, "batch, heads, dv")
+    check_same_dtype(q=q, k=k, v=v)
+    batch, heads, dk = q.shape
+    check_shape("k", k, tuple(q.shape), "batch, heads, dk")
+    check_shape("v", v, (batch, heads, None), "batch, heads, dv")
+    dv = v.shape[-1]
+    check_shape("state", state, (batch, heads, dk, dv), "batch, heads, dk, dv")
+    problem = RetentionProblem(batch=batch, heads=heads, dk=dk, dv=dv, dtype=q.dtype,
+                               scale=scale_of(scale, dk), initial_state=True)
+    return problem, (q, k, v, state.astype(jnp.float32), _decay_array(decay, heads))
+
+  def example(self, p, key):
+    q, k, v, decay, state = _example(p, key)
+    return q[:, 0], k[:, 0], v[:, 0], state, decay
+
+
+RETENTION_PARALLEL = RetentionParallel(TritonParallel(), XlaParallel())
+RETENTION_CHUNKWISE = RetentionChunkwise(TritonChunkwise(), XlaChunkwise())
+RETENTION_RECURRENT = RetentionRecurrent(XlaRecurrent())
+RETENTION_STEP = RetentionStep(TritonStep(), XlaStep())
+FORMS = {"parallel": RETENTION_PARALLEL, "chunkwise": RETENTION_CHUNKWISE,
+         "recurrent": RETENTION_RECURRENT}
 
 
 def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "auto",
@@ -166,7 +431,8 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
   Args:
     q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
       ``[batch, kv_len, heads, dv]``. ``q_len <= kv_len``: queries are the last
-      ``q_len`` positions. float32, float16 or bfloat16; computed in float32.
+      ``q_len`` positions. float32, float16 or bfloat16, all one dtype; computed in
+      float32.
     decay: ``[heads]`` γ per head in (0, 1] (default RetNet's ``1 - 2**(-5 - arange(heads))``).
     scale: default ``dk ** -0.5``.
     mode: ``"parallel"``, ``"chunkwise"``, ``"recurrent"`` or ``"auto"`` (chunkwise
@@ -176,9 +442,10 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
       in the backward as torchscale does.
     initial_state: ``[batch, heads, dk, dv]`` state before the first position.
     return_state: also return the state after the last position.
-    chunk_size: positions per chunk in chunkwise mode (default 64). It changes speed,
-      not the result; the Pallas kernels lower it where their tiles would not fit the
-      GPU's shared memory (e.g. to 32 for float32 with dk = dv = 128 on an H100).
+    chunk_size: positions per chunk in chunkwise mode (default: the tuned or default
+      64). It changes speed, not the result; the Pallas kernels take powers of two
+      >= 16 and lower it where their tiles would not fit the GPU's shared memory (e.g.
+      to 32 for float32 with dk = dv = 128 on an H100).
     backend: ``"auto"`` (the Pallas kernels where usable, else jnp),
       ``"pallas_triton"`` (parallel and chunkwise) or ``"xla"`` (pure jnp).
 
@@ -186,75 +453,26 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     ``o: [batch, q_len, heads, dv]`` in q's dtype, and with ``return_state`` the final
     state ``[batch, heads, dk, dv]`` float32.
   """
-  _validate(q, k, v, decay, initial_state, normalize, mode, chunk_size, backend)
-  batch, q_len, heads, dk = q.shape
-  dtype = q.dtype
-  decay = default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
-  scale = dk ** -0.5 if scale is None else float(scale)
+  check_choice("mode", mode, MODES)
+  problem, arrays = bind_sequence(q, k, v, decay=decay, scale=scale, normalize=normalize,
+                                  initial_state=initial_state, chunk_size=chunk_size)
   stateful = return_state or initial_state is not None
   if mode == "auto":
-    mode = "chunkwise" if stateful or k.shape[1] > PARALLEL_MAX_LEN else "parallel"
+    mode = "chunkwise" if stateful or problem.kv_len > PARALLEL_MAX_LEN else "parallel"
   if mode == "parallel" and stateful:
     raise ValueError("mode='parallel' has no state: use 'chunkwise' or 'recurrent' with "
                      "initial_state / return_state")
-  chunk = chunk_size or DEFAULT_CHUNK
-  kernel_chunk = _kernel_chunk(chunk, dk, v.shape[-1], dtype) if mode == "chunkwise" else None
-  pallas_ok = max(dk, v.shape[-1]) <= 256 and (mode == "parallel" or kernel_chunk is not None)
-  name, interpret = resolve_backend(backend, lambda: (
-      "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok
-      and mode != "recurrent" else "xla"))
-  if name == "pallas_triton" and max(dk, v.shape[-1]) > 256:
-    raise ValueError(f"the Pallas retention kernels take head dims up to 256, got "
-                     f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
-  if name == "pallas_triton" and mode == "chunkwise" and kernel_chunk is None:
-    raise ValueError(f"the chunkwise Pallas kernels do not fit this GPU's shared memory with "
-                     f"dk={dk}, dv={v.shape[-1]} in {jnp.dtype(dtype).name} at any chunk size; "
-                     "use backend='xla' or a 2-byte dtype")
+  if normalize is not None and mode != "parallel":
+    raise ValueError("normalize='abs_sum' needs the whole row of scores: use "
+                     "mode='parallel' without initial_state")
+  if mode == "recurrent" and backend == "pallas_triton":
+    raise ValueError("backend='pallas_triton' has no recurrent kernel over a sequence (use "
+                     "retention_step for decoding, or mode='chunkwise')")
+  op = FORMS[mode]
+  outputs = run(op.prepare(problem, backend), arrays)
   if mode == "parallel":
-    if name == "pallas_triton":
-      return retention_parallel_triton(q, k, v, decay, scale=scale,
-                                       normalize=normalize == "abs_sum",
-                                       config=default_parallel_config(
-                                           max(dk, v.shape[-1]), jnp.dtype(dtype).itemsize),
-                                       interpret=interpret)
-    return retention_reference(q, k, v, decay=decay, scale=scale, normalize=normalize).astype(dtype)
-  state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
-           else initial_state.astype(jnp.float32))
-  if name == "pallas_triton":
-    # Keys before the first query: zero queries there give outputs we drop.
-    prefix = k.shape[1] - q_len
-    q_full = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else q
-    sm_count = None if interpret else gpu_info().sm_count
-    o, state = retention_chunkwise_triton(
-        q_full, k, v, decay, state, scale=scale, chunk=kernel_chunk, interpret=interpret,
-        launch=default_launch(batch, heads, dk, v.shape[-1], sm_count))
-    o = o[:, prefix:]
-    return (o, state) if return_state else o
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  if mode == "recurrent":
-    prefix = k.shape[1] - q_len
-    if prefix:
-      state = _state_of(k[:, :prefix], v[:, :prefix], decay, state)
-    o, state = _recurrent_xla(q, k[:, prefix:], v[:, prefix:], decay, scale, state)
-  else:
-    o, state = _chunkwise_xla(q, k, v, decay, scale, state, chunk)
-  o = o.astype(dtype)
-  return (o, state) if return_state else o
-
-
-def _recurrent_xla(q, k, v, decay, scale, state):
-  def step(state, qkv):
-    o, state = _step(*qkv, decay, scale, state)
-    return state, o
-
-  state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
-  return jnp.moveaxis(o, 0, 1), state
-
-
-def _step(q, k, v, decay, scale, state):
-  state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k, v,
-                                                         precision="highest")
-  return scale * jnp.einsum("bhk,bhkv->bhv", q, state, precision="highest"), state
+    return outputs
+  return outputs if return_state else outputs[0]
 
 
 def retention_step(q, k, v, state, *, decay=None, scale: float | None = None,
@@ -264,35 +482,11 @@ def retention_step(q, k, v, state, *, decay=None, scale: float | None = None,
   Args:
     q, k: ``[batch, heads, dk]``; v: ``[batch, heads, dv]``; state ``[batch, heads, dk, dv]``
       (zeros before the first position).
+    decay, scale: as ``retention``.
     backend: ``"auto"`` (the Pallas step kernel where usable, else jnp),
       ``"pallas_triton"`` or ``"xla"``. Both are differentiable.
 
   Returns:
     ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32.
   """
-  if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-    raise ValueError(f"q, k must be [batch, heads, dk] and v [batch, heads, dv], got "
-                     f"{q.shape}, {k.shape}, {v.shape}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
-  expected = (*q.shape, v.shape[-1])
-  if tuple(state.shape) != expected:
-    raise ValueError(f"state must be [batch, heads, dk, dv] = {expected}, got {state.shape}")
-  if backend not in RETENTION_BACKENDS:
-    raise ValueError(f"backend must be one of {RETENTION_BACKENDS}, got {backend!r}")
-  heads, dk = q.shape[1], q.shape[2]
-  _check_decay(decay, heads)
-  decay = default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
-  scale = dk ** -0.5 if scale is None else float(scale)
-  pallas_ok = max(dk, v.shape[-1]) <= 256
-  name, interpret = resolve_backend(backend, lambda: (
-      "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok else "xla"))
-  if name == "pallas_triton":
-    if not pallas_ok:
-      raise ValueError(f"the Pallas retention kernels take head dims up to 256, got "
-                       f"dk={dk}, dv={v.shape[-1]}; use backend='xla'")
-    return retention_step_triton(q, k, v, state, decay, scale=scale, interpret=interpret)
-  o, state = _step(*(x.astype(jnp.float32) for x in (q, k, v)), decay, scale,
-                   state.astype(jnp.float32))
-  return o.astype(q.dtype), state
+  return RETENTION_STEP(q, k, v, state, decay=decay, scale=scale, backend=backend)

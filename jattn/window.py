@@ -3,57 +3,144 @@ bias and optional shift masks (the attention inside Swin-style and DAT blocks).
 
 Per window ``w`` and head ``h``:
 ``o = softmax(scale · q kᵀ + bias[h] + mask[w % mask_windows]) v``.
-Backends: ``"pallas_triton"`` (``pallas_kernels/window``: forward, dQ, dK/dV and
-d(bias) kernels, custom VJP) and ``"xla"`` (the float32 reference, by autodiff).
+Implementations: ``pallas_triton`` (``jattn.kernels.window``: forward, dQ, dK/dV and
+d(bias) kernels) and ``xla`` (the float32 reference, by autodiff).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from jattn.backends import resolve_backend, usable_backends
+from jattn.core.op import SoftmaxOp, TritonImpl, XlaImpl
+from jattn.core.validation import FLOAT_DTYPES, check_array, check_same_dtype, check_shape, scale_of
+from jattn.kernels.common.config import BlockConfig, padded_head_dim
+from jattn.kernels.window import (default_window_config, window_triton_backward,
+                                  window_triton_forward)
 from jattn.reference import additive_window_mask, window_attention_reference
-from pallas_kernels.flash import FlashBlockConfig
-from pallas_kernels.window import window_attention_triton
+from jattn.tuning.cache import bucket
+from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
 
-WINDOW_BACKENDS = ("auto", "pallas_triton", "xla")
-MAX_HEAD_DIM = 256
-FLOAT_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+LAYOUT = "windows, tokens, heads, head_dim"
 
 
-def _validate(q, k, v, bias, mask, backend):
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not hasattr(x, "ndim") or x.ndim != 4:
-      raise ValueError(f"{name} must have rank 4 [windows, tokens, heads, head_dim], "
-                       f"got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, float16, bfloat16")
-  if k.shape != q.shape or v.shape != q.shape:
-    raise ValueError(f"k and v must have q's shape [windows, tokens, heads, head_dim] = "
-                     f"{q.shape}, got k {k.shape}, v {v.shape}")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  _, tokens, heads, _ = q.shape
-  if not hasattr(bias, "ndim") or tuple(bias.shape) != (heads, tokens, tokens):
-    raise ValueError(f"bias must be [heads, tokens, tokens] = {(heads, tokens, tokens)}, "
-                     f"got {getattr(bias, 'shape', type(bias).__name__)}")
-  if bias.dtype not in FLOAT_DTYPES:
-    raise TypeError(f"bias has dtype {bias.dtype}; supported: float32, float16, bfloat16")
-  if mask is not None:
-    shape = tuple(jnp.shape(mask))
-    if len(shape) != 3 or shape[1:] != (tokens, tokens) or shape[0] < 1:
-      raise ValueError(f"mask must be [mask_windows, tokens, tokens] with tokens = {tokens}, "
-                       f"got {shape}")
-    if jnp.result_type(mask) not in (jnp.bool_, *FLOAT_DTYPES):
-      raise TypeError(f"mask has dtype {jnp.result_type(mask)}; expected bool (True = may "
-                      "attend) or an additive float mask")
-  if backend not in WINDOW_BACKENDS:
-    raise ValueError(f"backend must be one of {WINDOW_BACKENDS}, got {backend!r}")
+@dataclasses.dataclass(frozen=True)
+class WindowProblem:
+  """One window-attention call, without its arrays."""
+
+  windows: int = 1
+  tokens: int = 64
+  heads: int = 1
+  head_dim: int = 32
+  dtype: Any = jnp.float16
+  scale: float | None = None  # default head_dim ** -0.5
+  mask_windows: int | None = None  # None: no mask
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "scale",
+                       self.head_dim ** -0.5 if self.scale is None else float(self.scale))
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim,)
+
+
+class TritonWindow(TritonImpl):
+  config_cls = BlockConfig
+
+  def heuristic_config(self, p, info):
+    return default_window_config(p.head_dim, p.dtype.itemsize)
+
+  def cache_key(self, p):
+    return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}", f"t{p.tokens}",
+            f"w{bucket(p.windows)}")
+
+  def tuning_stages(self):
+    return BLOCK_STAGES
+
+  def normalize_config(self, config, p):
+    return clamp_blocks(config, p.tokens, p.tokens)
+
+  def fits(self, config, p, info):
+    return block_fits()(config, p, info)
+
+  def forward(self, call, q, k, v, bias, mask):
+    o, lse = window_triton_forward(q, k, v, bias, mask, scale=call.problem.scale,
+                                   config=call.config, interpret=call.interpret)
+    return (o, lse), ((q, k, v, bias, mask), o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    (q, k, v, bias, mask), o, lse = residuals
+    do, _ = cotangents  # lse is never returned: its cotangent is zero
+    dq, dk, dv, dbias = window_triton_backward(q, k, v, bias, mask, o, lse, do,
+                                               scale=call.problem.scale, config=call.config,
+                                               interpret=call.interpret)
+    return dq, dk, dv, dbias, None if mask is None else jnp.zeros_like(mask)
+
+
+class XlaWindow(XlaImpl):
+  def forward(self, call, q, k, v, bias, mask):
+    return window_attention_reference(q, k, v, bias, mask=mask, scale=call.problem.scale,
+                                      return_lse=True), None
+
+
+class WindowAttention(SoftmaxOp):
+  name = "window_attention"
+  problem_cls = WindowProblem
+  arg_names = ("q", "k", "v", "bias", "mask")
+  diff_argnums = (0, 1, 2, 3)
+
+  def bind(self, q, k, v, bias, *, mask=None, scale=None):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+      check_array(name, x, LAYOUT)
+    check_same_dtype(q=q, k=k, v=v)
+    check_shape("k", k, tuple(q.shape), LAYOUT)
+    check_shape("v", v, tuple(q.shape), LAYOUT)
+    windows, tokens, heads, head_dim = q.shape
+    check_shape("bias", bias, (heads, tokens, tokens), "heads, tokens, tokens")
+    if jnp.dtype(bias.dtype) not in FLOAT_DTYPES:
+      raise TypeError(f"bias has dtype {bias.dtype}; supported: float32, float16, bfloat16")
+    mask_windows = None
+    if mask is not None:
+      check_shape("mask", mask, (None, tokens, tokens), "mask_windows, tokens, tokens")
+      mask_windows = mask.shape[0]
+      if mask_windows < 1 or windows % mask_windows:
+        raise ValueError(f"mask has {mask_windows} windows, which must divide the {windows} "
+                         "windows of q (window w takes mask[w % mask_windows])")
+      if jnp.result_type(mask) not in (jnp.bool_, *FLOAT_DTYPES):
+        raise TypeError(f"mask has dtype {jnp.result_type(mask)}; expected bool (True = may "
+                        "attend) or an additive float mask")
+      # A constant: no gradient flows to it.
+      mask = jax.lax.stop_gradient(additive_window_mask(mask))
+    problem = WindowProblem(windows=windows, tokens=tokens, heads=heads, head_dim=head_dim,
+                            dtype=q.dtype, scale=scale_of(scale, head_dim),
+                            mask_windows=mask_windows)
+    return problem, (q, k, v, bias, mask)
+
+  def finish(self, problem, outputs):
+    return outputs[0]
+
+  def example(self, p: WindowProblem, key):
+    keys = jax.random.split(key, 5)
+    q, k, v = (jax.random.normal(kk, (p.windows, p.tokens, p.heads, p.head_dim),
+                                 jnp.float32).astype(p.dtype) for kk in keys[:3])
+    bias = jax.random.normal(keys[3], (p.heads, p.tokens, p.tokens), jnp.float32)
+    mask = None
+    if p.mask_windows:  # shifted-window style: 0 within a region, -100 across regions
+      region = jax.random.randint(keys[4], (p.mask_windows, p.tokens), 0, 3)
+      mask = jnp.where(region[:, :, None] == region[:, None, :], 0.0, -100.0)
+    return q, k, v, bias, mask
+
+
+WINDOW = WindowAttention(TritonWindow(), XlaWindow())
 
 
 def window_attention(q, k, v, bias, *, mask=None, scale: float | None = None,
-                     backend: str = "auto", config: FlashBlockConfig | None = None):
+                     backend: str = "auto", config: BlockConfig | None = None):
   """Attention within each window, with a bias shared by all windows.
 
   Args:
@@ -61,29 +148,18 @@ def window_attention(q, k, v, bias, *, mask=None, scale: float | None = None,
       ``windows`` is batch times windows per image.
     bias: ``[heads, tokens, tokens]`` additive relative-position bias, shared by all
       windows; it gets a gradient (e.g. from DAT's dynamic position-bias MLP).
-    mask: ``[mask_windows, tokens, tokens]`` or None; window ``w`` adds
-      ``mask[w % mask_windows]`` (shifted-window masks). Boolean (True = may attend)
-      or additive float (e.g. 0 / -100). A constant: no gradient flows to it.
+    mask: ``[mask_windows, tokens, tokens]`` or None; ``mask_windows`` divides
+      ``windows`` and window ``w`` adds ``mask[w % mask_windows]`` (shifted-window
+      masks). Boolean (True = may attend) or additive float (e.g. 0 / -100). A
+      constant: no gradient flows to it.
     scale: default ``head_dim ** -0.5``.
     backend: ``"auto"`` (the Pallas kernels where usable, else ``"xla"``),
       ``"pallas_triton"`` or ``"xla"``.
-    config: tiles for the Pallas kernels (default ``default_window_config``).
+    config: tiles for the Pallas kernels, a ``BlockConfig`` (default: the tuning
+      cache, else ``default_window_config``).
 
   Returns:
     ``[windows, tokens, heads, head_dim]`` in q's dtype. Rows that see no key (every
     logit ``-inf``) give zeros.
   """
-  _validate(q, k, v, bias, mask, backend)
-  head_dim = q.shape[-1]
-  scale = head_dim ** -0.5 if scale is None else float(scale)
-  pallas_ok = head_dim <= MAX_HEAD_DIM
-  name, interpret = resolve_backend(backend, lambda: (
-      "pallas_triton" if "pallas_triton" in usable_backends() and pallas_ok else "xla"))
-  mask = None if mask is None else jax.lax.stop_gradient(additive_window_mask(mask))
-  if name == "pallas_triton":
-    if not pallas_ok:
-      raise ValueError(f"the Pallas window kernels take head dims up to {MAX_HEAD_DIM}, got "
-                       f"{head_dim}; use backend='xla'")
-    return window_attention_triton(q, k, v, bias, mask, scale=scale, config=config,
-                                   interpret=interpret)
-  return window_attention_reference(q, k, v, bias, mask=mask, scale=scale)
+  return WINDOW(q, k, v, bias, mask=mask, scale=scale, backend=backend, config=config)

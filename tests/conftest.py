@@ -1,35 +1,70 @@
+"""Shared test setup: 4 simulated CPU devices (the rings), interpret mode on CPU, the
+``gpu`` and ``kernel`` markers, sharding for the device, and the one error measure.
+
+Markers:
+- ``gpu``: needs a CUDA GPU; skipped elsewhere, run on the device with ``-m gpu``.
+- ``kernel``: runs the kernels on whatever is here: in interpret mode on CPU, compiled
+  on a GPU, where ``-m gpu`` selects it too. The CPU cases of a kernel test are its
+  GPU cases as well; larger GPU-only cases carry ``gpu``.
+"""
+
+import importlib.util
 import os
 
-# The ring-attention tests shard over 4 simulated CPU devices; XLA reads this flag
-# once, when JAX starts, so it is set before anything imports jax.
-_FLAG = "--xla_force_host_platform_device_count=4"
-if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+# XLA reads these once, when JAX starts, so they are set before anything imports jax:
+# the ring-attention tests shard over 4 simulated CPU devices, and where no CUDA
+# plugin is installed (CPU runs) the interpret-mode programs, compile-bound and tiny,
+# are compiled without LLVM's optimisations (about 40% less time per test).
+_FLAGS = ["--xla_force_host_platform_device_count=4"]
+if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+  _FLAGS.append("--xla_backend_optimization_level=0")
+for _flag in _FLAGS:
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402
-import pytest
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
 
 # CPU runs exercise the real Pallas kernels in interpret mode.
-if jax.default_backend() == "cpu":
+if not ON_GPU:
   os.environ.setdefault("JATTN_INTERPRET", "1")
+
+
+def rel_err(ours, ref, floor: float = 0.0) -> float:
+  """``‖ours - ref‖ / ‖ref‖`` in float64 (NaN anywhere gives NaN, which fails any bound).
+
+  ``floor``: the denominator is at least ``floor`` times the RMS-1 norm ``sqrt(size)``,
+  for references that may be exactly zero (a softmax over one key has no logit
+  gradient), where any rounding would count as an infinite relative error."""
+  a, b = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor * b.size ** 0.5, 1e-30))
 
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device with -m gpu)")
+  config.addinivalue_line("markers", "kernel: runs the kernels here, and on a GPU with -m gpu")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: on a GPU, kernel tests are gpu tests
 def pytest_collection_modifyitems(config, items):
-  # JATTN_SHARD=i/n keeps every n-th test from the i-th: the device runs the slow
-  # (compile-bound) GPU tests as n parallel processes.
+  if ON_GPU:
+    for item in items:
+      if "kernel" in item.keywords:
+        item.add_marker(pytest.mark.gpu)
+  else:
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+      if "gpu" in item.keywords:
+        item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+  # JATTN_SHARD=i/n keeps every n-th selected test from the i-th: the device runs the
+  # compile-bound GPU tests as n parallel processes (tests/gpu_shards.sh).
   shard = os.environ.get("JATTN_SHARD")
   if shard:
     i, n = (int(x) for x in shard.split("/"))
-    keep = [item for k, item in enumerate(items) if k % n == i]
-    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-    items[:] = keep
-  if jax.default_backend() == "gpu":
-    return
-  skip = pytest.mark.skip(reason="needs a CUDA GPU")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    session.items[:] = [item for k, item in enumerate(session.items) if k % n == i]

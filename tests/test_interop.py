@@ -1,5 +1,7 @@
 """The torch bridge: zero-copy DLPack, the torch reference, crosscheck and ``jattn check``."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import interop  # noqa: E402
-from interop import harness  # noqa: E402
-from interop.cli import main as cli_main  # noqa: E402
+import jattn.interop as interop  # noqa: E402
+from jattn.interop import harness  # noqa: E402
+from jattn.core.op import OPS  # noqa: E402
+from jattn.interop.cli import main as cli_main  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32,
@@ -55,28 +58,42 @@ def test_torch_reference_zeroes_rows_without_keys():
   assert torch.any(out[:, 3:] != 0)
 
 
-@pytest.mark.parametrize("case", [
-    dict(causal=True),
-    dict(segments=True),
-    dict(q_len=20, kv_len=53, causal=True, head_dim=30),
-    dict(softcap=3.0, local_window=(6, 2)),
-])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("backend", ["pallas_triton", "xla"])
-def test_crosscheck_flash_attention_against_torch(case, dtype, backend):
-  report = interop.crosscheck("flash_attention", dtype=dtype, backend=backend, **case)
-  assert set(report.errors) == {"out", "dq", "dk", "dv"}
+@pytest.mark.parametrize("op,case", [
+    ("flash_attention", dict(batch=2, q_len=20, kv_len=53, q_heads=4, kv_heads=2, head_dim=30,
+                             causal=True, segment_ids=True)),
+    ("flash_attention", dict(q_len=24, q_heads=2, head_dim=16, softcap=3.0, local_window=(6, 2))),
+    ("window_attention", dict(windows=4, tokens=20, heads=2, head_dim=16, mask_windows=2)),
+    ("dilated_attention", dict(batch=1, seq=37, heads=4, kv_heads=2, head_dim=16, causal=True,
+                               segment_lengths=(8, 64), dilation_rates=(2, 8))),
+    ("retention_parallel", dict(q_len=20, kv_len=33, heads=2, dk=16, dv=8,
+                                normalize="abs_sum")),
+    ("retention_chunkwise", dict(q_len=33, heads=2, dk=16, dv=8, chunk_size=16)),
+    ("retention_recurrent", dict(q_len=9, heads=2, dk=8)),
+    ("retention_step", dict(heads=2, dk=16, dv=8, initial_state=True)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_every_op_crosschecks_against_torch(op, case):
+  backend = "pallas_triton" if "pallas_triton" in OPS[op].backends else "xla"
+  report = interop.crosscheck(op, dtype="float32", backend=backend, torch_device="cpu", **case)
+  names = ["out"] + [f"d{OPS[op].arg_names[i]}" for i in OPS[op].diff_argnums]
+  if op in ("retention_chunkwise", "retention_recurrent"):
+    names.remove("dinitial_state")  # the torch reference starts from zeros
+  assert list(report.errors) == names
   assert report.ok, str(report)
 
 
+def test_crosscheck_in_bfloat16_and_against_the_jax_reference():
+  case = dict(q_len=24, q_heads=2, head_dim=16, causal=True)
+  for reference in ("torch", "jax"):
+    report = interop.crosscheck("flash_attention", dtype="bfloat16", backend="pallas_triton",
+                                reference=reference, **case)
+    assert report.ok and report.device == ("jax" if reference == "jax" else "cpu"), str(report)
+
+
 def test_crosscheck_detects_a_wrong_result(monkeypatch):
-  pair = harness.OPS["flash_attention"]
-  wrong = harness.OpPair(
-      pair.arg_names, pair.make_inputs,
-      lambda q, k, v, backend, **kw: pair.jax_fn(q, k, v, backend=backend, scale=0.5, **kw),
-      pair.torch_fn)
-  monkeypatch.setitem(harness.OPS, "wrong_scale", wrong)
-  report = interop.crosscheck("wrong_scale", backend="xla", q_len=16)
+  right = harness.TORCH_REFERENCES["flash_attention"]
+  monkeypatch.setitem(harness.TORCH_REFERENCES, "flash_attention",
+                      lambda p, *t: right(dataclasses.replace(p, scale=0.5), *t))
+  report = interop.crosscheck("flash_attention", backend="xla", q_len=16, head_dim=16)
   assert not report.ok
   assert "FAIL" in str(report)
 
@@ -99,33 +116,10 @@ def test_jattn_check_cli(capsys):
     cli_main(["check", "--ops", "flash", "--backends", "xla"])
 
 
-@pytest.mark.parametrize("backend,case", [
-    ("xla", dict(q_len=33, mode="recurrent")),
-    ("pallas_triton", dict(q_len=40, kv_len=56, mode="parallel", normalize="abs_sum")),
-    ("pallas_triton", dict(q_len=50, mode="chunkwise", chunk_size=16)),
-], ids=["recurrent-xla", "parallel-abs_sum-pallas", "chunkwise-pallas"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_retention_crosscheck_against_torch(backend, case, dtype, monkeypatch):
-  monkeypatch.setenv("JATTN_INTERPRET", "1")
-  report = interop.crosscheck("retention", dtype=dtype, backend=backend, torch_device="cpu", **case)
-  assert report.ok, str(report)
-  assert set(report.errors) == {"out", "dq", "dk", "dv"}
-
-
-@pytest.mark.parametrize("backend", ["pallas_triton", "xla"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_window_attention_crosscheck_against_torch(backend, dtype, monkeypatch):
-  monkeypatch.setenv("JATTN_INTERPRET", "1")
-  report = interop.crosscheck("window_attention", dtype=dtype, backend=backend,
-                              torch_device="cpu", windows=6, tokens=40, mask_windows=4)
-  assert report.ok, str(report)
-  assert set(report.errors) == {"out", "dq", "dk", "dv", "dbias"}
-
-
 def test_window_attention_torch_reference_takes_boolean_masks():
   import torch
 
-  from interop.torch_reference import window_attention_torch
+  from jattn.interop.torch_reference import window_attention_torch
 
   q, k, v = (torch.randn(4, 6, 2, 8) for _ in range(3))
   bias = torch.randn(2, 6, 6)

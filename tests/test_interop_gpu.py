@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import interop  # noqa: E402
+import jattn.interop as interop  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +32,7 @@ def test_strided_cuda_tensor_is_made_contiguous():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_crosscheck_against_torch_on_gpu(dtype):
   report = interop.crosscheck("flash_attention", dtype=dtype, backend="pallas_triton",
-                              q_len=300, kv_len=333, head_dim=64, causal=True, segments=True)
+                              q_len=300, kv_len=333, head_dim=64, causal=True,
+                              segment_ids=True)
   assert report.device == "cuda"
   assert report.ok, str(report)

@@ -12,10 +12,10 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 
-import interop  # noqa: E402
+import jattn.interop as interop  # noqa: E402
 import jattn  # noqa: E402
-from interop.convert import load_torch_state_dict, to_torch_state_dict  # noqa: E402
-from interop.longnet_torch import (  # noqa: E402
+from jattn.interop.convert import load_torch_state_dict, to_torch_state_dict  # noqa: E402
+from jattn.interop.longnet_torch import (  # noqa: E402
     TorchDilatedAttention, TorchMultiheadDilatedAttention, dilated_attention_torch)
 from jattn.nn import DilatedAttention, MultiheadDilatedAttention  # noqa: E402
 

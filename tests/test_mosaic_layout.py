@@ -1,9 +1,9 @@
-"""Host-side tiling of the Hopper kernels (the kernels themselves run in test_flash_mosaic_gpu.py)."""
+"""Host-side tiling of the Hopper kernels (the kernels themselves run with ``-m gpu``)."""
 
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels.flash import MosaicBlockConfig
-from pallas_kernels.flash.mosaic import _layout, _Static
+from jattn.kernels.flash import MosaicBlockConfig
+from jattn.kernels.flash.mosaic import mosaic_layout
 
 blocks = st.sampled_from([64, 128, 192, 256])
 
@@ -16,8 +16,8 @@ def test_padding_fits_every_tile(q_len, kv_len, head_dim, bq, bkv, bq_dq, bkv_dq
                                  bkv_dkv, causal):
   config = MosaicBlockConfig(block_q=bq, block_kv=bkv, block_q_dq=bq_dq, block_kv_dq=bkv_dq,
                              block_q_dkv=bq_dkv, block_kv_dkv=bkv_dkv)
-  st_ = _Static(causal=causal, scale=0.1, local_window=None, config=config)
-  q_len_p, kv_len_p, d_p, spec = _layout(st_, q_len, kv_len, head_dim)
+  q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
+                                               local_window=None)
   # Two consumer warpgroups per CTA: query tiles of the forward and dQ kernels and
   # key tiles of the dK/dV kernel cover twice their block.
   for tile in (2 * bq, 2 * bq_dq, bq_dkv):

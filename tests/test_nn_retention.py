@@ -26,18 +26,22 @@ def test_theta_shift_rotates_pairs_and_keeps_norms():
 def test_layer_modes_and_decoding_agree():
   layer = MultiScaleRetention(32, 4, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 21, 32))
-  par = layer(x, mode="parallel")
+  # jitted: eagerly every op (of the interpret-mode kernels too) compiles on its own.
+  par, chunked, rec = nnx.jit(lambda layer, x: (
+      layer(x, mode="parallel"), layer(x, mode="chunkwise", chunk_size=16),
+      layer(x, mode="recurrent")))(layer, x)
   chex.assert_shape(par, (2, 21, 32))
-  chex.assert_trees_all_close(layer(x, mode="chunkwise", chunk_size=16), par, atol=1e-4)
-  chex.assert_trees_all_close(layer(x, mode="recurrent"), par, atol=1e-4)
+  chex.assert_trees_all_close(chunked, par, atol=1e-4)
+  chex.assert_trees_all_close(rec, par, atol=1e-4)
   cache = layer.init_cache(2)
   steps = []
+  step = nnx.jit(lambda layer, x, cache: layer.step(x, cache))
   for t in range(21):
-    y, cache = layer.step(x[:, t], cache)
+    y, cache = step(layer, x[:, t], cache)
     steps.append(y)
   chex.assert_trees_all_close(jnp.stack(steps, 1), par, atol=1e-4)
   names = {"q_proj", "k_proj", "v_proj", "g_proj", "out_proj"}
-  assert names <= set(vars(layer)) and layer.v_proj.kernel.value.shape == (32, 64)
+  assert names <= set(vars(layer)) and layer.v_proj.kernel[...].shape == (32, 64)
 
 
 def test_layer_rejects_bad_widths():
@@ -69,14 +73,15 @@ def test_retnet_learns_a_periodic_sequence_and_decodes_like_the_parallel_form():
     optimizer.update(model, grads)
     return loss
 
-  first = float(loss_fn(model))
+  first = float(nnx.jit(loss_fn)(model))
   for _ in range(80):
     last = float(train_step(model, optimizer))
   assert last < 0.25 * first, (first, last)
-  logits = model(inputs[:2])
-  chex.assert_trees_all_close(model(inputs[:2], mode="chunkwise", chunk_size=16), logits,
-                              atol=2e-3)
+  logits, chunked = nnx.jit(lambda model, x: (model(x), model(x, mode="chunkwise",
+                                                                chunk_size=16)))(model, inputs[:2])
+  chex.assert_trees_all_close(chunked, logits, atol=2e-3)
   cache = model.init_cache(2)
+  step = nnx.jit(lambda model, token, cache: model.step(token, cache))
   for t in range(6):
-    step_logits, cache = model.step(inputs[:2, t], cache)
+    step_logits, cache = step(model, inputs[:2, t], cache)
     chex.assert_trees_all_close(step_logits, logits[:, t], atol=2e-3)

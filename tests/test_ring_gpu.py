@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 import jattn
 from jattn.parallel import sharded_dilated_ring_attention, sharded_ring_attention
+from conftest import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -29,17 +30,14 @@ def _inputs(seq, heads, kv_heads, head_dim, seed=0):
   return q, k, v, jax.random.normal(ks[3], q.shape, jnp.bfloat16)
 
 
-def _rel(a, b):
-  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 def _compare(fn, ref, q, k, v, do, tol=2e-2):
   o, pull = jax.vjp(jax.jit(fn), q, k, v)
   o_ref, pull_ref = jax.vjp(jax.jit(ref), q, k, v)
-  assert _rel(o, o_ref) < tol
+  assert rel_err(o, o_ref) < tol
   for name, g, g_ref in zip("qkv", pull(do), pull_ref(do)):
-    assert _rel(g, g_ref) < tol, name
+    assert rel_err(g, g_ref) < tol, name
 
 
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])

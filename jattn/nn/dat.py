@@ -4,7 +4,7 @@ ICCV 2023), in Flax NNX on ``jattn.window_attention``.
 Class by class it mirrors the original PyTorch code (zhengchen1999/DAT, as spandrel
 ships it), and parameter paths are the torch state-dict names (``nn.Sequential``
 members sit at their torch index in an ``nnx.List``, parameter-free members as
-``Fn``), so ``interop.checkpoints`` loads real checkpoints by a mechanical mapping.
+``Fn``), so ``jattn.interop.checkpoints`` loads real checkpoints by a mechanical mapping.
 Images are ``[batch, H, W, C]``; inside a block the tokens stay an image.
 Inference and fine-tuning: dropout and stochastic depth (0 at inference) are left out.
 """
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jattn.nn.loaders import checkpoint_loader
 from jattn.window import window_attention
 
 RGB_MEAN = (0.4488, 0.4371, 0.4040)
@@ -423,10 +424,9 @@ class DAT(nnx.Module):
   @classmethod
   def from_torch(cls, path, **kwargs):
     """Loads a PyTorch DAT checkpoint (``.pth`` / ``.safetensors``), inferring the
-    config from its tensors; see ``interop.checkpoints.load_dat``."""
-    from interop.checkpoints import load_dat  # interop holds the torch side
-
-    return load_dat(path, **kwargs)
+    config from its tensors, through the loader the torch side offers
+    (``jattn.interop.load_dat``; ``kwargs`` are its own)."""
+    return checkpoint_loader("dat")(path, **kwargs)
 
   def features(self, x):
     for layer in self.layers:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from jattn.gpu import select_backend
 from jattn.nn.dilated import MultiheadDilatedAttention
 from jattn.parallel import (hilbert_flatten, hilbert_permutation, hilbert_unflatten,
                             inverse_permutation, sharded_dilated_ring_attention)
@@ -48,8 +49,6 @@ class DilatedRingAttention(MultiheadDilatedAttention):
     if grid is not None and not use_hilbert:
       raise ValueError("grid=(H, W) is only used with use_hilbert=True")
     if backend is None:
-      from jattn.gpu import select_backend
-
       backend = select_backend("dilated_attention", head_dim=embed_dim // num_heads)
     super().__init__(embed_dim, num_heads, segment_lengths, dilation_rates, backend=backend,
                      **kwargs)

@@ -5,8 +5,8 @@ inside ``shard_map``.
 Per pair ``(w, r)``, with ``L`` positions per device:
 
 - ``w <= L`` (``L % w == 0``): every segment lies on one device; no communication.
-  With the Pallas backend these pairs run in the in-place dilated kernels of
-  ``jattn.dilated_attention`` (one mixture), and the rest merge into it.
+  These pairs run as one ``jattn.dilated_attention`` mixture on the shard (the
+  in-place kernels with the Pallas backend), and the rest merge into it.
 - ``w > L`` (``w % L == 0``, or ``w >= seq``): a segment spans a group of ``G = w / L``
   consecutive devices (the last group may be smaller). Each device gathers its
   *sparsified* K/V, only the rows ``≡ h (mod r)`` that some head reads (``1 / r`` of
@@ -30,11 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn.backends import interpret_mode
-from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
-                                   resolve_block_backend, shift)
-from pallas_kernels.dilated import dilated_pairs_backward, dilated_pairs_forward
-from pallas_kernels.flash.common import EMPTY_ROW_LSE
+from jattn.core.op import Call
+from jattn.dilated import DILATED, DilatedProblem
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE
+from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +44,6 @@ class _Pair:
   slots: tuple[int, ...]        # per query head: its slot h mod r
   combos: tuple[tuple[int, int], ...]  # the (kv head, slot) rows that are sent
   head_combo: tuple[int, ...]   # per query head: its index in combos
-  segments: int                 # whole segments per shard (1 if a segment spans devices)
   group: int                    # devices one segment spans (1: no communication)
 
 
@@ -57,7 +55,7 @@ class _Static:
   causal: bool
   scale: float
   backend: str
-  interpret: bool
+  local: Call | None  # the dilated op's call for the pairs that stay on a device
 
 
 def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads: int) -> _Pair:
@@ -67,11 +65,11 @@ def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads:
     raise ValueError(f"the local sequence length {local} must be a multiple of every "
                      f"dilation rate, got r={r}")
   if w <= local and local % w == 0:
-    segments, group = local // w, 1
+    group = 1
   elif w >= seq:
-    segments, group = 1, devices
+    group = devices
   elif w > local and w % local == 0:
-    segments, group = 1, w // local
+    group = w // local
   else:
     raise ValueError(f"segment length {w} must divide the local sequence length {local}, "
                      f"be a multiple of it, or reach the whole sequence {seq} (segments may "
@@ -80,27 +78,23 @@ def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads:
   slots = tuple(h % r for h in range(heads))
   combos = tuple(sorted({(h // group_size, h % r) for h in range(heads)}))
   head_combo = tuple(combos.index((h // group_size, h % r)) for h in range(heads))
-  return _Pair(w=w, r=r, slots=slots, combos=combos, head_combo=head_combo,
-               segments=segments, group=group)
+  return _Pair(w=w, r=r, slots=slots, combos=combos, head_combo=head_combo, group=group)
 
 
-# --- between the shard and a pair's dilated rows ---------------------------------------
+# --- between the shard and a spanning pair's dilated rows -----------------------------
 
 def _queries(x, pair: _Pair):
-  """``[b, L, heads, D] -> [b * segments, L / (r * segments), heads, D]``: each head's
-  rows of its slot, one block per local segment."""
+  """``[b, L, heads, D] -> [b, L / r, heads, D]``: each head's rows of its slot."""
   b, n, h, d = x.shape
-  rows = x.reshape(b, n // pair.r, pair.r, h, d)[:, :, jnp.array(pair.slots), jnp.arange(h), :]
-  return rows.reshape(b * pair.segments, n // pair.r // pair.segments, h, d)
+  return x.reshape(b, n // pair.r, pair.r, h, d)[:, :, jnp.array(pair.slots), jnp.arange(h), :]
 
 
 def _sparse_kv(x, pair: _Pair):
-  """``[b, L, kv_heads, D] -> [b * segments, rows, len(combos), D]``: the rows sent."""
+  """``[b, L, kv_heads, D] -> [b, L / r, len(combos), D]``: the rows sent."""
   b, n, hk, d = x.shape
   slot = jnp.array([s for _, s in pair.combos])
   head = jnp.array([g for g, _ in pair.combos])
-  rows = x.reshape(b, n // pair.r, pair.r, hk, d)[:, :, slot, head, :]
-  return rows.reshape(b * pair.segments, n // pair.r // pair.segments, len(pair.combos), d)
+  return x.reshape(b, n // pair.r, pair.r, hk, d)[:, :, slot, head, :]
 
 
 def _per_head(x, pair: _Pair):
@@ -109,27 +103,20 @@ def _per_head(x, pair: _Pair):
 
 
 def _row_stats(lse, pair: _Pair):
-  """``lse [b, heads, L] -> [b * segments, heads, rows]`` at each head's slot."""
+  """``lse [b, heads, L] -> [b, heads, L / r]`` at each head's slot."""
   b, h, n = lse.shape
-  picked = jnp.take_along_axis(lse.reshape(b, h, n // pair.r, pair.r),
-                               jnp.array(pair.slots).reshape(1, h, 1, 1), axis=3)[..., 0]
-  rows = n // pair.r // pair.segments
-  return picked.reshape(b, h, pair.segments, rows).transpose(0, 2, 1, 3).reshape(
-      b * pair.segments, h, rows)
+  return jnp.take_along_axis(lse.reshape(b, h, n // pair.r, pair.r),
+                             jnp.array(pair.slots).reshape(1, h, 1, 1), axis=3)[..., 0]
 
 
-def _scatter(o, lse, pair: _Pair, batch: int):
-  """A pair's ``(o [b * segments, rows, h, D], lse)`` back on the shard's positions;
+def _scatter(o, lse, pair: _Pair):
+  """A pair's ``(o [b, rows, h, D], lse [b, h, rows])`` back on the shard's positions;
   positions the pair does not cover get ``(0, EMPTY_ROW_LSE)``."""
-  _, rows, h, d = o.shape
-  n_rows = rows * pair.segments
+  b, rows, h, d = o.shape
   covered = jnp.arange(pair.r)[:, None] == jnp.array(pair.slots)[None, :]  # [r, h]
-  o = o.reshape(batch, n_rows, 1, h, d)
-  o = jnp.where(covered[None, None, :, :, None], o, 0.0).reshape(batch, n_rows * pair.r, h, d)
-  lse = lse.reshape(batch, pair.segments, h, rows).transpose(0, 2, 1, 3).reshape(
-      batch, h, n_rows, 1)
-  lse = jnp.where(covered.T[None, :, None, :], lse, EMPTY_ROW_LSE)
-  return o, lse.reshape(batch, h, n_rows * pair.r)
+  o = jnp.where(covered[None, None, :, :, None], o[:, :, None], 0.0)
+  lse = jnp.where(covered.T[None, :, None, :], lse[..., None], EMPTY_ROW_LSE)
+  return o.reshape(b, rows * pair.r, h, d), lse.reshape(b, h, rows * pair.r)
 
 
 # --- the group rings -------------------------------------------------------------------
@@ -182,47 +169,31 @@ def _attend_backward(st: _Static, q, k, v, o, lse, do, src, mine, real):
 
 
 def _pair_forward(st: _Static, pair: _Pair, q, k, v):
-  """``(o, lse)`` of one pair on the shard's positions."""
+  """``(o, lse)`` of one spanning pair on the shard's positions: its group's ring."""
   qd = _queries(q, pair)
   kv = (_sparse_kv(k, pair), _sparse_kv(v, pair))
-  if pair.group == 1:
-    acc = block_forward(qd, *(_per_head(x, pair) for x in kv), causal=st.causal,
-                        scale=st.scale, backend=st.backend)
-  else:
-    acc = empty_rows(qd)
-    for step in range(pair.group):
-      # Send before use: the next block's transfer overlaps this block's attention.
-      nxt = (shift(kv, st.axis_name, _hop(st.devices, pair.group, step))
-             if step + 1 < pair.group else None)
-      mine, src, real = _position(st, pair, step)
-      acc = merge(acc, _attend(st, qd, *(_per_head(x, pair) for x in kv), src, mine, real))
-      kv = nxt
-  return _scatter(*acc, pair, q.shape[0])
-
-
-def _on_device(st: _Static):
-  """Pairs whose segments stay on the device, for the in-place dilated kernels (with
-  the Pallas backend; the XLA backend takes every pair through gathered blocks)."""
-  if st.backend != "pallas_triton":
-    return {}
-  pairs = [p for p in st.pairs if p.group == 1]
-  if not pairs:
-    return {}
-  return dict(segment_lengths=[p.w for p in pairs], dilation_rates=[p.r for p in pairs],
-              causal=st.causal, scale=st.scale, interpret=st.interpret)
+  acc = empty_rows(qd)
+  for step in range(pair.group):
+    # Send before use: the next block's transfer overlaps this block's attention.
+    nxt = (shift(kv, st.axis_name, _hop(st.devices, pair.group, step))
+           if step + 1 < pair.group else None)
+    mine, src, real = _position(st, pair, step)
+    acc = merge(acc, _attend(st, qd, *(_per_head(x, pair) for x in kv), src, mine, real))
+    kv = nxt
+  return _scatter(*acc, pair)
 
 
 def _forward(st: _Static, q, k, v):
-  local = _on_device(st)
-  acc = dilated_pairs_forward(q, k, v, **local) if local else empty_rows(q)
+  acc = DILATED.partial(st.local, (q, k, v)) if st.local else empty_rows(q)
   for pair in st.pairs:
-    if not (local and pair.group == 1):
+    if pair.group > 1:
       acc = merge(acc, _pair_forward(st, pair, q, k, v))
   return acc
 
 
 def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
-  """``(dq, dk, dv)`` float32 of one pair's blocks, given the mixture's ``(o, lse)``."""
+  """``(dq, dk, dv)`` float32 of one spanning pair's blocks, given the mixture's
+  ``(o, lse)``."""
   # The gathers are linear: their transposes scatter the gradients back.
   f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   pull_q = jax.linear_transpose(lambda x: _queries(x, pair), f32(q))
@@ -235,18 +206,13 @@ def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
   travelling = (kc, vc, jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
   for step in range(pair.group):
     kk, vv, dk, dv = travelling
-    if pair.group == 1:
-      g_q, g_k, g_v = block_backward(qd, _per_head(kk, pair), _per_head(vv, pair), od, lsed,
-                                     dod, causal=st.causal, scale=st.scale, backend=st.backend)
-    else:
-      mine, src, real = _position(st, pair, step)
-      g_q, g_k, g_v = _attend_backward(st, qd, _per_head(kk, pair), _per_head(vv, pair), od,
-                                       lsed, dod, src, mine, real)
+    mine, src, real = _position(st, pair, step)
+    g_q, g_k, g_v = _attend_backward(st, qd, _per_head(kk, pair), _per_head(vv, pair), od,
+                                     lsed, dod, src, mine, real)
     dq = dq + g_q
-    travelling = (kk, vv, dk + to_combos(g_k)[0], dv + to_combos(g_v)[0])
-    if pair.group > 1:
-      # After the last step the accumulators take one more hop: home.
-      travelling = shift(travelling, st.axis_name, _hop(st.devices, pair.group, step))
+    # After the last step the accumulators take one more hop: home.
+    travelling = shift((kk, vv, dk + to_combos(g_k)[0], dv + to_combos(g_v)[0]),
+                       st.axis_name, _hop(st.devices, pair.group, step))
   _, _, dk, dv = travelling
   return pull_q(dq)[0], pull_kv(dk)[0], pull_kv(dv)[0]
 
@@ -264,13 +230,12 @@ def _dilated_ring_fwd(st: _Static, q, k, v):
 
 def _dilated_ring_bwd(st: _Static, res, do):
   q, k, v, o, lse = res
-  local = _on_device(st)
-  if local:
-    dq, dk, dv = dilated_pairs_backward(q, k, v, o, lse, do, **local)
+  if st.local:
+    dq, dk, dv = DILATED.partial_backward(st.local, (q, k, v), o, lse, do)
   else:
     dq, dk, dv = (jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
   for pair in st.pairs:
-    if not (local and pair.group == 1):
+    if pair.group > 1:
       g_q, g_k, g_v = _pair_backward(st, pair, q, k, v, o, lse, do)
       dq, dk, dv = dq + g_q, dk + g_k, dv + g_v
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -300,17 +265,20 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
     the local output shard, like ``q``; equal to ``jattn.dilated_attention`` on the
     whole sequence. Differentiable (exact gradients, mixing weights included).
   """
-  from jattn.dilated import _validate
-
-  _validate(q, k, v, segment_lengths, dilation_rates, backend)
+  problem, _ = DILATED.bind(q, k, v, segment_lengths=segment_lengths,
+                            dilation_rates=dilation_rates, causal=causal, scale=scale)
   devices = lax.axis_size(axis_name)
   _, local, heads, head_dim = q.shape
-  pairs = tuple(plan_pair(int(w), int(r), local=local, devices=devices, heads=heads,
-                          kv_heads=k.shape[2])
-                for w, r in zip(segment_lengths, dilation_rates))
-  st = _Static(axis_name=axis_name, devices=devices, pairs=pairs, causal=bool(causal),
-               scale=head_dim ** -0.5 if scale is None else float(scale),
-               backend=resolve_block_backend(backend), interpret=interpret_mode())
+  pairs = tuple(plan_pair(w, r, local=local, devices=devices, heads=heads, kv_heads=k.shape[2])
+                for w, r in problem.pairs)
+  # One backend for the shard's own pairs (the dilated op) and the rings' blocks (flash).
+  backend = DILATED.prepare(problem, backend).impl.backend.name
+  on_device = [p for p in pairs if p.group == 1]
+  local_call = DILATED.prepare(dataclasses.replace(
+      problem, segment_lengths=tuple(p.w for p in on_device),
+      dilation_rates=tuple(p.r for p in on_device)), backend) if on_device else None
+  st = _Static(axis_name=axis_name, devices=devices, pairs=pairs, causal=problem.causal,
+               scale=problem.scale, backend=backend, local=local_call)
   return _dilated_ring(st, q, k, v)
 
 

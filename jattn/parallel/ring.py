@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn.core.validation import scale_of
+from jattn.flash import FLASH
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
-                                   resolve_block_backend, shift)
+                                   ring_backend, shift)
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -166,9 +168,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
     layout: how the global sequence sits on the devices: ``"contiguous"`` (device
       ``i`` holds chunk ``i``) or ``"zigzag"`` (chunks ``i`` and ``2P - 1 - i``, see
       ``zigzag_order``; balances causal work, needs an even local length).
-    backend: the per-block attention (``jattn.flash_attention``'s: ``"auto"``,
-      ``"pallas_triton"`` or ``"xla"``); the backward uses the Triton kernels on
-      ``"pallas_triton"`` and jnp otherwise.
+    backend: the blocks' backend, one of ``jattn.flash_attention``'s that gives the
+      row statistics (``"auto"``: the first such that runs here).
 
   Returns:
     the local output shard, like ``q``. Differentiable: the backward runs as a ring
@@ -176,13 +177,11 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-    raise ValueError(f"q, k, v must be [batch, seq_shard, heads, head_dim] with k and v "
-                     f"alike, got {q.shape}, {k.shape}, {v.shape}")
+  FLASH.bind(q, k, v, causal=causal, scale=scale)  # the flash checks, on the local shards
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
-  name = resolve_block_backend(backend)
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+  scale = scale_of(scale, q.shape[-1])
+  name = ring_backend(q, k, causal=bool(causal), scale=scale, backend=backend)
   return _ring((axis_name, bool(causal), layout, scale, name), q, k, v)
 
 

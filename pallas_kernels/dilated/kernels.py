@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash.common import (LOG2E, dot, online_softmax_finish, online_softmax_init,
-                                         online_softmax_step)
+from jattn.kernels.common.launch import triton_call
+from jattn.kernels.common.softmax import (LOG2E, dot, merge_partials, online_softmax_finish,
+                                          online_softmax_init, online_softmax_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PairGeometry:
 
   def valid_rows(self, head):
     """Rows of slot ``head mod r`` that are real positions (traced int32)."""
-    offset = lax.rem(head, self.rate)
+    offset = head % self.rate
     return (self.seq - offset + self.rate - 1) // self.rate
 
   def mask(self, q_idx, k_idx, head):
@@ -73,7 +73,7 @@ class PairGeometry:
     top = jnp.minimum(jnp.minimum(seg_lo + self.seg_rows, self.rows), self.valid_rows(head))
     if self.causal:
       top = jnp.minimum(top, q_start + 1)
-    lo = pl.cdiv(seg_lo, block_k)
+    lo = _cdiv(seg_lo, block_k)
     one_segment = (q_start + block_q - 1) // self.seg_rows == q_start // self.seg_rows
     return lo, jnp.where(one_segment, jnp.maximum(lo, top // block_k), lo)
 
@@ -82,7 +82,7 @@ class PairGeometry:
     ``full_key_tiles``)."""
     seg_lo = (k_start // self.seg_rows) * self.seg_rows
     bottom = jnp.maximum(seg_lo, k_start + block_k - 1) if self.causal else seg_lo
-    lo = pl.cdiv(bottom, block_q)
+    lo = _cdiv(bottom, block_q)
     hi = jnp.minimum(seg_lo + self.seg_rows, self.rows) // block_q
     ok = (((k_start + block_k - 1) // self.seg_rows == k_start // self.seg_rows)
           & (k_start + block_k <= self.valid_rows(head)))
@@ -95,6 +95,11 @@ class PairGeometry:
       lo = jnp.maximum(lo, k_start)
     hi = jnp.minimum(((k_start + block_k - 1) // self.seg_rows + 1) * self.seg_rows, self.rows)
     return lo, hi
+
+
+def _cdiv(x, n: int):
+  """``ceil(x / n)`` of a non-negative traced int, in x's dtype (also under x64)."""
+  return (x + (n - 1)) // n
 
 
 def _iota(n: int, axis: int, shape):
@@ -127,17 +132,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *
     return online_softmax_step(carry, s, 1.0, v_ref[cols, :], fast)
 
   lo, hi = geo.key_range(q_start, block_q)
-  carry = _split_loop(lo // block_k, pl.cdiv(hi, block_k),
+  carry = _split_loop(lo // block_k, _cdiv(hi, block_k),
                       geo.full_key_tiles(q_start, block_q, block_k, head), body,
                       online_softmax_init(block_q, q.shape[-1]))
   o_pair, lse_pair = online_softmax_finish(carry)
   # Merge with the pairs before: weights exp(lse_i - lse) of the running log-sum-exp.
-  lse_prev = lse_ref[...]
-  top = jnp.maximum(lse_prev, lse_pair)
-  w_prev, w_pair = jnp.exp(lse_prev - top), jnp.exp(lse_pair - top)
-  total = w_prev + w_pair
-  o_ref[...] = (o_ref[...] * (w_prev / total)[:, None] + o_pair * (w_pair / total)[:, None])
-  lse_ref[...] = top + jnp.log(total)
+  o_ref[...], lse_ref[...] = merge_partials(o_ref[...], lse_ref[...], o_pair, lse_pair)
 
 
 def _row_tile(block: int, d: int, rate: int):
@@ -155,10 +155,6 @@ def _stat_tile(block: int, rate: int):
   return pl.BlockSpec((None, None, block, None), lambda i, b, h: (b, h, i, h % rate))
 
 
-def _params(num_warps: int, num_stages: int):
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
 def pair_forward(q5, k5, v5, o_acc, lse_acc, *, geo: PairGeometry, block_q: int, block_k: int,
                  num_warps: int, num_stages: int, interpret: bool):
   """Folds one pair into the running mixture.
@@ -174,7 +170,7 @@ def pair_forward(q5, k5, v5, o_acc, lse_acc, *, geo: PairGeometry, block_q: int,
   batch, rows, rate, heads, d = q5.shape
   kernel = functools.partial(_forward_kernel, geo=geo, block_q=block_q, block_k=block_k,
                              fast=not interpret)
-  return pl.pallas_call(
+  return triton_call(
       kernel, grid=(rows // block_q, batch, heads),
       in_specs=[_row_tile(block_q, d, rate), _kv_rows(rows, d, rate, geo.group),
                 _kv_rows(rows, d, rate, geo.group), _row_tile(block_q, d, rate),
@@ -183,7 +179,7 @@ def pair_forward(q5, k5, v5, o_acc, lse_acc, *, geo: PairGeometry, block_q: int,
       out_shape=[jax.ShapeDtypeStruct(o_acc.shape, jnp.float32),
                  jax.ShapeDtypeStruct(lse_acc.shape, jnp.float32)],
       input_output_aliases={3: 0, 4: 1}, interpret=interpret, name="jattn_dilated_fwd",
-      compiler_params=_params(num_warps, num_stages),
+      num_warps=num_warps, num_stages=num_stages,
   )(q5, k5, v5, o_acc, lse_acc)
 
 
@@ -207,7 +203,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_re
     return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
 
   lo, hi = geo.key_range(q_start, block_q)
-  dq = _split_loop(lo // block_k, pl.cdiv(hi, block_k),
+  dq = _split_loop(lo // block_k, _cdiv(hi, block_k),
                    geo.full_key_tiles(q_start, block_q, block_k, head), body,
                    jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] += dq * geo.scale
@@ -235,7 +231,7 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
 
   lo, hi = geo.query_range(k_start, block_k)
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = _split_loop(lo // block_q, pl.cdiv(hi, block_q),
+  dk, dv = _split_loop(lo // block_q, _cdiv(hi, block_q),
                        geo.full_query_tiles(k_start, block_k, block_q, head), body,
                        (zeros, zeros))
   dk_ref[...] += dk * geo.scale
@@ -259,9 +255,9 @@ def pair_backward(q5, k5, v5, do5, lse, delta, dq_acc, dk_acc, dv_acc, *, geo: P
   """
   batch, rows, rate, heads, d = q5.shape
   fast = not interpret
-  params = _params(num_warps, num_stages)
+  launch = dict(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
   acc_shape = jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32)
-  dq_acc = pl.pallas_call(
+  dq_acc = triton_call(
       functools.partial(_dq_kernel, geo=geo, block_q=dq_blocks[0], block_k=dq_blocks[1],
                         fast=fast),
       grid=(rows // dq_blocks[0], batch, heads),
@@ -270,21 +266,20 @@ def pair_backward(q5, k5, v5, do5, lse, delta, dq_acc, dk_acc, dv_acc, *, geo: P
                 _stat_tile(dq_blocks[0], rate), _stat_tile(dq_blocks[0], rate),
                 _row_tile(dq_blocks[0], d, rate)],
       out_specs=_row_tile(dq_blocks[0], d, rate), out_shape=acc_shape,
-      input_output_aliases={6: 0}, interpret=interpret, name="jattn_dilated_dq",
-      compiler_params=params,
+      input_output_aliases={6: 0}, name="jattn_dilated_dq", **launch,
   )(q5, k5, v5, do5, lse, delta, dq_acc)
   whole_q = pl.BlockSpec((None, rows, None, None, d), lambda j, b, h: (b, 0, h % rate, h, 0))
   whole_stat = pl.BlockSpec((None, None, rows, None), lambda j, b, h: (b, h, 0, h % rate))
   block_q, block_k = dkv_blocks
   kv_tile = pl.BlockSpec((None, block_k, None, None, d),
                          lambda j, b, h: (b, j, h % rate, h // geo.group, 0))
-  dk_acc, dv_acc = pl.pallas_call(
+  dk_acc, dv_acc = triton_call(
       functools.partial(_dkv_kernel, geo=geo, block_q=block_q, block_k=block_k, fast=fast),
       grid=(rows // block_k, batch, heads),
       in_specs=[kv_tile, kv_tile, whole_q, whole_q, whole_stat, whole_stat,
                 _row_tile(block_k, d, rate), _row_tile(block_k, d, rate)],
       out_specs=[_row_tile(block_k, d, rate), _row_tile(block_k, d, rate)],
       out_shape=[acc_shape, acc_shape], input_output_aliases={6: 0, 7: 1},
-      interpret=interpret, name="jattn_dilated_dkv", compiler_params=params,
+      name="jattn_dilated_dkv", **launch,
   )(k5, v5, q5, do5, lse, delta, dk_acc, dv_acc)
   return dq_acc, dk_acc, dv_acc

@@ -1,11 +1,9 @@
-"""Flash attention kernels: Triton-lowered (Ampere+) and Mosaic GPU (Hopper)
-forward/backward, with their shared masking and tile configs."""
+"""Flash attention kernels: the Triton-lowered family (Ampere+) and the Hopper family
+(Pallas Mosaic GPU), forward and backward; host functions pad to the tiles."""
 
-from pallas_kernels.flash.common import EMPTY_ROW_LSE
-from pallas_kernels.flash.config import (FlashBlockConfig, MosaicBlockConfig, default_config,
-                                         default_mosaic_config)
-from pallas_kernels.flash.mosaic import flash_attention_mosaic
-from pallas_kernels.flash.triton import flash_attention_triton
+from jattn.kernels.flash.mosaic import flash_mosaic_backward, flash_mosaic_forward
+from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, default_mosaic_config
+from jattn.kernels.flash.triton import flash_triton_backward, flash_triton_forward
 
-__all__ = ["EMPTY_ROW_LSE", "FlashBlockConfig", "MosaicBlockConfig", "default_config",
-           "default_mosaic_config", "flash_attention_mosaic", "flash_attention_triton"]
+__all__ = ["MosaicBlockConfig", "default_mosaic_config", "flash_mosaic_backward",
+           "flash_mosaic_forward", "flash_triton_backward", "flash_triton_forward"]

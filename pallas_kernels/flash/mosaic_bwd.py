@@ -21,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.flash import mosaic_pipeline as mp
-from pallas_kernels.flash.common import LOG2E
-from pallas_kernels.flash.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+from jattn.kernels.common.softmax import LOG2E
+from jattn.kernels.flash import mosaic_pipeline as mp
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):

@@ -18,9 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.flash import mosaic_pipeline as mp
-from pallas_kernels.flash.common import EMPTY_ROW_LSE, LN2, LOG2E
-from pallas_kernels.flash.masking import MaskSpec, apply_mask, kv_block_range
+from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
+from jattn.kernels.flash import mosaic_pipeline as mp
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem,

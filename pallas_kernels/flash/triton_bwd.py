@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash.common import LOG2E, dot, log2_logits, logit_grad
-from pallas_kernels.flash.config import FlashBlockConfig
-from pallas_kernels.flash.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+from jattn.kernels.common.config import BlockConfig
+from jattn.kernels.common.launch import row_stat_spec, tile_spec, triton_call, whole_sequence_spec
+from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+from jattn.kernels.common.softmax import LOG2E, dot, log2_logits, logit_grad
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
@@ -102,7 +102,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
 
 
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
-                   softcap: float | None, config: FlashBlockConfig, blocks, interpret: bool):
+                   softcap: float | None, config: BlockConfig, blocks, interpret: bool):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
@@ -119,44 +119,40 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   kv_len_p, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
   bq_dkv, bk_dkv, bq_dq, bk_dq = blocks
-  params = plgpu.CompilerParams(num_warps=config.bwd_num_warps,
-                                num_stages=config.bwd_num_stages)
+  launch = dict(interpret=interpret, num_warps=config.bwd_num_warps,
+                num_stages=config.bwd_num_stages)
 
   full_q = pl.BlockSpec((None, q_len_p, q_heads, d), lambda j, b, h: (b, 0, 0, 0))
   full_rows = pl.BlockSpec((None, q_heads, q_len_p), lambda j, b, h: (b, 0, 0))
-  kv_tile = pl.BlockSpec((None, bk_dkv, None, d), lambda j, b, h: (b, j, h, 0))
+  kv_tile = tile_spec(bk_dkv, d)
   seg_specs = [None, None]
   if spec.segments:
     seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),
                  pl.BlockSpec((None, bk_dkv), lambda j, b, h: (b, j))]
-  dk, dv = pl.pallas_call(
+  dk, dv = triton_call(
       functools.partial(_dkv_kernel, spec=spec, scale=scale, softcap=softcap,
                         block_q=bq_dkv, block_k=bk_dkv, group=group),
       grid=(kv_len_p // bk_dkv, batch, kv_heads),
       in_specs=[full_q, kv_tile, kv_tile, full_q, full_rows, full_rows, *seg_specs],
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params,
-      interpret=interpret,
-      name="jattn_flash_bwd_dkv",
+      name="jattn_flash_bwd_dkv", **launch,
   )(q, k, v, do, lse, delta, q_seg, kv_seg)
 
-  q_tile = pl.BlockSpec((None, bq_dq, None, d), lambda i, b, h: (b, i, h, 0))
-  row_tile = pl.BlockSpec((None, None, bq_dq), lambda i, b, h: (b, h, i))
-  full_kv = pl.BlockSpec((None, kv_len_p, None, d), lambda i, b, h: (b, 0, h // group, 0))
+  q_tile = tile_spec(bq_dq, d)
+  row_tile = row_stat_spec(bq_dq)
+  full_kv = whole_sequence_spec(kv_len_p, d, group)
   seg_specs = [None, None]
   if spec.segments:
     seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
-  dq = pl.pallas_call(
+  dq = triton_call(
       functools.partial(_dq_kernel, spec=spec, scale=scale, softcap=softcap,
                         block_q=bq_dq, block_k=bk_dq),
       grid=(q_len_p // bq_dq, batch, q_heads),
       in_specs=[q_tile, full_kv, full_kv, q_tile, row_tile, row_tile, *seg_specs],
       out_specs=q_tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=params,
-      interpret=interpret,
-      name="jattn_flash_bwd_dq",
+      name="jattn_flash_bwd_dq", **launch,
   )(q, k, v, do, lse, delta, q_seg, kv_seg)
   return dq, dk, dv

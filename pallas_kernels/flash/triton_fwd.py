@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash.common import (dot, log2_logits, online_softmax_finish,
-                                         online_softmax_init, online_softmax_step)
-from pallas_kernels.flash.config import FlashBlockConfig
-from pallas_kernels.flash.masking import MaskSpec, apply_mask, kv_block_range
+from jattn.kernels.common.config import BlockConfig
+from jattn.kernels.common.launch import row_stat_spec, tile_spec, triton_call, whole_sequence_spec
+from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range
+from jattn.kernels.common.softmax import (dot, log2_logits, online_softmax_finish,
+                                          online_softmax_init, online_softmax_step)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
@@ -50,7 +50,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, 
 
 
 def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
-                  softcap: float | None, config: FlashBlockConfig, block_q: int,
+                  softcap: float | None, config: BlockConfig, block_q: int,
                   block_k: int, interpret: bool):
   """Runs the forward kernel on padded inputs.
 
@@ -65,9 +65,8 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
   batch, q_len_p, q_heads, d = q.shape
   kv_len_p, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
-  grid = (q_len_p // block_q, batch, q_heads)
-  kv_spec = pl.BlockSpec((None, kv_len_p, None, d), lambda i, b, h: (b, 0, h // group, 0))
-  in_specs = [pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0)), kv_spec, kv_spec]
+  kv_spec = whole_sequence_spec(kv_len_p, d, group)
+  in_specs = [tile_spec(block_q, d), kv_spec, kv_spec]
   if spec.segments:
     in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
@@ -75,16 +74,13 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
     in_specs += [None, None]
   kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
                              block_q=block_q, block_k=block_k)
-  return pl.pallas_call(
+  return triton_call(
       kernel,
-      grid=grid,
+      grid=(q_len_p // block_q, batch, q_heads),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0)),
-                 pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+      out_specs=[tile_spec(block_q, d), row_stat_spec(block_q)],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=interpret,
-      name="jattn_flash_fwd",
+      name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
+      num_stages=config.num_stages,
   )(q, k, v, q_seg, kv_seg)

@@ -1,9 +1,16 @@
-"""RetNet retention kernels (Triton-lowered Pallas): parallel, chunkwise and recurrent-step forms."""
+"""RetNet retention kernels (Triton-lowered Pallas): parallel, chunkwise and
+recurrent-step forms, forward and backward."""
 
-from pallas_kernels.retention.chunkwise import (MIN_CHUNK, ChunkwiseLaunch, default_launch,
-                                                fitting_chunk, retention_chunkwise_triton)
-from pallas_kernels.retention.parallel import default_parallel_config, retention_parallel_triton
-from pallas_kernels.retention.recurrent import retention_step_triton
+from jattn.kernels.retention.chunkwise import (MIN_CHUNK, ChunkwiseConfig,
+                                               default_chunkwise_config, fitting_chunk,
+                                               retention_chunkwise_backward,
+                                               retention_chunkwise_forward)
+from jattn.kernels.retention.parallel import (default_parallel_config,
+                                              retention_parallel_backward,
+                                              retention_parallel_forward)
+from jattn.kernels.retention.recurrent import retention_step_backward, retention_step_forward
 
-__all__ = ["MIN_CHUNK", "ChunkwiseLaunch", "default_launch", "default_parallel_config", "fitting_chunk",
-           "retention_chunkwise_triton", "retention_parallel_triton", "retention_step_triton"]
+__all__ = ["MIN_CHUNK", "ChunkwiseConfig", "default_chunkwise_config", "default_parallel_config",
+           "fitting_chunk", "retention_chunkwise_backward", "retention_chunkwise_forward",
+           "retention_parallel_backward", "retention_parallel_forward",
+           "retention_step_backward", "retention_step_forward"]

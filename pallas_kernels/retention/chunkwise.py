@@ -24,9 +24,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash.common import dot, pad_to, round_up
-from pallas_kernels.flash.config import padded_head_dim
-from pallas_kernels.retention.blocks import HEAD_SCALAR, tile_spec, triton_call
+from jattn.kernels.common.config import padded_head_dim
+from jattn.kernels.common.launch import HEAD_SCALAR, tile_spec, triton_call
+from jattn.kernels.common.softmax import dot
+from jattn.kernels.common.tiling import pad_to, round_up
 
 
 def _pow(exponent, log2_decay):
@@ -146,25 +147,34 @@ def fitting_chunk(chunk: int, dk: int, dv: int, itemsize: int, smem_bytes: int) 
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkwiseLaunch:
-  """Tile side and launch parameters of the chunkwise kernels (not the chunk size).
+class ChunkwiseConfig:
+  """Chunk size, state tile side and launch parameters of the chunkwise kernels.
 
-  The two scans split the ``[dk, dv]`` state into ``state_block``-sided tiles, one
-  program each: chunks are sequential, so the tiles are the parallelism when
-  batch * heads is small.
+  ``chunk`` (a power of two >= ``MIN_CHUNK``) changes speed and shared memory, not
+  the result. The two scans split the ``[dk, dv]`` state into ``state_block``-sided
+  tiles, one program each: chunks are sequential, so the tiles are the parallelism
+  when batch * heads is small.
   """
 
+  chunk: int = 64
   state_block: int = 64
   scan_warps: int = 4
   scan_stages: int = 2
   out_warps: int = 4
   grad_warps: int = 8
 
+  def __post_init__(self):
+    for field in ("chunk", "state_block"):
+      value = getattr(self, field)
+      if value < MIN_CHUNK or value & (value - 1):
+        raise ValueError(f"ChunkwiseConfig.{field} must be a power of two >= {MIN_CHUNK}, "
+                         f"got {value}")
 
-def default_launch(batch: int, heads: int, dk: int, dv: int,
-                   sm_count: int | None) -> ChunkwiseLaunch:
-  """Launch parameters for a problem: the largest state tile (64, 32, 16) that still
-  gives the scans one program per SM.
+
+def default_chunkwise_config(batch: int, heads: int, dk: int, dv: int, sm_count: int | None,
+                             chunk: int = 64) -> ChunkwiseConfig:
+  """The config for a problem and chunk: the largest state tile (64, 32, 16) that
+  still gives the scans one program per SM.
 
   The scans walk the chunks in sequence, one program per (batch, head, state tile),
   so with few (batch, head) pairs the state is cut finer (H100, (1, 65536, 8, 128)
@@ -175,16 +185,8 @@ def default_launch(batch: int, heads: int, dk: int, dv: int,
   for block in (64, 32):
     tiles = max(1, dk_p // block) * max(1, dv_p // block)
     if sm_count is None or batch * heads * tiles >= sm_count:
-      return ChunkwiseLaunch(state_block=block)
-  return ChunkwiseLaunch(state_block=16)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  scale: float
-  chunk: int
-  interpret: bool
-  launch: ChunkwiseLaunch
+      return ChunkwiseConfig(chunk=chunk, state_block=block)
+  return ChunkwiseConfig(chunk=chunk, state_block=16)
 
 
 def _state_spec(dk, dv):
@@ -192,15 +194,16 @@ def _state_spec(dk, dv):
   return pl.BlockSpec((None, None, None, dk, dv), lambda c, b, h: (b, h, c, 0, 0))
 
 
-def _layout(st: _Static, length: int, dk: int, dv: int):
-  return round_up(length, st.chunk), padded_head_dim(dk), padded_head_dim(dv)
+def _layout(chunk: int, length: int, dk: int, dv: int):
+  return round_up(length, chunk), padded_head_dim(dk), padded_head_dim(dv)
 
 
 def _pad_state(s, dk_p, dv_p):
   return jnp.pad(s, ((0, 0), (0, 0), (0, dk_p - s.shape[2]), (0, dv_p - s.shape[3])))
 
 
-def _scan_chunks(st: _Static, kernel, x_dk, x_dv, state, log2_decay, name: str):
+def _scan_chunks(chunk: int, config: ChunkwiseConfig, interpret: bool, kernel, x_dk, x_dv,
+                 state, log2_decay, name: str):
   """Runs a sequential kernel over the chunks of each (batch, head, state tile).
 
   ``x_dk: [batch, seq_p, heads, dk_p]`` and ``x_dv: [batch, seq_p, heads, dv_p]`` are
@@ -210,8 +213,8 @@ def _scan_chunks(st: _Static, kernel, x_dk, x_dv, state, log2_decay, name: str):
   """
   batch, length_p, heads, dk_p = x_dk.shape
   dv_p = x_dv.shape[-1]
-  n = length_p // st.chunk
-  bk, bv = min(st.launch.state_block, dk_p), min(st.launch.state_block, dv_p)
+  n = length_p // chunk
+  bk, bv = min(config.state_block, dk_p), min(config.state_block, dv_p)
   state_spec = pl.BlockSpec((None, None, bk, bv), lambda b, h, i, j: (b, h, i, j))
   return triton_call(
       kernel, grid=(batch, heads, dk_p // bk, dv_p // bv),
@@ -222,94 +225,74 @@ def _scan_chunks(st: _Static, kernel, x_dk, x_dv, state, log2_decay, name: str):
                  state_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, n, dk_p, dv_p), x_dk.dtype),
                  jax.ShapeDtypeStruct((batch, heads, dk_p, dv_p), jnp.float32)],
-      name=name, interpret=st.interpret, num_warps=st.launch.scan_warps,
-      num_stages=st.launch.scan_stages,
+      name=name, interpret=interpret, num_warps=config.scan_warps,
+      num_stages=config.scan_stages,
   )(x_dk, x_dv, state, log2_decay)
 
 
-def _forward(st: _Static, q, k, v, s0, log2_decay):
+def retention_chunkwise_forward(q, k, v, initial_state, log2_decay, *, scale: float,
+                                config: ChunkwiseConfig, interpret: bool):
+  """Chunkwise retention.
+
+  Args:
+    q, k: ``[batch, seq, heads, dk]``; v: ``[batch, seq, heads, dv]``; initial_state
+      ``[batch, heads, dk, dv]`` float32; log2_decay ``[heads]`` float32 (log2 γ).
+
+  Returns:
+    ``(o, final_state, states)``: ``o`` like ``v`` in q's dtype, the final state
+    float32, and the state before every chunk (the backward's residual).
+  """
   batch, length, heads, dk = q.shape
   dv = v.shape[-1]
-  length_p, dk_p, dv_p = _layout(st, length, dk, dv)
-  n = length_p // st.chunk
+  chunk = config.chunk
+  length_p, dk_p, dv_p = _layout(chunk, length, dk, dv)
+  n = length_p // chunk
   q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
   states, final = _scan_chunks(
-      st, functools.partial(_states_kernel, chunk=st.chunk, length=length, n_chunks=n),
-      k_p, v_p, _pad_state(s0, dk_p, dv_p), log2_decay, "jattn_retention_chunk_states")
+      chunk, config, interpret,
+      functools.partial(_states_kernel, chunk=chunk, length=length, n_chunks=n),
+      k_p, v_p, _pad_state(initial_state, dk_p, dv_p), log2_decay, "jattn_retention_chunk_states")
   o = triton_call(
-      functools.partial(_output_kernel, chunk=st.chunk, scale=st.scale),
+      functools.partial(_output_kernel, chunk=chunk, scale=scale),
       grid=(n, batch, heads),
-      in_specs=[tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dv_p),
+      in_specs=[tile_spec(chunk, dk_p), tile_spec(chunk, dk_p), tile_spec(chunk, dv_p),
                 _state_spec(dk_p, dv_p), HEAD_SCALAR],
-      out_specs=tile_spec(st.chunk, dv_p),
+      out_specs=tile_spec(chunk, dv_p),
       out_shape=jax.ShapeDtypeStruct((batch, length_p, heads, dv_p), q.dtype),
-      name="jattn_retention_chunk_out", interpret=st.interpret, num_warps=st.launch.out_warps,
+      name="jattn_retention_chunk_out", interpret=interpret, num_warps=config.out_warps,
       num_stages=1,
   )(q_p, k_p, v_p, states, log2_decay)
   return o[:, :length, :, :dv], final[:, :, :dk, :dv], states
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunkwise(st: _Static, q, k, v, s0, log2_decay):
-  o, final, _ = _forward(st, q, k, v, s0, log2_decay)
-  return o, final
-
-
-def _chunkwise_fwd(st: _Static, q, k, v, s0, log2_decay):
-  o, final, states = _forward(st, q, k, v, s0, log2_decay)
-  return (o, final), (q, k, v, states, log2_decay)
-
-
-def _chunkwise_bwd(st: _Static, res, cotangents):
-  q, k, v, states, log2_decay = res
-  do, dfinal = cotangents
+def retention_chunkwise_backward(q, k, v, states, log2_decay, do, dfinal, *, scale: float,
+                                 config: ChunkwiseConfig, interpret: bool):
+  """Gradients ``(dq, dk, dv, d_initial_state)`` given the forward's ``states`` and the
+  cotangents of the output ``do`` and of the final state ``dfinal``."""
   batch, length, heads, dk = q.shape
   dv = v.shape[-1]
-  length_p, dk_p, dv_p = _layout(st, length, dk, dv)
-  n = length_p // st.chunk
+  chunk = config.chunk
+  length_p, dk_p, dv_p = _layout(chunk, length, dk, dv)
+  n = length_p // chunk
   q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
   do_p = pad_to(do.astype(q.dtype), length_p, dv_p)
   dstates, ds0 = _scan_chunks(
-      st, functools.partial(_dstates_kernel, chunk=st.chunk, length=length, n_chunks=n,
-                            scale=st.scale),
+      chunk, config, interpret,
+      functools.partial(_dstates_kernel, chunk=chunk, length=length, n_chunks=n, scale=scale),
       q_p, do_p, _pad_state(dfinal.astype(jnp.float32), dk_p, dv_p), log2_decay,
       "jattn_retention_chunk_dstates")
   dq, dk_, dv_ = triton_call(
-      functools.partial(_grad_kernel, chunk=st.chunk, length=length, scale=st.scale),
+      functools.partial(_grad_kernel, chunk=chunk, length=length, scale=scale),
       grid=(n, batch, heads),
-      in_specs=[tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dv_p),
-                tile_spec(st.chunk, dv_p), _state_spec(dk_p, dv_p), _state_spec(dk_p, dv_p),
+      in_specs=[tile_spec(chunk, dk_p), tile_spec(chunk, dk_p), tile_spec(chunk, dv_p),
+                tile_spec(chunk, dv_p), _state_spec(dk_p, dv_p), _state_spec(dk_p, dv_p),
                 HEAD_SCALAR],
-      out_specs=[tile_spec(st.chunk, dk_p), tile_spec(st.chunk, dk_p),
-                 tile_spec(st.chunk, dv_p)],
+      out_specs=[tile_spec(chunk, dk_p), tile_spec(chunk, dk_p), tile_spec(chunk, dv_p)],
       out_shape=[jax.ShapeDtypeStruct(q_p.shape, q.dtype),
                  jax.ShapeDtypeStruct(k_p.shape, k.dtype),
                  jax.ShapeDtypeStruct(v_p.shape, v.dtype)],
-      name="jattn_retention_chunk_grads", interpret=st.interpret, num_warps=st.launch.grad_warps,
+      name="jattn_retention_chunk_grads", interpret=interpret, num_warps=config.grad_warps,
       num_stages=1,
   )(q_p, k_p, v_p, do_p, states, dstates, log2_decay)
   return (dq[:, :length, :, :dk], dk_[:, :length, :, :dk], dv_[:, :length, :, :dv],
-          ds0[:, :, :dk, :dv], jnp.zeros_like(log2_decay))
-
-
-_chunkwise.defvjp(_chunkwise_fwd, _chunkwise_bwd)
-
-
-def retention_chunkwise_triton(q, k, v, decay, initial_state, *, scale: float, chunk: int,
-                               launch: ChunkwiseLaunch | None = None, interpret: bool = False):
-  """Chunkwise retention through Triton-lowered Pallas kernels.
-
-  Args:
-    q, k: ``[batch, seq, heads, dk]``; v: ``[batch, seq, heads, dv]``; decay ``[heads]``
-      (no gradient); initial_state ``[batch, heads, dk, dv]`` float32. ``chunk`` is a
-      power of two >= 16. ``launch``: tiles and warps (default ``ChunkwiseLaunch()``;
-      ``default_launch`` picks them per problem). Inputs assumed validated (see
-      ``jattn.retention``).
-
-  Returns:
-    ``(o, final_state)``: ``o`` like ``v`` in q's dtype, the state float32.
-  """
-  st = _Static(scale=float(scale), chunk=chunk, interpret=interpret,
-               launch=launch or ChunkwiseLaunch())
-  log2_decay = jnp.log2(jnp.asarray(decay, jnp.float32))
-  return _chunkwise(st, q, k, v, initial_state.astype(jnp.float32), log2_decay)
+          ds0[:, :, :dk, :dv])

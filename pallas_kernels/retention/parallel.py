@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash.common import dot, pad_to, round_up
-from pallas_kernels.flash.config import (FlashBlockConfig, clamp_block, default_config,
-                                         padded_head_dim)
-from pallas_kernels.flash.masking import MaskSpec, kv_block_range, q_block_range
-from pallas_kernels.retention.blocks import (HEAD_SCALAR, tile_spec, triton_call,
-                                             whole_sequence_spec)
+from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
+from jattn.kernels.common.launch import (HEAD_SCALAR, row_stat_spec, tile_spec, triton_call,
+                                         whole_sequence_spec)
+from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
+from jattn.kernels.common.softmax import dot
+from jattn.kernels.common.tiling import pad_to, tile_axis
 
 
 def _decay(q_pos, k_pos, log2_decay):
@@ -134,71 +134,66 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, log2_decay_ref, dk_ref, dv_ref, *,
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  scale: float
-  normalize: bool
-  config: FlashBlockConfig
-  interpret: bool
-
-
-def _layout(st: _Static, q_len: int, kv_len: int):
-  c = st.config
-  bq = [clamp_block(b, q_len) for b in (c.block_q, c.block_q_dkv, c.block_q_dq)]
-  bk = [clamp_block(b, kv_len) for b in (c.block_k, c.block_k_dkv, c.block_k_dq)]
-  q_len_p, kv_len_p = round_up(q_len, max(bq)), round_up(kv_len, max(bk))
+def _tiles(config: BlockConfig, q_len: int, kv_len: int):
+  """``(q tiles (fwd, dkv, dq), k tiles, q_len_p, kv_len_p, spec)``."""
+  c = config
+  bq, q_len_p = tile_axis(q_len, (c.block_q, c.block_q_dkv, c.block_q_dq))
+  bk, kv_len_p = tile_axis(kv_len, (c.block_k, c.block_k_dkv, c.block_k_dq))
   # Zero-padded keys add nothing, so only causality restricts the blocks.
   spec = MaskSpec.build(q_len, kv_len, causal=True, local_window=None, kv_padded=False,
                         segments=False)
   return bq, bk, q_len_p, kv_len_p, spec
 
 
-def _forward(st: _Static, q, k, v, log2_decay):
+def retention_parallel_forward(q, k, v, log2_decay, *, scale: float, normalize: bool,
+                               config: BlockConfig, interpret: bool):
+  """Parallel retention ``O = (scale · Q Kᵀ ⊙ D) V``, flash style.
+
+  Args:
+    q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
+      ``[batch, kv_len, heads, dv]``; log2_decay ``[heads]`` float32 (log2 γ).
+    normalize: divide rows by ``max(Σ|S|, 1)``.
+
+  Returns:
+    ``(o, den)``: ``o: [batch, q_len, heads, dv]`` in q's dtype and the row
+    denominators ``[batch, heads, q_len]`` float32 (ones without ``normalize``).
+  """
   batch, q_len, heads, _ = q.shape
   kv_len = k.shape[1]
-  bq, bk, q_len_p, kv_len_p, spec = _layout(st, q_len, kv_len)
+  bq, bk, q_len_p, kv_len_p, spec = _tiles(config, q_len, kv_len)
   dk_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
-  c = st.config
+  c = config
   o, den = triton_call(
-      functools.partial(_fwd_kernel, spec=spec, scale=st.scale, normalize=st.normalize,
+      functools.partial(_fwd_kernel, spec=spec, scale=scale, normalize=normalize,
                         block_q=bq[0], block_k=bk[0]),
       grid=(q_len_p // bq[0], batch, heads),
       in_specs=[tile_spec(bq[0], dk_p), whole_sequence_spec(kv_len_p, dk_p),
                 whole_sequence_spec(kv_len_p, dv_p), HEAD_SCALAR],
-      out_specs=[tile_spec(bq[0], dv_p),
-                 pl.BlockSpec((None, None, bq[0]), lambda i, b, h: (b, h, i))],
+      out_specs=[tile_spec(bq[0], dv_p), row_stat_spec(bq[0])],
       out_shape=[jax.ShapeDtypeStruct((batch, q_len_p, heads, dv_p), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len_p), jnp.float32)],
-      name="jattn_retention_fwd", interpret=st.interpret, num_warps=c.num_warps,
+      name="jattn_retention_fwd", interpret=interpret, num_warps=c.num_warps,
       num_stages=c.num_stages,
   )(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p), pad_to(v, kv_len_p, dv_p), log2_decay)
   return o[:, :q_len, :, :v.shape[-1]], den[:, :, :q_len]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _retention(st: _Static, q, k, v, log2_decay):
-  return _forward(st, q, k, v, log2_decay)[0]
-
-
-def _retention_fwd(st: _Static, q, k, v, log2_decay):
-  o, den = _forward(st, q, k, v, log2_decay)
-  return o, (q, k, v, log2_decay, den)
-
-
-def _retention_bwd(st: _Static, res, do):
-  q, k, v, log2_decay, den = res
+def retention_parallel_backward(q, k, v, log2_decay, den, do, *, scale: float,
+                                config: BlockConfig, interpret: bool):
+  """Gradients ``(dq, dk, dv)`` given the forward's row denominators ``den`` (held
+  constant, as torchscale does) and the output's cotangent ``do``."""
   batch, q_len, heads, _ = q.shape
   kv_len = k.shape[1]
-  bq, bk, q_len_p, kv_len_p, spec = _layout(st, q_len, kv_len)
+  bq, bk, q_len_p, kv_len_p, spec = _tiles(config, q_len, kv_len)
   dk_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
-  c = st.config
+  c = config
   # The denominator is a constant: dividing dO by it is the whole of its backward.
   do = (do.astype(jnp.float32) / jnp.swapaxes(den, 1, 2)[..., None]).astype(q.dtype)
   q_p, k_p, v_p = pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p), pad_to(v, kv_len_p, dv_p)
   do_p = pad_to(do, q_len_p, dv_p)
-  bwd = dict(interpret=st.interpret, num_warps=c.bwd_num_warps, num_stages=c.bwd_num_stages)
+  bwd = dict(interpret=interpret, num_warps=c.bwd_num_warps, num_stages=c.bwd_num_stages)
   dq = triton_call(
-      functools.partial(_dq_kernel, spec=spec, scale=st.scale, block_q=bq[2], block_k=bk[2]),
+      functools.partial(_dq_kernel, spec=spec, scale=scale, block_q=bq[2], block_k=bk[2]),
       grid=(q_len_p // bq[2], batch, heads),
       in_specs=[whole_sequence_spec(kv_len_p, dk_p), whole_sequence_spec(kv_len_p, dv_p),
                 tile_spec(bq[2], dv_p), HEAD_SCALAR],
@@ -206,7 +201,7 @@ def _retention_bwd(st: _Static, res, do):
       name="jattn_retention_dq", **bwd,
   )(k_p, v_p, do_p, log2_decay)
   dk, dv = triton_call(
-      functools.partial(_dkv_kernel, spec=spec, scale=st.scale, block_q=bq[1], block_k=bk[1]),
+      functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=bq[1], block_k=bk[1]),
       grid=(kv_len_p // bk[1], batch, heads),
       in_specs=[whole_sequence_spec(q_len_p, dk_p), tile_spec(bk[1], dk_p),
                 tile_spec(bk[1], dv_p), whole_sequence_spec(q_len_p, dv_p), HEAD_SCALAR],
@@ -216,35 +211,14 @@ def _retention_bwd(st: _Static, res, do):
       name="jattn_retention_dkv", **bwd,
   )(q_p, k_p, v_p, do_p, log2_decay)
   return (dq[:, :q_len, :, :q.shape[-1]], dk[:, :kv_len, :, :k.shape[-1]],
-          dv[:, :kv_len, :, :v.shape[-1]], jnp.zeros_like(log2_decay))
+          dv[:, :kv_len, :, :v.shape[-1]])
 
 
-_retention.defvjp(_retention_fwd, _retention_bwd)
-
-
-def default_parallel_config(head_dim: int, dtype_bytes: int) -> FlashBlockConfig:
+def default_parallel_config(head_dim: int, dtype_bytes: int) -> BlockConfig:
   """Flash attention's default tiles, except the forward for 2-byte dtypes at padded
   head dim 128: without a softmax, 8 warps on 128x32 tiles, 3 stages, won the H100
   sweep (bench/results/retention_sweep_parallel.json: 395 vs 377 TFLOP/s)."""
-  config = default_config(head_dim, dtype_bytes)
+  config = default_block_config(head_dim, dtype_bytes)
   if dtype_bytes == 2 and padded_head_dim(head_dim) == 128:
     config = dataclasses.replace(config, block_q=128, block_k=32, num_warps=8, num_stages=3)
   return config
-
-
-def retention_parallel_triton(q, k, v, decay, *, scale: float, normalize: bool,
-                              config: FlashBlockConfig, interpret: bool = False):
-  """Parallel retention through the Triton-lowered Pallas kernels.
-
-  Args:
-    q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
-      ``[batch, kv_len, heads, dv]``; decay ``[heads]`` in (0, 1] (no gradient flows
-      to it); inputs assumed validated (see ``jattn.retention``).
-    normalize: divide rows by ``max(Σ|S|, 1)``, constant in the backward.
-
-  Returns:
-    ``[batch, q_len, heads, dv]`` in q's dtype.
-  """
-  st = _Static(scale=float(scale), normalize=normalize, config=config, interpret=interpret)
-  log2_decay = jnp.log2(jnp.asarray(decay, jnp.float32))
-  return _retention(st, q, k, v, log2_decay)

@@ -1,4 +1,4 @@
-"""One recurrent retention step (decoding), Triton-lowered Pallas, with a custom VJP.
+"""One recurrent retention step (decoding), Triton-lowered Pallas, and its gradients.
 
 ``S' = γ S + kᵀ v`` and ``o = scale · q S'`` per (batch, head). Each program owns a
 ``[dk, block_dv]`` column tile of the state; the products are vector outer/inner
@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash.config import padded_head_dim
-from pallas_kernels.retention.blocks import triton_call
+from jattn.kernels.common.config import padded_head_dim
+from jattn.kernels.common.launch import triton_call
+from jattn.kernels.common.tiling import pad_last
 
 STATE_BLOCK = 64
 
@@ -30,12 +31,16 @@ def _step_kernel(q_ref, k_ref, v_ref, state_ref, log2_decay_ref, o_ref, new_stat
   o_ref[...] = (scale * jnp.sum(q[:, None] * state, axis=0)).astype(o_ref.dtype)
 
 
-def _pad_last(x, width: int):
-  pads = [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]
-  return jnp.pad(x, pads) if width != x.shape[-1] else x
+def retention_step_forward(q, k, v, state, log2_decay, *, scale: float, interpret: bool):
+  """One step.
 
+  Args:
+    q, k: ``[batch, heads, dk]``; v: ``[batch, heads, dv]``; state ``[batch, heads, dk, dv]``
+      float32; log2_decay ``[heads]`` float32 (log2 γ).
 
-def _step(scale: float, interpret: bool, q, k, v, state, log2_decay):
+  Returns:
+    ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32.
+  """
   batch, heads, dk = q.shape
   dv = v.shape[-1]
   dk_p, dv_p = padded_head_dim(dk), padded_head_dim(dv)
@@ -52,48 +57,18 @@ def _step(scale: float, interpret: bool, q, k, v, state, log2_decay):
                  jax.ShapeDtypeStruct(state_p.shape, jnp.float32)],
       name="jattn_retention_step", interpret=interpret, num_warps=4, num_stages=1,
       input_output_aliases={3: 1},
-  )(_pad_last(q, dk_p), _pad_last(k, dk_p), _pad_last(v, dv_p), state_p, log2_decay)
+  )(pad_last(q, dk_p), pad_last(k, dk_p), pad_last(v, dv_p), state_p, log2_decay)
   return o[..., :dv], new_state[:, :, :dk, :dv]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _retention_step(scale, interpret, q, k, v, state, log2_decay):
-  return _step(scale, interpret, q, k, v, state, log2_decay)
-
-
-def _retention_step_fwd(scale, interpret, q, k, v, state, log2_decay):
-  o, new_state = _step(scale, interpret, q, k, v, state, log2_decay)
-  return (o, new_state), (q, k, v, new_state, log2_decay)
-
-
-def _retention_step_bwd(scale, interpret, res, cotangents):
-  # The step is a few outer products: its backward is cheap elementwise jnp work.
-  q, k, v, new_state, log2_decay = res
-  do, dnew = (c.astype(jnp.float32) for c in cotangents)
+def retention_step_backward(q, k, v, new_state, log2_decay, do, dnew, *, scale: float):
+  """Gradients ``(dq, dk, dv, dstate)`` of one step given its new state and the
+  cotangents ``do``, ``dnew``: a few outer products, cheap elementwise jnp work."""
+  do, dnew = do.astype(jnp.float32), dnew.astype(jnp.float32)
   q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
   dnew = dnew + scale * q32[..., :, None] * do[..., None, :]
   dq = scale * jnp.einsum("bhkv,bhv->bhk", new_state, do, precision="highest")
   dk = jnp.einsum("bhkv,bhv->bhk", dnew, v32, precision="highest")
   dv = jnp.einsum("bhkv,bhk->bhv", dnew, k32, precision="highest")
   dstate = jnp.exp2(log2_decay)[None, :, None, None] * dnew
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dstate,
-          jnp.zeros_like(log2_decay))
-
-
-_retention_step.defvjp(_retention_step_fwd, _retention_step_bwd)
-
-
-def retention_step_triton(q, k, v, state, decay, *, scale: float, interpret: bool = False):
-  """One recurrent retention step through a Triton-lowered Pallas kernel.
-
-  Args:
-    q, k: ``[batch, heads, dk]``; v: ``[batch, heads, dv]``; state ``[batch, heads, dk, dv]``
-      float32; decay ``[heads]`` (no gradient). Inputs assumed validated (see
-      ``jattn.retention_step``).
-
-  Returns:
-    ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32.
-  """
-  log2_decay = jnp.log2(jnp.asarray(decay, jnp.float32))
-  return _retention_step(float(scale), interpret, q, k, v, state.astype(jnp.float32),
-                         log2_decay)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dstate

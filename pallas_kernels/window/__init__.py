@@ -1,6 +1,7 @@
-"""Window attention with a learned relative-position bias and shift masks
-(the attention inside Swin-style and DAT blocks), Triton-lowered Pallas."""
+"""Window attention with a learned relative-position bias and shift masks (the
+attention inside Swin-style and DAT blocks), Triton-lowered Pallas."""
 
-from pallas_kernels.window.attention import default_window_config, window_attention_triton
+from jattn.kernels.window.attention import (default_window_config, window_triton_backward,
+                                            window_triton_forward)
 
-__all__ = ["default_window_config", "window_attention_triton"]
+__all__ = ["default_window_config", "window_triton_backward", "window_triton_forward"]

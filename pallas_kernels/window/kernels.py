@@ -24,23 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash.common import (LOG2E, dot, online_softmax_finish, online_softmax_init,
-                                         online_softmax_step)
+from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call,
+                                         whole_sequence_spec)
+from jattn.kernels.common.softmax import (LOG2E, dot, online_softmax_finish, online_softmax_init,
+                                          online_softmax_step)
 
 # Programs the d(bias) grid aims for: a few per SM of a large GPU, so the sum over
 # windows is spread out instead of run by one program per bias tile.
 DBIAS_PROGRAMS = 512
-
-
-def _tile(block: int, d: int):
-  """Rows ``[i*block, (i+1)*block)`` of window ``w``, head ``h`` of a ``[W, T, H, d]`` array."""
-  return pl.BlockSpec((None, block, None, d), lambda i, w, h: (w, i, h, 0))
-
-
-def _whole(tokens: int, d: int):
-  return pl.BlockSpec((None, tokens, None, d), lambda i, w, h: (w, 0, h, 0))
 
 
 def _bias_rows(block: int, tokens: int):
@@ -50,14 +42,6 @@ def _bias_rows(block: int, tokens: int):
 
 def _mask_rows(block: int, tokens: int, mask_windows: int):
   return pl.BlockSpec((None, block, tokens), lambda i, w, h: (w % mask_windows, i, 0))
-
-
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, name, interpret, num_warps,
-          num_stages):
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=interpret, name=name,
-                        compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                                             num_stages=num_stages))
 
 
 def _logits2(qk, scale: float, bias, mask):
@@ -95,12 +79,12 @@ def window_forward(q, k, v, bias2, mask2, *, scale: float, block_q: int, block_k
   """
   windows, tokens, heads, d = q.shape
   mask_spec = None if mask2 is None else _mask_rows(block_q, tokens, mask2.shape[0])
-  return _call(
+  return triton_call(
       functools.partial(_forward_kernel, scale=scale, block_k=block_k, fast=not interpret),
       grid=(tokens // block_q, windows, heads),
-      in_specs=[_tile(block_q, d), _whole(tokens, d), _whole(tokens, d),
+      in_specs=[tile_spec(block_q, d), whole_sequence_spec(tokens, d), whole_sequence_spec(tokens, d),
                 _bias_rows(block_q, tokens), mask_spec],
-      out_specs=[_tile(block_q, d), pl.BlockSpec((None, None, block_q), lambda i, w, h: (w, h, i))],
+      out_specs=[tile_spec(block_q, d), row_stat_spec(block_q)],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((windows, heads, tokens), jnp.float32)],
       name="jattn_window_fwd", interpret=interpret, num_warps=num_warps, num_stages=num_stages,
@@ -155,7 +139,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
   def body(i, acc):
     w = group + i * groups  # windows strided over the groups
     q, do = q_ref[w], do_ref[w]
-    mask = None if mask_ref is None else mask_ref[lax.rem(w, mask_windows)]
+    mask = None if mask_ref is None else mask_ref[w % mask_windows]
     s = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask)
     p = jnp.exp2(s - lse_ref[w][:, None] * LOG2E)
     return acc + p * (dot(do, v_ref[w], 1, 1, fast) - delta_ref[w][:, None])
@@ -187,27 +171,26 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
   bq_dkv, bk_dkv, bq_dq, bk_dq = blocks
   mask_windows = None if mask2 is None else mask2.shape[0]
   launch = dict(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
-  row_stat = lambda block: pl.BlockSpec((None, None, block), lambda i, w, h: (w, h, i))
   whole_stat = pl.BlockSpec((None, None, tokens), lambda i, w, h: (w, h, 0))
 
-  dq = _call(
+  dq = triton_call(
       functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, fast=not interpret),
       grid=(tokens // bq_dq, windows, heads),
-      in_specs=[_whole(tokens, d), _whole(tokens, d), _tile(bq_dq, d), _tile(bq_dq, d),
-                row_stat(bq_dq), row_stat(bq_dq), _bias_rows(bq_dq, tokens),
+      in_specs=[whole_sequence_spec(tokens, d), whole_sequence_spec(tokens, d), tile_spec(bq_dq, d), tile_spec(bq_dq, d),
+                row_stat_spec(bq_dq), row_stat_spec(bq_dq), _bias_rows(bq_dq, tokens),
                 None if mask2 is None else _mask_rows(bq_dq, tokens, mask_windows)],
-      out_specs=_tile(bq_dq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_specs=tile_spec(bq_dq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_window_dq", **launch,
   )(k, v, q, do, lse, delta, bias2, mask2)
 
   mask2_t = None if mask2 is None else jnp.swapaxes(mask2, 1, 2)
-  dk, dv = _call(
+  dk, dv = triton_call(
       functools.partial(_dkv_kernel, scale=scale, block_q=bq_dkv, fast=not interpret),
       grid=(tokens // bk_dkv, windows, heads),
-      in_specs=[_whole(tokens, d), _whole(tokens, d), whole_stat, whole_stat,
-                _tile(bk_dkv, d), _tile(bk_dkv, d), _bias_rows(bk_dkv, tokens),
+      in_specs=[whole_sequence_spec(tokens, d), whole_sequence_spec(tokens, d), whole_stat, whole_stat,
+                tile_spec(bk_dkv, d), tile_spec(bk_dkv, d), _bias_rows(bk_dkv, tokens),
                 None if mask2 is None else _mask_rows(bk_dkv, tokens, mask_windows)],
-      out_specs=[_tile(bk_dkv, d), _tile(bk_dkv, d)],
+      out_specs=[tile_spec(bk_dkv, d), tile_spec(bk_dkv, d)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_window_dkv", **launch,
   )(q, do, lse, delta, k, v, jnp.swapaxes(bias2, 1, 2), mask2_t)
@@ -217,7 +200,7 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
                                             lambda i, j, h, g: (0, i, h, 0))
   every_window_k = pl.BlockSpec((windows, bk_dq, None, d), lambda i, j, h, g: (0, j, h, 0))
   stat = pl.BlockSpec((windows, None, bq_dq), lambda i, j, h, g: (0, h, i))
-  partials = _call(
+  partials = triton_call(
       functools.partial(_dbias_kernel, scale=scale, mask_windows=mask_windows, groups=groups,
                         fast=not interpret),
       grid=(tokens // bq_dq, tokens // bk_dq, heads, groups),

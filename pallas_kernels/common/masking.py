@@ -1,5 +1,6 @@
-"""Masking shared by every flash kernel: which (query, key) pairs may attend, and
-which key (or query) blocks a tile must visit, with or without element masks.
+"""Masks shared by the flash (Triton and Hopper) and parallel-retention kernels: which
+(query, key) pairs may attend, and which key (or query) blocks a tile must visit,
+with or without element masks.
 
 Positions are absolute: query row ``i`` sits at key position ``i + offset`` with
 ``offset = kv_len - q_len`` (bottom-right alignment, as flash-attn does).

@@ -1,6 +1,7 @@
-"""Pieces shared by the forward and backward flash kernels: the logit transform
-(scale, soft-cap, base-2 exponent), matmuls in the precision each dtype needs, and
-the host-side padding and row terms that the kernel wrappers share."""
+"""The softmax arithmetic every attention kernel shares: matmuls in the precision
+each dtype needs, the online softmax (init, step, finish), the merge of two partial
+results of the same rows, the logit transform (scale, soft-cap, base-2 exponent)
+and the backward's row term. Pure jnp: it runs inside kernels and on the host."""
 
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def online_softmax_finish(carry):
   return acc / l_safe[:, None], jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
 
 
+def merge_partials(o1, lse1, o2, lse2, expand=lambda w: w[:, None]):
+  """Online-softmax merge of two partial results of the same rows: ``o`` float32 and
+  ``lse`` (``EMPTY_ROW_LSE`` where a part saw no key). ``expand`` lays a per-row
+  weight (shaped like ``lse``) out against ``o`` (default: rows first, ``[rows, d]``).
+  Returns the merged ``(o, lse)``."""
+  top = jnp.maximum(lse1, lse2)
+  w1, w2 = jnp.exp(lse1 - top), jnp.exp(lse2 - top)
+  total = w1 + w2
+  return o1 * expand(w1 / total) + o2 * expand(w2 / total), top + jnp.log(total)
+
+
 def log2_logits(qk, scale: float, softcap: float | None):
   """Raw q.k products -> ``(s, c, t)`` with ``s * c`` the logits in base-2 units.
 
@@ -77,26 +89,6 @@ def logit_grad(ds, tanh_value):
   if tanh_value is None:
     return ds
   return ds * (1.0 - tanh_value * tanh_value)
-
-
-def round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def pad_to(x, length: int, width: int | None = None):
-  """Zero-pads axis 1 to ``length`` and (if given) the last axis to ``width``."""
-  pads = [(0, 0)] * x.ndim
-  pads[1] = (0, length - x.shape[1])
-  if width is not None:
-    pads[-1] = (0, width - x.shape[-1])
-  if all(p == (0, 0) for p in pads):
-    return x
-  return jnp.pad(x, pads)
-
-
-def pad_rows(x, length: int):
-  """Zero-pads the last axis of a ``[batch, heads, q_len]`` row statistic."""
-  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])))
 
 
 def backward_delta(o, do, dlse):

@@ -1,14 +1,12 @@
-"""Block specs and the Triton launch shared by the retention kernels.
-
-The tiled kernels run on a grid ``(tiles, batch, heads)`` over ``[batch, seq, heads, d]``
-arrays; the per-head decay ``log2 γ`` reaches each program as a one-element block.
-"""
+"""The Triton launch every Triton-lowered kernel here goes through, and the block
+specs the ``(tiles, batch, heads)`` grids over ``[batch, seq, heads, d]`` arrays share."""
 
 from __future__ import annotations
 
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+# The per-head scalar (e.g. log2 of a retention decay) as a one-element block.
 HEAD_SCALAR = pl.BlockSpec((1,), lambda i, b, h: (h,))
 
 
@@ -17,9 +15,15 @@ def tile_spec(block: int, d: int):
   return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
 
 
-def whole_sequence_spec(length: int, d: int):
-  """The whole sequence of one (batch, head), for any tile."""
-  return pl.BlockSpec((None, length, None, d), lambda i, b, h: (b, 0, h, 0))
+def whole_sequence_spec(length: int, d: int, group: int = 1):
+  """The whole sequence of one (batch, head), for any tile; with ``group > 1`` the
+  kv head ``h // group`` of query head ``h`` (grouped-query attention)."""
+  return pl.BlockSpec((None, length, None, d), lambda i, b, h: (b, 0, h // group, 0))
+
+
+def row_stat_spec(block: int):
+  """Tile ``i`` of a ``[batch, heads, seq]`` row statistic (lse, delta)."""
+  return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
 
 
 def triton_call(kernel, *, grid, in_specs, out_specs, out_shape, name: str, interpret: bool,

@@ -1,0 +1,340 @@
+"""The op core. Every public op is an ``Op`` with one ``Impl`` per backend, and every
+call takes the same path:
+
+1. ``Op.bind``: validation and normalisation, once, into one hashable *problem*
+   (shapes, dtype, flags) and the call's arrays;
+2. ``Op.prepare``: the backend (one ``"auto"`` rule: the first implementation, in
+   the op's order, that this device runs, whose ``gaps`` are empty and whose config
+   fits the device; one error text that lists every backend and why it was
+   skipped) and the config (explicit, else the user's tuning cache, else the
+   table shipped with jattn, else the implementation's heuristic);
+3. ``run``: the implementation's forward, under one ``jax.custom_vjp`` when it
+   brings its own backward kernels (autodiff otherwise).
+
+Ops whose outputs are softmax partial results ``(o, lse)`` (``SoftmaxOp``) also
+give them without a VJP and give a block's gradients from the final row statistics
+of a larger softmax: what the rings compute their blocks with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUInfo,
+                               current_device, interpret_mode)
+from jattn.kernels.common.config import MAX_HEAD_DIM
+from jattn.tuning.cache import TuningKey, lookup
+
+OPS: dict[str, "Op"] = {}  # every op, by name: what lists ops iterates this
+
+
+class Impl:
+  """One implementation of an op on one backend.
+
+  It declares what it can run (``supported_on`` a device, ``gaps`` of a problem,
+  whether a config ``fits`` the device), which config it takes and how one is
+  chosen (``config_cls``, ``heuristic_config``, ``cache_key``, ``tuning_stages``),
+  and computes: ``forward(call, *arrays) -> (outputs, residuals)`` and, when
+  ``has_backward``, ``backward(call, residuals, cotangents) -> one gradient per
+  array`` (None for integer arrays; any float dtype, cast to the array's after).
+  """
+
+  backend: ClassVar[Backend]
+  config_cls: ClassVar[type | None] = None
+  has_backward: ClassVar[bool] = False
+
+  def supported_on(self, info: GPUInfo) -> str | None:
+    """Why ``info``'s device cannot run this implementation (None: it can)."""
+    return self.backend.needs(info)
+
+  def gaps(self, problem) -> tuple[str, ...]:
+    """The features of ``problem`` this implementation lacks (empty: it runs it)."""
+    return ()
+
+  def heuristic_config(self, problem, info: GPUInfo):
+    """The config used when none is given or tuned (None for config-less backends)."""
+    return None
+
+  def cache_key(self, problem) -> tuple[str, ...] | None:
+    """The problem fields a tuned config is stored under (None: nothing is tuned)."""
+    return None
+
+  def tuning_stages(self) -> tuple:
+    """``jattn.tuning.search.SearchStage``s: which config fields the autotuner varies
+    (empty: not tunable)."""
+    return ()
+
+  def normalize_config(self, config, problem):
+    """The config the kernels really run for ``problem`` (e.g. tiles clamped to the
+    lengths), so that the autotuner times each one once."""
+    return config
+
+  def fits(self, config, problem, info: GPUInfo) -> str | None:
+    """Why ``config`` does not fit ``info``'s device (shared memory, registers)."""
+    return None
+
+  def forward(self, call: "Call", *arrays):
+    raise NotImplementedError
+
+  def backward(self, call: "Call", residuals, cotangents):
+    raise NotImplementedError
+
+  def __repr__(self):
+    return f"<{type(self).__name__} ({self.backend.name})>"
+
+
+def max_head_dim_gap(problem) -> tuple[str, ...]:
+  """The Pallas kernels' head-dim limit as a gap."""
+  widest = max(problem.head_dims)
+  if widest > MAX_HEAD_DIM:
+    return (f"head dims above {MAX_HEAD_DIM} (got {widest})",)
+  return ()
+
+
+class TritonImpl(Impl):
+  """Triton-lowered Pallas kernels: Ampere+, or any device in interpret mode."""
+
+  backend = PALLAS_TRITON
+  has_backward = True
+
+  def gaps(self, problem):
+    return max_head_dim_gap(problem)
+
+
+class MosaicImpl(Impl):
+  """Pallas Mosaic GPU kernels: Hopper only, 16-bit inputs."""
+
+  backend = PALLAS_MOSAIC
+  has_backward = True
+
+  def gaps(self, problem):
+    f32 = ("float32 inputs",) if jnp.dtype(problem.dtype) == jnp.float32 else ()
+    return max_head_dim_gap(problem) + f32
+
+
+class XlaImpl(Impl):
+  """The pure-jnp reference: runs anywhere, differentiated by autodiff."""
+
+  backend = XLA
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """A prepared call: which implementation runs which problem with which config.
+  Hashable, so it rides through ``jit`` and ``custom_vjp`` as a static argument."""
+
+  op: "Op"
+  impl: Impl
+  problem: Any
+  config: Any
+  interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_vjp(call: Call, dtypes, *arrays):
+  return call.impl.forward(call, *arrays)[0]
+
+
+def _with_vjp_fwd(call: Call, dtypes, *arrays):
+  return call.impl.forward(call, *arrays)
+
+
+def _with_vjp_bwd(call: Call, dtypes, residuals, cotangents):
+  # Implementations may return float32 gradients; each takes its array's dtype here.
+  grads = call.impl.backward(call, residuals, cotangents)
+  return tuple(None if g is None else g.astype(d) for g, d in zip(grads, dtypes))
+
+
+_with_vjp.defvjp(_with_vjp_fwd, _with_vjp_bwd)
+
+
+def run(call: Call, arrays: tuple):
+  """The outputs of ``call`` on ``arrays``, differentiable: through the
+  implementation's backward kernels if it has them, else by autodiff."""
+  if call.impl.has_backward:
+    dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in arrays)
+    return _with_vjp(call, dtypes, *arrays)
+  return call.impl.forward(call, *arrays)[0]
+
+
+class Op:
+  """One operation: a problem class, its implementations in ``"auto"`` order, and the
+  one path every call takes (see the module docstring).
+
+  Subclasses set ``name`` and ``problem_cls`` (a frozen dataclass whose fields have
+  defaults, so keywords describe a problem without arrays) and implement ``bind``
+  (validation: arguments -> ``(problem, arrays)``) and ``example`` (random arrays for
+  a problem: tuning, benchmarks, checks); ``finish`` shapes the outputs the public
+  function returns.
+  """
+
+  name: ClassVar[str]
+  problem_cls: ClassVar[type]
+  arg_names: ClassVar[tuple[str, ...]]  # the arrays ``bind`` returns, in order
+  diff_argnums: ClassVar[tuple[int, ...]] = (0, 1, 2)  # arrays that get gradients
+
+  def __init__(self, *impls: Impl):
+    self.impls = impls
+    OPS[self.name] = self
+
+  def __repr__(self):
+    return f"<op {self.name}: {', '.join(i.backend.name for i in self.impls)}>"
+
+  @property
+  def backends(self) -> tuple[str, ...]:
+    return ("auto",) + tuple(dict.fromkeys(i.backend.name for i in self.impls))
+
+  def bind(self, *args, **kwargs):
+    raise NotImplementedError
+
+  def example(self, problem, key) -> tuple:
+    raise NotImplementedError
+
+  def finish(self, problem, outputs):
+    return outputs
+
+  def primary(self, outputs):
+    """The output a benchmark's loss sums."""
+    return outputs[0] if isinstance(outputs, tuple) else outputs
+
+  def problem(self, **keywords):
+    """A problem from keywords (its dataclass fields), for choosing or tuning without arrays."""
+    return self.problem_cls(**keywords)
+
+  def __call__(self, *args, backend: str = "auto", config=None, **kwargs):
+    problem, arrays = self.bind(*args, **kwargs)
+    return self.finish(problem, run(self.prepare(problem, backend, config), arrays))
+
+  # --- backend and config --------------------------------------------------------------
+
+  def impl(self, backend: str) -> Impl:
+    """The implementation on ``backend`` (a name other than ``"auto"``)."""
+    for impl in self.impls:
+      if impl.backend.name == backend:
+        return impl
+    raise ValueError(f"backend must be one of {self.backends} for {self.name}, got {backend!r}")
+
+  def config_for(self, impl: Impl, problem, info: GPUInfo, config=None):
+    """``config`` if given, else the user's tuned one, else the shipped table's, else
+    the implementation's heuristic. Tuned configs apply on GPUs only (in interpret
+    mode tiles change speed, never the result)."""
+    if config is not None:
+      if impl.config_cls is None:
+        raise TypeError(f"backend={impl.backend.name!r} takes no config, got "
+                        f"{type(config).__name__}")
+      if not isinstance(config, impl.config_cls):
+        raise TypeError(f"config for backend={impl.backend.name!r} must be a "
+                        f"{impl.config_cls.__name__}, got {type(config).__name__}")
+      return config
+    if impl.config_cls is None:
+      return None
+    fields = impl.cache_key(problem) if info.is_gpu else None
+    if fields is not None:
+      tuned = lookup(TuningKey(info.name, self.name, impl.backend.name, fields), impl.config_cls)
+      if tuned is not None:
+        return tuned
+    return impl.heuristic_config(problem, info)
+
+  def _reason(self, impl: Impl, problem, info: GPUInfo, config) -> tuple[str | None, Any]:
+    """``(why impl cannot run problem here or None, the config it would run)``."""
+    reason = impl.supported_on(info)
+    if reason is None:
+      gaps = impl.gaps(problem)
+      reason = "does not support " + ", ".join(gaps) if gaps else None
+    if reason is None and config is not None and not (
+        impl.config_cls is not None and isinstance(config, impl.config_cls)):
+      reason = f"does not take a {type(config).__name__}"
+    if reason is not None:
+      return reason, None
+    chosen = self.config_for(impl, problem, info, config)
+    # The cost model vets the configs jattn picks; one the caller gives is the compiler's
+    # to accept (the model is conservative: some configs it prunes do run, slower).
+    if config is None and info.is_gpu and not (impl.backend.interpretable and info.interpret):
+      reason = impl.fits(chosen, problem, info)
+    return reason, chosen
+
+  def choices(self, problem, info: GPUInfo | None = None, config=None) -> list[tuple[str, str | None]]:
+    """Every backend of the op in ``"auto"`` order, with why it cannot run ``problem``
+    on ``info``'s device (default: this machine), or None where it can."""
+    info = current_device() if info is None else info
+    return [(impl.backend.name, self._reason(impl, problem, info, config)[0])
+            for impl in self.impls]
+
+  def _error(self, backend: str, reason: str, problem, info: GPUInfo, config) -> ValueError:
+    listed = "; ".join(f"{name}: {why or 'can run it'}"
+                       for name, why in self.choices(problem, info, config))
+    return ValueError(f"backend={backend!r} cannot run this {self.name} call on "
+                      f"{info.name}: it {reason}. Backends: {listed}")
+
+  def prepare(self, problem, backend: str = "auto", config=None,
+              info: GPUInfo | None = None) -> Call:
+    """The call ``backend`` (``"auto"``: the first implementation that can) makes for
+    ``problem``, with its config; raises ValueError naming why it cannot."""
+    info = current_device() if info is None else info
+    if backend != "auto":
+      impl = self.impl(backend)
+      if config is not None:
+        self.config_for(impl, problem, info, config)  # a TypeError for the wrong config class
+      reason, chosen = self._reason(impl, problem, info, config)
+      if reason is not None:
+        raise self._error(backend, reason, problem, info, config)
+      return Call(self, impl, problem, chosen, impl.backend.interpretable and interpret_mode())
+    for impl in self.impls:
+      reason, chosen = self._reason(impl, problem, info, config)
+      if reason is None:
+        return Call(self, impl, problem, chosen, impl.backend.interpretable and interpret_mode())
+    raise self._error("auto", "found no backend that", problem, info, config)
+
+  def select(self, problem, info: GPUInfo | None = None) -> str:
+    """The backend ``"auto"`` takes for ``problem`` on ``info``'s device."""
+    return self.prepare(problem, "auto", info=info).impl.backend.name
+
+
+def row_dot(a, b):
+  """``sum_d a * b`` of ``[..., seq, heads, d]`` arrays as ``[..., heads, seq]`` float32."""
+  return jnp.swapaxes(jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32), axis=-1), -1, -2)
+
+
+class SoftmaxOp(Op):
+  """An op whose forward outputs are softmax results ``(o [..., seq, heads, d],
+  lse [..., heads, seq])`` and whose implementations with backward kernels keep the
+  residuals ``(arrays, o, lse)``: then a block's gradients follow from the final
+  ``(o, lse)`` of any larger softmax the block is merged into."""
+
+  def partial(self, call: Call, arrays: tuple):
+    """``(o float32, lse)`` of one block, not differentiable by itself: pair it with
+    ``partial_backward``."""
+    o, lse = call.impl.forward(call, *arrays)[0]
+    return o.astype(jnp.float32), lse
+
+  def partial_backward(self, call: Call, arrays: tuple, o, lse, do) -> tuple:
+    """Float32 gradients of one block's arrays (None for integer ones) given the
+    final output ``o``, log-sum-exp ``lse`` and output cotangent ``do`` of a softmax
+    that merges this block with others (``p = exp(s - lse)``)."""
+    if call.impl.has_backward:
+      dtype = arrays[0].dtype
+      grads = call.impl.backward(call, (arrays, o.astype(dtype), lse),
+                                 (do.astype(dtype), jnp.zeros_like(lse)))
+    else:
+      # The block's share of d<do, o>: with U_b = exp(lse_b) o_b and Z_b = exp(lse_b),
+      # o = sum_b U_b / sum_b Z_b gives d/dθ_b of exp(lse_b - lse) (<do, o_b> - delta).
+      delta = jax.lax.stop_gradient(row_dot(o, do))
+
+      def surrogate(*diff):
+        args = list(arrays)
+        for i, x in zip(self.diff_argnums, diff):
+          args[i] = x
+        o_b, lse_b = call.impl.forward(call, *args)[0]
+        return jnp.sum(jnp.exp(lse_b - lse) * (row_dot(do, o_b) - delta))
+
+      diff = jax.grad(surrogate, argnums=tuple(range(len(self.diff_argnums))))(
+          *(arrays[i] for i in self.diff_argnums))
+      grads = [None] * len(arrays)
+      for i, g in zip(self.diff_argnums, diff):
+        grads[i] = g
+    return tuple(None if g is None else g.astype(jnp.float32) for g in grads)

@@ -1,0 +1,52 @@
+"""Timing an op on a problem, as the autotuner and ``benchmark_backends`` do it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jattn.core.op import Op, run
+
+MODES = ("fwd", "fwd+bwd")
+
+
+def median_ms(fn, args, reps: int) -> float:
+  """Median wall time of ``fn(*args)`` over ``reps`` calls, after one that compiles."""
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - t0)
+  return statistics.median(samples) * 1e3
+
+
+def timed_call(op: Op, problem, backend: str, *, config=None, mode: str = "fwd", seed: int = 0):
+  """``(fn, args)``: the jitted forward (``mode="fwd"``) or the gradients of the sum of
+  the primary output (``"fwd+bwd"``) of ``op`` on random inputs for ``problem``."""
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  arrays = op.example(problem, jax.random.PRNGKey(seed))
+  call = op.prepare(problem, backend, config)
+
+  def forward(*diff):
+    args = list(arrays)
+    for i, x in zip(op.diff_argnums, diff):
+      args[i] = x
+    return op.primary(op.finish(problem, run(call, tuple(args))))
+
+  diff = tuple(arrays[i] for i in op.diff_argnums)
+  if mode == "fwd":
+    return jax.jit(forward), diff
+  loss = lambda *d: jnp.sum(forward(*d).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=tuple(range(len(diff))))), diff
+
+
+def time_op(op: Op, problem, backend: str, *, config=None, mode: str = "fwd",
+            reps: int = 10) -> float:
+  """Median milliseconds of ``op`` on ``problem`` with ``backend`` (and ``config``)."""
+  fn, args = timed_call(op, problem, backend, config=config, mode=mode)
+  return median_ms(fn, args, reps)

@@ -1,0 +1,152 @@
+"""Tuned configs on disk: the user's cache and the table shipped with jattn.
+
+An entry is stored under a key of the GPU's name, the op and backend, and the fields
+an implementation says its config depends on (``Impl.cache_key``), e.g.
+``"NVIDIA H100 80GB HBM3|flash_attention/pallas_triton|float16|d128|causal|s4096"``.
+``lookup`` answers from the user cache, then from the shipped table
+(``shipped.json``), else None.
+
+User cache file: ``$JATTN_CACHE_DIR/autotune.json``, else
+``$XDG_CACHE_HOME/jattn/autotune.json``, else ``~/.cache/jattn/autotune.json``:
+``{"version": 1, "entries": {key: {"config": {...}, "ms": ..., "mode": ...,
+"jax": ..., "tuned_at": ...}}}``. Writes are atomic; a corrupt file warns once and
+counts as empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import importlib.resources
+import json
+import os
+import tempfile
+import warnings
+
+import jax
+
+from jattn.kernels.common.config import next_power_of_two
+
+CACHE_VERSION = 1
+CACHE_DIR_ENV = "JATTN_CACHE_DIR"
+MIN_BUCKET, MAX_BUCKET = 128, 65536
+
+
+def bucket(length: int) -> int:
+  """Next power of two of ``length``, clamped to [128, 65536]: lengths in one bucket
+  share a tuned config."""
+  return min(MAX_BUCKET, max(MIN_BUCKET, next_power_of_two(length)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningKey:
+  """Where a tuned config applies; ``str(key)`` is its name in the cache file."""
+
+  gpu: str
+  op: str
+  backend: str
+  fields: tuple[str, ...]  # the implementation's (``Impl.cache_key``)
+
+  def __str__(self) -> str:
+    return "|".join((self.gpu, f"{self.op}/{self.backend}", *self.fields))
+
+
+def cache_path() -> str:
+  """The user cache file (see the module docstring for the environment variables)."""
+  if os.environ.get(CACHE_DIR_ENV):
+    return os.path.join(os.environ[CACHE_DIR_ENV], "autotune.json")
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jattn", "autotune.json")
+
+
+_LOADED: dict[str, tuple[tuple[int, int], dict]] = {}  # path -> ((mtime_ns, size), entries)
+
+
+def _parse_entries(text: str) -> dict:
+  data = json.loads(text)
+  if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+    raise ValueError(f"expected an object with version {CACHE_VERSION}")
+  entries = data.get("entries")
+  if not isinstance(entries, dict):
+    raise ValueError("expected an 'entries' object")
+  return entries
+
+
+def load_cache(path: str | None = None) -> dict:
+  """Entries of the user cache, read once per change of the file (``{}`` if absent).
+
+  An unreadable or corrupt file warns once and counts as empty.
+  """
+  path = cache_path() if path is None else path
+  try:
+    st = os.stat(path)
+  except OSError:
+    return {}
+  stamp = (st.st_mtime_ns, st.st_size)
+  cached = _LOADED.get(path)
+  if cached is not None and cached[0] == stamp:
+    return cached[1]
+  try:
+    with open(path, encoding="utf-8") as f:
+      entries = _parse_entries(f.read())
+  except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+    # Remembered below as empty: the warning comes once per version of the file.
+    warnings.warn(f"ignoring the autotune cache {path}: {e}", RuntimeWarning, stacklevel=2)
+    entries = {}
+  _LOADED[path] = (stamp, entries)
+  return entries
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_entries() -> dict:
+  """Entries of the table shipped with jattn (measured on the GPUs it names)."""
+  text = importlib.resources.files("jattn.tuning").joinpath("shipped.json").read_text("utf-8")
+  return _parse_entries(text)
+
+
+def save_config(key: TuningKey, config, *, ms: float | None, mode: str,
+                path: str | None = None) -> str:
+  """Adds or replaces one entry of the user cache (atomically); returns the file's path."""
+  path = cache_path() if path is None else path
+  entries = dict(load_cache(path))
+  entries[str(key)] = {
+      "config": dataclasses.asdict(config), "ms": ms, "mode": mode, "jax": jax.__version__,
+      "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  directory = os.path.dirname(path) or "."
+  os.makedirs(directory, exist_ok=True)
+  # A reader (another process) sees either the old file or the new one, never half.
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autotune.", suffix=".json")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+  st = os.stat(path)
+  _LOADED[path] = ((st.st_mtime_ns, st.st_size), entries)
+  return path
+
+
+def config_from_entry(config_cls: type, entry):
+  """The entry's config, or None if it does not match ``config_cls`` exactly."""
+  fields = {f.name for f in dataclasses.fields(config_cls)}
+  config = entry.get("config") if isinstance(entry, dict) else None
+  if not isinstance(config, dict) or set(config) != fields:
+    return None
+  try:
+    return config_cls(**config)
+  except (TypeError, ValueError):
+    return None
+
+
+def lookup(key: TuningKey, config_cls: type):
+  """The tuned config under ``key``: the user cache's, then the shipped table's, else None."""
+  name = str(key)
+  for entries in (load_cache(), shipped_entries()):
+    if name in entries:
+      config = config_from_entry(config_cls, entries[name])
+      if config is not None:
+        return config
+  return None

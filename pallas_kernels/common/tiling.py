@@ -1,0 +1,55 @@
+"""Host-side tiling: which tiles a kernel runs along an axis, how far that axis is
+padded, and the zero padding of inputs and per-row statistics."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jattn.kernels.common.config import clamp_block
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def tile_axis(length: int, blocks, *, unit: int = 1, clamp: bool = True):
+  """The tiles a kernel family runs along one axis of ``length`` positions, and the
+  padded length that every tile divides.
+
+  ``blocks``: the config's block sizes along this axis (all the kernels' of one
+  family). With ``clamp`` each is lowered to the next power of two of
+  ``ceil(length / unit)`` (at least 16), so a short axis pays for no larger tile.
+  ``unit``: the axis is read in rows of ``unit`` positions (a dilation rate).
+  Returns ``(blocks_used, padded_length)``, ``padded_length`` a multiple of ``unit``
+  times every block.
+  """
+  rows = -(-length // unit)
+  used = tuple(clamp_block(b, rows) for b in blocks) if clamp else tuple(blocks)
+  return used, round_up(length, unit * math.lcm(*used))
+
+
+def pad_to(x, length: int, width: int | None = None):
+  """Zero-pads axis 1 to ``length`` and (if given) the last axis to ``width``."""
+  pads = [(0, 0)] * x.ndim
+  pads[1] = (0, length - x.shape[1])
+  if width is not None:
+    pads[-1] = (0, width - x.shape[-1])
+  if all(p == (0, 0) for p in pads):
+    return x
+  return jnp.pad(x, pads)
+
+
+def pad_rows(x, length: int):
+  """Zero-pads the last axis of a ``[batch, heads, seq]`` row statistic to ``length``."""
+  if x.shape[-1] == length:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])])
+
+
+def pad_last(x, width: int):
+  """Zero-pads the last axis to ``width``."""
+  if x.shape[-1] == width:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])

@@ -1,0 +1,57 @@
+"""Tile sizes of the Hopper (Mosaic GPU) flash attention kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MOSAIC_BLOCK = 64  # a wgmma instruction covers 64 rows per warpgroup
+MOSAIC_MAX_BWD_HEAD_DIM = 128  # dK and dV accumulators of wider heads overflow registers
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlockConfig:
+  """Tile sizes of the Hopper (Mosaic GPU) kernels.
+
+  ``block_q`` / ``block_q_dq`` / ``block_kv_dkv`` are per consumer warpgroup: a CTA
+  covers twice as many rows. Every block is a multiple of 64. ``stages`` is the
+  depth of the shared-memory ring the producer warpgroup fills: at least 2 (a
+  one-slot ring gave wrong dQ on the H100, see docs/backends.md).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  bwd_stages: int = 2
+
+  def __post_init__(self):
+    for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
+                  "block_kv_dkv"):
+      value = getattr(self, field)
+      if value < MOSAIC_BLOCK or value % MOSAIC_BLOCK:
+        raise ValueError(f"MosaicBlockConfig.{field} must be a positive multiple of "
+                         f"{MOSAIC_BLOCK}, got {value}")
+    for field in ("stages", "bwd_stages"):
+      if getattr(self, field) < 2:
+        raise ValueError(f"MosaicBlockConfig.{field} must be >= 2, got {getattr(self, field)}")
+
+
+def mosaic_head_dim(head_dim: int) -> int:
+  """Head dims are zero-padded to a multiple of 64 (the swizzled tile width)."""
+  return -(-head_dim // MOSAIC_BLOCK) * MOSAIC_BLOCK
+
+
+def default_mosaic_config(head_dim: int) -> MosaicBlockConfig:
+  """Hopper tiles by padded head dim: the winners of ``bench/flash.py --sweep-mosaic``
+  on an H100 (bench/results/flash_sweep_mosaic.json), within 227 KB of shared memory."""
+  d = mosaic_head_dim(head_dim)
+  if d <= 64:  # small accumulators: 128 rows per warpgroup fit in registers
+    return MosaicBlockConfig(block_q=128, block_kv=128, stages=2, block_q_dq=64,
+                             block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=3)
+  if d <= 128:
+    return MosaicBlockConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
+                             block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=2)
+  return MosaicBlockConfig(block_q=64, block_kv=64, stages=2)

@@ -1,0 +1,252 @@
+"""One contract for every public op on every backend this machine runs: it composes with
+``jit``, ``grad``, ``vmap`` (over an extra leading axis) and ``checkpoint``; runs with
+``jax_enable_x64`` on; takes single-token sequences; gives zeros, never NaN, for rows
+that see no key; has bitwise-deterministic gradients; and rejects mixed dtypes, wrong
+ranks, mismatched shapes and unknown backends with errors that name the argument.
+
+On CPU the Pallas kernels run in interpret mode; on a GPU (``-m gpu``) every backend
+the GPU has runs, the Hopper and cuDNN ones in 16-bit.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from conftest import rel_err
+from jattn.core.op import OPS
+
+pytestmark = pytest.mark.kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """A public op as the contract calls it: ``inputs(key, dtype, length)`` gives the
+  differentiable arrays for a sequence (or window) length, ``call(*arrays, backend=)``
+  runs the op; ``masked`` gives arrays and the ``[.., rows, ..]`` index of output rows
+  that see nothing (None: the op has no mask)."""
+
+  op: str
+  inputs: Callable
+  call: Callable
+  masked: Callable | None = None
+
+
+def _normal(key, shapes, dtype):
+  keys = jax.random.split(key, len(shapes))
+  return tuple(jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes))
+
+
+WINDOW_MASK = np.ones((2, 6, 6), bool)
+WINDOW_MASK[1, 2] = False  # row 2 of odd windows sees no key
+RETENTION_FORMS = ("parallel", "chunkwise", "recurrent")
+
+SPECS = [
+    Spec("flash_attention",
+         lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
+         lambda q, k, v, backend: jattn.flash_attention(q, k, v, causal=True, backend=backend),
+         # causal with q_len > kv_len: the first two queries come before every key
+         lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 16)], dtype),
+                             np.s_[:, :2])),
+    Spec("window_attention",
+         lambda key, dtype, n: _normal(key, [(2, n, 2, 16)] * 3, dtype)
+         + _normal(key, [(2, n, n)], jnp.float32),
+         lambda q, k, v, bias, backend: jattn.window_attention(q, k, v, bias, backend=backend),
+         lambda key, dtype: (_normal(key, [(4, 6, 2, 16)] * 3, dtype)
+                             + _normal(key, [(2, 6, 6)], jnp.float32), np.s_[1::2, 2])),
+    Spec("dilated_attention",
+         lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
+         lambda q, k, v, backend: jattn.dilated_attention(
+             q, k, v, segment_lengths=(4, 8), dilation_rates=(1, 2), causal=True,
+             backend=backend),
+         # one pair of rate 2: head 0 covers the even positions only
+         lambda key, dtype: (_normal(key, [(1, 8, 1, 16)] * 3, dtype), np.s_[:, 1::2])),
+] + [
+    Spec(f"retention_{form}",
+         lambda key, dtype, n: _normal(key, [(2, n, 2, 16), (2, n, 2, 16), (2, n, 2, 8)], dtype),
+         lambda q, k, v, backend, form=form: jattn.retention(q, k, v, mode=form, chunk_size=16,
+                                                             backend=backend))
+    for form in RETENTION_FORMS
+] + [
+    Spec("retention_step",
+         lambda key, dtype, n: _normal(key, [(2, 2, 16), (2, 2, 16), (2, 2, 8), (2, 2, 16, 8)],
+                                       dtype),
+         lambda q, k, v, state, backend: jattn.retention_step(q, k, v, state, backend=backend)),
+]
+BACKENDS = ("pallas_mosaic", "pallas_triton", "cudnn", "xla")
+# Backends without float32: the contract runs them in bfloat16.
+SIXTEEN_BIT = ("pallas_mosaic", "cudnn")
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+
+
+def _cases():
+  for spec in SPECS:
+    for backend in BACKENDS:
+      if backend not in OPS[spec.op].backends:
+        continue
+      marks = [pytest.mark.gpu] if backend in SIXTEEN_BIT else []
+      yield pytest.param(spec, backend, id=f"{spec.op}-{backend}", marks=marks)
+
+
+CASES = list(_cases())
+
+
+def _dtype(backend):
+  return jnp.bfloat16 if backend in SIXTEEN_BIT else jnp.float32
+
+
+def _runnable(spec, backend, *args):
+  """Skips (never passes) where this machine or this problem rules the backend out."""
+  try:
+    jax.eval_shape(lambda *a: spec.call(*a, backend=backend), *args)
+  except ValueError as e:
+    if "cannot run this" in str(e):
+      pytest.skip(str(e).split(". Backends:")[0])
+    raise
+
+
+def _loss(out):
+  return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in jax.tree.leaves(out))
+
+
+def _grads(spec, backend, args):
+  return jax.jit(jax.grad(lambda *a: _loss(spec.call(*a, backend=backend)),
+                          argnums=tuple(range(len(args)))))(*args)
+
+
+@pytest.mark.parametrize("spec,backend", CASES)
+def test_composes_with_jit_grad_vmap_checkpoint(spec, backend):
+  dtype = _dtype(backend)
+  args = spec.inputs(jax.random.PRNGKey(0), dtype, 24)
+  _runnable(spec, backend, *args)
+  stacked = tuple(jnp.stack([x, (1.5 * x).astype(x.dtype)]) for x in args)
+
+  def loss(backend, *a):
+    f = jax.checkpoint(lambda *b: spec.call(*b, backend=backend))
+    return _loss(jax.vmap(f)(*a))
+
+  grad = lambda backend: jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))),
+                                 static_argnums=0)(backend, *stacked)
+  ours, ref = grad(backend), grad("xla")
+  for g, g_ref in zip(ours, ref):
+    assert g.shape == g_ref.shape and g.dtype == g_ref.dtype
+    assert rel_err(g, g_ref, floor=1e-2) < TOL[dtype]
+
+
+@pytest.mark.parametrize("spec,backend", CASES)
+def test_runs_with_x64_enabled(spec, backend):
+  dtype = _dtype(backend)
+  with jax.enable_x64(True):
+    args = spec.inputs(jax.random.PRNGKey(1), dtype, 20)
+    _runnable(spec, backend, *args)
+    out = jax.jit(lambda *a: spec.call(*a, backend=backend))(*args)
+    grads = _grads(spec, backend, args)
+  ref = jax.jit(lambda *a: spec.call(*a, backend=backend))(*args)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    assert a.dtype == b.dtype and rel_err(a, b) < TOL[dtype]
+  assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
+@pytest.mark.parametrize("spec,backend", CASES)
+def test_single_token_sequences(spec, backend):
+  dtype = _dtype(backend)
+  args = spec.inputs(jax.random.PRNGKey(2), dtype, 1)
+  _runnable(spec, backend, *args)
+  out = jax.jit(lambda *a: spec.call(*a, backend=backend))(*args)
+  ref = jax.jit(lambda *a: spec.call(*a, backend="xla"))(*args)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    assert rel_err(a, b) < TOL[dtype]
+  for g, g_ref in zip(_grads(spec, backend, args), _grads(spec, "xla", args)):
+    assert rel_err(g, g_ref, floor=1e-2) < TOL[dtype]
+
+
+@pytest.mark.parametrize("spec,backend", [c for c in CASES if c.values[0].masked])
+def test_rows_that_see_no_key_give_zeros(spec, backend):
+  args, rows = spec.masked(jax.random.PRNGKey(3), _dtype(backend))
+  call = spec.call
+  if spec.op == "window_attention":  # the mask is what empties the rows
+    call = lambda *a, backend: jattn.window_attention(*a, mask=WINDOW_MASK, backend=backend)
+  if spec.op == "dilated_attention":
+    call = lambda q, k, v, backend: jattn.dilated_attention(
+        q, k, v, segment_lengths=(8,), dilation_rates=(2,), backend=backend)
+  masked = dataclasses.replace(spec, call=call)
+  _runnable(masked, backend, *args)
+  out = np.asarray(jax.jit(lambda *a: call(*a, backend=backend))(*args), np.float32)
+  assert np.all(out[rows] == 0.0)
+  assert np.isfinite(out).all() and np.abs(out).max() > 0
+  for g in _grads(masked, backend, args):
+    assert np.isfinite(np.asarray(g, np.float32)).all()
+
+
+@pytest.mark.parametrize("spec,backend", CASES)
+def test_gradients_are_bitwise_deterministic(spec, backend):
+  args = spec.inputs(jax.random.PRNGKey(4), _dtype(backend), 40)
+  _runnable(spec, backend, *args)
+  first, second = _grads(spec, backend, args), _grads(spec, backend, args)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _mixed(args):
+  return (args[0], args[1].astype(jnp.bfloat16)) + args[2:]
+
+
+def _wrong_rank(args):
+  return (args[0][0],) + args[1:]
+
+
+def _mismatched(args):
+  return (args[0], args[1][..., :-1]) + args[2:]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.op)
+@pytest.mark.parametrize("bad,error,named", [
+    (_mixed, TypeError, "k bfloat16"), (_wrong_rank, ValueError, r"^q must have rank"),
+    (_mismatched, ValueError, r"^k must be \["),
+], ids=["mixed-dtypes", "wrong-rank", "mismatched-shapes"])
+def test_bad_inputs_raise_errors_naming_the_argument(spec, bad, error, named):
+  args = spec.inputs(jax.random.PRNGKey(5), jnp.float32, 8)
+  with pytest.raises(error, match=named):
+    spec.call(*bad(args), backend="xla")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.op)
+def test_unknown_backend_is_named(spec):
+  args = spec.inputs(jax.random.PRNGKey(6), jnp.float32, 8)
+  with pytest.raises(ValueError, match=r"^backend must be one of \('auto'.*got 'tpu'"):
+    spec.call(*args, backend="tpu")
+
+
+SOFTMAX_OPS = [c for c in CASES if c.values[0].op in ("flash_attention", "window_attention",
+                                                      "dilated_attention")]
+
+
+@pytest.mark.parametrize("spec,backend", SOFTMAX_OPS)
+def test_block_computations_of_the_rings(spec, backend):
+  """``partial`` / ``partial_backward`` (what the rings run their blocks with): with the
+  block's own statistics they give the op's output and gradients."""
+  op = OPS[spec.op]
+  dtype = _dtype(backend)
+  args = spec.inputs(jax.random.PRNGKey(7), dtype, 24)
+  _runnable(spec, backend, *args)
+  kwargs = dict(causal=True) if spec.op == "flash_attention" else {}
+  if spec.op == "dilated_attention":
+    kwargs = dict(segment_lengths=(4, 8), dilation_rates=(1, 2), causal=True)
+  problem, arrays = op.bind(*args, **kwargs)
+  if spec.op == "flash_attention":
+    problem = dataclasses.replace(problem, return_lse=True)  # what a ring's blocks ask for
+  try:
+    call = op.prepare(problem, backend)
+  except ValueError as e:
+    pytest.skip(str(e).split(". Backends:")[0])
+  do = jax.random.normal(jax.random.PRNGKey(8), args[0].shape, jnp.float32).astype(dtype)
+  o, lse = jax.jit(lambda a: op.partial(call, a))(arrays)
+  grads = jax.jit(lambda a, o, lse: op.partial_backward(call, a, o, lse, do))(arrays, o, lse)
+  out, pull = jax.vjp(lambda *d: spec.call(*d, backend=backend), *args)
+  assert rel_err(o, out) < TOL[dtype]
+  for g, g_ref in zip(grads, pull(do)):
+    assert g.dtype == jnp.float32 and rel_err(g, g_ref, floor=1e-2) < 2 * TOL[dtype]

@@ -1,0 +1,232 @@
+"""The op core on made-up devices: what each device runs, the one ``"auto"`` rule and its
+one error text for every op, config resolution (explicit, user cache, shipped table,
+heuristic), and that a call really runs the backend it resolves to."""
+
+import dataclasses
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jattn
+import jattn.gpu as gpu
+from conftest import ON_GPU
+from jattn.core.device import BACKEND_NAMES
+from jattn.core.op import OPS
+from jattn.flash import FLASH, FlashProblem
+from jattn.kernels.common.config import default_block_config
+from jattn.tuning import cache
+
+CC = {"H100": (9, 0), "A100": (8, 0), "L4": (8, 9), "T4": (7, 5), "cpu": None}
+FAKES = {(name, interpret): gpu.describe(name, cc, interpret=interpret)
+         for (name, cc), interpret in itertools.product(CC.items(), (False, True))}
+FAKE_IDS = [f"{n}-interpret{int(i)}" for n, i in FAKES]
+CPU_ONLY = pytest.mark.skipif(ON_GPU, reason="asserts what a machine without a GPU reports")
+
+
+@pytest.mark.parametrize("name,arch,bf16,fp8,dtype", [
+    ("H100", "hopper", True, True, jnp.bfloat16),
+    ("A100", "ampere", True, False, jnp.bfloat16),
+    ("L4", "ada", True, True, jnp.bfloat16),
+    ("T4", "turing", False, False, jnp.float16),
+    ("cpu", "cpu", False, False, jnp.float32),
+])
+def test_fake_devices(name, arch, bf16, fp8, dtype):
+  info = FAKES[(name, False)]
+  assert info.architecture == arch and info.compute_capability == CC[name]
+  assert info.platform == ("cpu" if name == "cpu" else "gpu") and info.is_gpu == (name != "cpu")
+  assert (info.supports_bf16, info.supports_fp8) == (bf16, fp8)
+  assert gpu.recommended_dtype(info) == dtype
+
+
+@pytest.mark.parametrize("name,interpret,backends", [
+    ("H100", False, ("pallas_mosaic", "pallas_triton", "cudnn", "xla")),
+    ("A100", False, ("pallas_triton", "cudnn", "xla")),
+    ("L4", True, ("pallas_triton", "cudnn", "xla")),
+    ("T4", False, ("xla",)), ("T4", True, ("pallas_triton", "xla")),
+    ("cpu", False, ("xla",)), ("cpu", True, ("pallas_triton", "xla")),
+])
+def test_what_each_device_runs(name, interpret, backends):
+  assert FAKES[(name, interpret)].backends == backends
+  assert jattn.BACKENDS == ("auto",) + BACKEND_NAMES
+
+
+@CPU_ONLY
+def test_gpu_info_on_this_machine(monkeypatch):
+  monkeypatch.setenv("JATTN_INTERPRET", "0")
+  info = gpu.gpu_info()
+  assert info.platform == "cpu" and info.architecture == "cpu" and info.name.startswith("cpu (")
+  assert info.compute_capability is None and info.backends == ("xla",)
+  monkeypatch.setenv("JATTN_INTERPRET", "1")  # read on every call, not cached
+  assert gpu.gpu_info().backends == ("pallas_triton", "xla")
+  assert gpu.usable_backends() == ("pallas_triton", "xla")
+
+
+def test_every_op_is_known():
+  assert set(gpu.ops()) == {"flash_attention", "window_attention", "dilated_attention",
+                            "retention_parallel", "retention_chunkwise", "retention_recurrent",
+                            "retention_step"}
+  for op in OPS.values():
+    assert op.backends[0] == "auto" and op.backends[-1] == "xla"
+    assert op.backends[1:] == tuple(b for b in BACKEND_NAMES if b in op.backends)
+
+
+FLASH_PROBLEMS = [dict(dtype=dtype, head_dim=d, q_len=128, kv_len=kv, causal=causal,
+                       segment_ids=seg, softcap=cap, return_lse=lse)
+                  for dtype, d, kv, causal, seg, cap, lse in itertools.product(
+                      (jnp.float16, jnp.float32), (64, 100, 320), (128, 200), (False, True),
+                      (False, True), (False, True), (False, True))]
+
+
+@pytest.mark.parametrize("key", FAKES, ids=FAKE_IDS)
+def test_auto_takes_the_first_backend_that_can(key):
+  info = FAKES[key]
+  for op in OPS.values():
+    problems = FLASH_PROBLEMS if op.name == "flash_attention" else [{}, {"dtype": jnp.float32}]
+    for keywords in problems:
+      choices = gpu.backend_choices(op.name, info=info, **keywords)
+      chosen = gpu.select_backend(op.name, info=info, **keywords)
+      assert chosen == next(name for name, why in choices if why is None)
+      assert chosen in info.backends
+      for name, why in choices:
+        if name not in info.backends:
+          assert why is not None
+
+
+def test_what_cudnn_and_the_hopper_kernels_cannot_do():
+  h100 = FAKES[("H100", False)]
+  base = dict(dtype=jnp.bfloat16, head_dim=128, q_len=256, kv_len=256, causal=True)
+  assert gpu.select_backend(info=h100, **base) == "pallas_mosaic"
+  for extra, cudnn_gap in ((dict(dtype=jnp.float32), "float32 inputs"),
+                           (dict(segment_ids=True), "segment ids"),
+                           (dict(softcap=True), "softcap"), (dict(return_lse=True), "return_lse"),
+                           (dict(kv_len=512), "causal with q_len != kv_len"),
+                           (dict(head_dim=36), "not a multiple of 8")):
+    why = dict(gpu.backend_choices(info=h100, **{**base, **extra}))["cudnn"]
+    assert why is not None and cudnn_gap in why, extra
+  assert gpu.select_backend(info=h100, **{**base, "segment_ids": True}) == "pallas_triton"
+  assert gpu.select_backend(info=h100, **{**base, "dtype": jnp.float32}) == "pallas_triton"
+  # Head dims above 256 only the reference takes.
+  assert gpu.select_backend(info=FAKES[("A100", False)], **{**base, "head_dim": 320}) == "xla"
+
+
+def test_one_error_text_names_every_backend_and_why():
+  q = jnp.ones((1, 4, 2, 16), jnp.float32)
+  with pytest.raises(ValueError) as e:
+    jattn.flash_attention(q, q, q, backend="cudnn", softcap=3.0)
+  text = str(e.value)
+  assert text.startswith("backend='cudnn' cannot run this flash_attention call on ")
+  for name in BACKEND_NAMES:
+    assert f"{name}: " in text
+  assert "xla: can run it" in text
+
+
+def test_a_config_goes_with_its_backend():
+  q = jnp.ones((1, 4, 2, 16), jnp.float32)
+  with pytest.raises(TypeError, match="config for backend='pallas_triton' must be a "
+                                      "BlockConfig, got MosaicBlockConfig"):
+    jattn.flash_attention(q, q, q, backend="pallas_triton", config=jattn.MosaicBlockConfig())
+  with pytest.raises(TypeError, match="backend='xla' takes no config"):
+    jattn.flash_attention(q, q, q, backend="xla", config=jattn.BlockConfig())
+  # With "auto", only the backends that take the config's class are considered.
+  choices = dict(FLASH.choices(FlashProblem(head_dim=16), info=FAKES[("H100", False)],
+                               config=jattn.BlockConfig()))
+  assert choices["pallas_triton"] is None and "does not take a BlockConfig" in choices["xla"]
+
+
+def test_configs_come_from_the_user_cache_then_the_shipped_table_then_the_heuristic(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+  h100 = FAKES[("H100", False)]
+  problem = FlashProblem(q_len=4096, head_dim=128, dtype=jnp.float16, causal=True)
+  triton = FLASH.impl("pallas_triton")
+  key = cache.TuningKey(h100.name, "flash_attention", "pallas_triton", triton.cache_key(problem))
+  assert str(key) == "H100|flash_attention/pallas_triton|float16|d128|causal|s4096"
+  # No entry for a GPU called "H100": the heuristic.
+  assert FLASH.config_for(triton, problem, h100) == default_block_config(128, 2)
+  # The shipped table answers for the GPU it names.
+  shipped = dataclasses.replace(h100, name="NVIDIA H100 80GB HBM3")
+  shipped_key = str(dataclasses.replace(key, gpu=shipped.name))
+  assert shipped_key in cache.shipped_entries()
+  assert FLASH.config_for(triton, problem, shipped) == cache.config_from_entry(
+      jattn.BlockConfig, cache.shipped_entries()[shipped_key])
+  # The user's cache comes first; an explicit config before everything.
+  mine = jattn.BlockConfig(block_q=32, block_k=32)
+  cache.save_config(dataclasses.replace(key, gpu=shipped.name), mine, ms=1.0, mode="fwd")
+  assert FLASH.config_for(triton, problem, shipped) == mine
+  explicit = jattn.BlockConfig(block_q=16)
+  assert FLASH.config_for(triton, problem, shipped, explicit) == explicit
+  # Off GPU (interpret mode) tiles change speed only: no cache is read.
+  assert FLASH.config_for(triton, problem, FAKES[("cpu", True)]) == default_block_config(128, 2)
+
+
+def test_a_corrupt_cache_warns_once_and_counts_as_empty(tmp_path, monkeypatch):
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+  (tmp_path / "autotune.json").write_text("{not json")
+  with pytest.warns(RuntimeWarning, match="ignoring the autotune cache"):
+    assert cache.load_cache() == {}
+  (tmp_path / "autotune.json").write_text(json.dumps({"version": 99, "entries": {}}))
+  with pytest.warns(RuntimeWarning, match="version 1"):
+    assert cache.load_cache() == {}
+
+
+def _primitives(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  found = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      found.add(eqn.primitive.name)
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else [value]:
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("interpret,ran", [("1", True), ("0", False)])
+def test_auto_runs_the_kernel_it_picks(monkeypatch, interpret, ran):
+  """With JATTN_INTERPRET=1 "auto" picks the Pallas kernels on CPU, and the traced
+  program holds a ``pallas_call``; without it, only the reference's jnp ops."""
+  monkeypatch.setenv("JATTN_INTERPRET", interpret)
+  q = jnp.ones((1, 8, 2, 16), jnp.float32)
+  bias = jnp.ones((2, 8, 8), jnp.float32)
+  calls = [lambda q: jattn.flash_attention(q, q, q),
+           lambda q: jattn.window_attention(q, q, q, bias),
+           lambda q: jattn.dilated_attention(q, q, q, segment_lengths=(4,), dilation_rates=(2,)),
+           lambda q: jattn.retention(q, q, q),
+           lambda q: jattn.retention(q, q, q, mode="chunkwise"),
+           lambda q: jattn.retention_step(q[:, 0], q[:, 0], q[:, 0], jnp.zeros((1, 2, 16, 16)))]
+  for call in calls:
+    grad = jax.grad(lambda q: jnp.sum(jax.tree.leaves(call(q))[0]))
+    assert ("pallas_call" in _primitives(grad, q)) == ran
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("op,problem", [
+    ("flash_attention", dict(batch=1, q_len=32, q_heads=2, head_dim=16)),
+    ("retention_chunkwise", dict(batch=1, q_len=32, heads=2, dk=16, chunk_size=16)),
+])
+def test_benchmark_backends_times_every_backend_that_can(monkeypatch, op, problem):
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  rows = gpu.benchmark_backends(op, reps=2, mode="fwd+bwd", **problem)
+  assert {r["backend"] for r in rows} == {"pallas_triton", "xla"}
+  ms = [r["ms"] for r in rows]
+  assert all(m > 0 for m in ms) and ms == sorted(ms)
+  assert rows[-1]["speedup"] == 1.0 and rows[0]["speedup"] == pytest.approx(ms[-1] / ms[0])
+
+
+def test_the_choosing_functions_reject_what_is_not_an_op_or_a_mode():
+  with pytest.raises(ValueError, match="op must be one of .*got 'retention'"):
+    gpu.select_backend("retention")
+  with pytest.raises(ValueError, match=r"mode must be one of \('fwd', 'fwd\+bwd'\), got 'bwd'"):
+    gpu.benchmark_backends(mode="bwd", info=FAKES[("cpu", False)])
+  with pytest.raises(TypeError, match="unexpected keyword argument 'q_lenn'"):
+    gpu.select_backend(q_lenn=3)
