@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

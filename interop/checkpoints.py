@@ -124,7 +124,10 @@ def dat_from_state_dict(state, *, dtype=None, backend: str = "auto", rngs=None, 
   """A ``jattn.nn.DAT`` built from a DAT state dict's inferred config, with its weights."""
   dtype = dtype or jnp.float32
   config, _ = infer_dat_config(state, **overrides)
-  model = DAT(config, dtype=dtype, backend=backend, rngs=rngs or nnx.Rngs(0))
+  # Built abstractly: every parameter is then set from the checkpoint (a missing one is
+  # an error), so random initial values would be computed only to be thrown away.
+  model = nnx.eval_shape(lambda: DAT(config, dtype=dtype, backend=backend,
+                                     rngs=rngs or nnx.Rngs(0)))
   load_torch_state_dict(model, state, derived=DAT_DERIVED)
   return model
 

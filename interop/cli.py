@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jattn.core.device import compile_interpreted_programs_fast
 from jattn.interop.check import CASES, main_check
 from jattn.interop.checkpoints import (dat_from_state_dict, infer_dat_config, read_state_dict,
                                        save_converted)
@@ -17,12 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
   check = sub.add_parser(
       "check", help="run every op on every usable backend against the JAX and torch references")
   check.add_argument("--backends", help="comma-separated backends (default: all usable here)")
-  check.add_argument("--dtypes", help="comma-separated dtypes (default: float32,bfloat16"
-                     "[,float16 on GPU])")
+  check.add_argument("--dtypes", help="comma-separated dtypes (default: float32, and "
+                     "bfloat16,float16 on a GPU)")
   check.add_argument("--ops", help="comma-separated ops (default: all: " + ", ".join(
       sorted({op for op, _, _ in CASES})) + ")")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
-  check.add_argument("--reps", type=int, default=5, help="timed repetitions per case")
+  check.add_argument("--reps", type=int, help="timed repetitions per case (default: 5 on a "
+                     "GPU, 1 in interpret mode, whose timings say nothing of kernel speed)")
   _add_convert_arguments(sub.add_parser(
       "convert", help="convert a PyTorch checkpoint into Flax params + config.json"))
   return parser
@@ -57,6 +59,7 @@ def convert_main(argv=None) -> int:
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   if args.command == "check":
+    compile_interpreted_programs_fast()  # before JAX starts: the check is compile-bound
     return main_check(args)
   if args.command == "convert":
     return run_convert(args)

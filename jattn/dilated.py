@@ -21,19 +21,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn.core.op import SoftmaxOp, TritonImpl, XlaImpl
-from jattn.core.validation import check_array, check_heads, check_same_dtype, check_shape, scale_of
+from jattn.core.op import Problem, SoftmaxOp, XlaImpl
+from jattn.core.validation import check_attention_inputs, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
 from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
 from jattn.reference import dilated_attention_reference
 from jattn.tuning.cache import bucket
-from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
-
-LAYOUT = "batch, seq, heads, head_dim"
-
+from jattn.tuning.spaces import BlockTritonImpl
 
 @dataclasses.dataclass(frozen=True)
-class DilatedProblem:
+class DilatedProblem(Problem):
   """One dilated-attention call, without its arrays."""
 
   batch: int = 1
@@ -48,12 +45,9 @@ class DilatedProblem:
   scale: float | None = None  # default head_dim ** -0.5
 
   def __post_init__(self):
-    fix = lambda name, value: object.__setattr__(self, name, value)
-    fix("kv_heads", self.heads if self.kv_heads is None else self.kv_heads)
-    fix("dtype", jnp.dtype(self.dtype))
-    fix("segment_lengths", tuple(int(w) for w in self.segment_lengths))
-    fix("dilation_rates", tuple(int(r) for r in self.dilation_rates))
-    fix("scale", self.head_dim ** -0.5 if self.scale is None else float(self.scale))
+    self._normalize(self.head_dim, kv_heads=self.heads)
+    self._set(segment_lengths=tuple(int(w) for w in self.segment_lengths),
+              dilation_rates=tuple(int(r) for r in self.dilation_rates))
 
   @property
   def head_dims(self) -> tuple[int, ...]:
@@ -76,8 +70,10 @@ def check_pairs(segment_lengths, dilation_rates) -> None:
                        f"multiple of the dilation rate, got (w={w}, r={r})")
 
 
-class TritonDilated(TritonImpl):
-  config_cls = BlockConfig
+class TritonDilated(BlockTritonImpl):
+  def rows(self, p):
+    rows = -(-p.seq // min(p.dilation_rates))  # the longest pair's rows
+    return rows, rows
 
   def heuristic_config(self, p, info):
     return default_block_config(p.head_dim, p.dtype.itemsize)
@@ -86,16 +82,6 @@ class TritonDilated(TritonImpl):
     pairs = ",".join(f"{w}:{r}" for w, r in p.pairs)
     return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}",
             "causal" if p.causal else "noncausal", f"s{bucket(p.seq)}", pairs)
-
-  def tuning_stages(self):
-    return BLOCK_STAGES
-
-  def normalize_config(self, config, p):
-    rows = -(-p.seq // min(p.dilation_rates))
-    return clamp_blocks(config, rows, rows)
-
-  def fits(self, config, p, info):
-    return block_fits()(config, p, info)
 
   def forward(self, call, q, k, v):
     p = call.problem
@@ -125,13 +111,8 @@ class DilatedAttention(SoftmaxOp):
   arg_names = ("q", "k", "v")
 
   def bind(self, q, k, v, *, segment_lengths, dilation_rates, causal=False, scale=None):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-      check_array(name, x, LAYOUT)
-    check_same_dtype(q=q, k=k, v=v)
+    check_attention_inputs(q, k, v, same_length=True)
     batch, seq, heads, head_dim = q.shape
-    check_shape("k", k, (batch, seq, None, head_dim), "batch, seq, kv_heads, head_dim")
-    check_shape("v", v, tuple(k.shape), "batch, seq, kv_heads, head_dim")
-    check_heads(heads, k.shape[2])
     check_pairs(segment_lengths, dilation_rates)
     problem = DilatedProblem(batch=batch, seq=seq, heads=heads, kv_heads=k.shape[2],
                              head_dim=head_dim, dtype=q.dtype, segment_lengths=segment_lengths,

@@ -16,26 +16,24 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.device import CUDNN, GPUInfo, shared_memory_limit
-from jattn.core.op import Impl, MosaicImpl, SoftmaxOp, TritonImpl, XlaImpl
-from jattn.core.validation import (check_array, check_heads, check_integer_array,
-                                   check_same_dtype, check_shape, scale_of)
+from jattn.core.op import Impl, MosaicImpl, Problem, SoftmaxOp, XlaImpl
+from jattn.core.validation import check_attention_inputs, check_integer_array, scale_of
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
                                          padded_head_dim)
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward)
-from jattn.kernels.flash.mosaic_config import mosaic_head_dim
+from jattn.kernels.flash.mosaic_config import MOSAIC_MAX_BWD_HEAD_DIM, mosaic_head_dim
 from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
 from jattn.reference import flash_attention_reference
 from jattn.tuning.cache import bucket
 from jattn.tuning.search import SearchStage
-from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
+from jattn.tuning.spaces import BlockTritonImpl
 
-LAYOUT = "batch, seq, heads, head_dim"
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashProblem:
+class FlashProblem(Problem):
   """One flash-attention call, without its arrays. From keywords (``select_backend``,
   tuning) ``softcap=True`` / ``local_window=True`` stand for "some cap / window"."""
 
@@ -54,19 +52,15 @@ class FlashProblem:
   return_lse: bool = False
 
   def __post_init__(self):
-    fix = lambda name, value: object.__setattr__(self, name, value)
-    fix("kv_len", self.q_len if self.kv_len is None else self.kv_len)
-    fix("kv_heads", self.q_heads if self.kv_heads is None else self.kv_heads)
-    fix("dtype", jnp.dtype(self.dtype))
-    fix("scale", self.head_dim ** -0.5 if self.scale is None else float(self.scale))
+    self._normalize(self.head_dim, kv_len=self.q_len, kv_heads=self.q_heads)
     if self.local_window is True:
-      fix("local_window", (None, None))
+      self._set(local_window=(None, None))
     elif self.local_window is False:
-      fix("local_window", None)
+      self._set(local_window=None)
     elif self.local_window is not None:
-      fix("local_window", tuple(self.local_window))
+      self._set(local_window=tuple(self.local_window))
     if isinstance(self.softcap, bool):
-      fix("softcap", 1.0 if self.softcap else None)
+      self._set(softcap=1.0 if self.softcap else None)
 
   @property
   def head_dims(self) -> tuple[int, ...]:
@@ -89,23 +83,15 @@ def _cache_key(p: FlashProblem) -> tuple[str, ...]:
           "causal" if p.causal else "noncausal", f"s{bucket(max(p.q_len, p.kv_len))}")
 
 
-class TritonFlash(TritonImpl):
-  config_cls = BlockConfig
+class TritonFlash(BlockTritonImpl):
+  def rows(self, p):
+    return p.q_len, p.kv_len
 
   def heuristic_config(self, p, info):
     return default_block_config(p.head_dim, p.dtype.itemsize)
 
   def cache_key(self, p):
     return _cache_key(p)
-
-  def tuning_stages(self):
-    return BLOCK_STAGES
-
-  def normalize_config(self, config, p):
-    return clamp_blocks(config, p.q_len, p.kv_len)
-
-  def fits(self, config, p, info):
-    return block_fits()(config, p, info)
 
   def forward(self, call, q, k, v, q_seg, kv_seg):
     p = call.problem
@@ -191,7 +177,9 @@ class MosaicFlash(MosaicImpl):
     return MOSAIC_STAGES
 
   def fits(self, config, p, info):
-    return mosaic_fits()(config, p, info)
+    # Heads wider than the Hopper backward takes run the Triton backward (its own tiles).
+    wide = mosaic_head_dim(p.head_dim) > MOSAIC_MAX_BWD_HEAD_DIM
+    return mosaic_fits(*(("forward",) if wide else ()))(config, p, info)
 
   def forward(self, call, q, k, v, q_seg, kv_seg):
     p = call.problem
@@ -219,7 +207,9 @@ class CudnnFlash(Impl):
         ("segment ids", p.segment_ids), ("softcap", p.softcap is not None),
         ("return_lse", p.return_lse), ("float32 inputs", p.dtype == jnp.float32),
         ("causal with q_len != kv_len (cuDNN aligns causal masks top-left)",
-         p.causal and p.q_len != p.kv_len)) if used)
+         p.causal and p.q_len != p.kv_len),
+        # jax 0.11.2 refused a (1, 1) causal backward: "Unsupported sequence length".
+        ("odd sequence lengths", p.q_len % 2 or p.kv_len % 2)) if used)
 
   def forward(self, call, q, k, v, q_seg, kv_seg):
     p = call.problem
@@ -248,13 +238,8 @@ class FlashAttention(SoftmaxOp):
   def bind(self, q, k, v, *, causal=False, scale=None, q_segment_ids=None, kv_segment_ids=None,
            local_window=None, softcap=None, deterministic=True, return_lse=False):
     del deterministic  # every backward here is deterministic
-    for name, x in (("q", q), ("k", k), ("v", v)):
-      check_array(name, x, LAYOUT)
-    check_same_dtype(q=q, k=k, v=v)
+    check_attention_inputs(q, k, v)
     batch, q_len, q_heads, head_dim = q.shape
-    check_shape("k", k, (batch, None, None, head_dim), "batch, kv_len, kv_heads, head_dim")
-    check_shape("v", v, tuple(k.shape), "batch, kv_len, kv_heads, head_dim")
-    check_heads(q_heads, k.shape[2])
     if (q_segment_ids is None) != (kv_segment_ids is None):
       raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
     if q_segment_ids is not None:

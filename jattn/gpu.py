@@ -63,7 +63,9 @@ def benchmark_backends(op: str = "flash_attention", *, mode: str = "fwd+bwd", re
 
   Each row: ``backend``, ``ms`` (median of ``reps`` jitted calls on random inputs),
   ``speedup`` over the slowest. ``mode``: ``"fwd"`` or ``"fwd+bwd"`` (the gradients
-  of the output's sum). Without ``dtype``, the device's ``recommended_dtype``.
+  of the output's sum). Without ``dtype``, the device's ``recommended_dtype``. The
+  timing runs on this machine; ``info`` (default: its description) says which
+  backends to try.
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

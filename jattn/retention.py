@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.device import shared_memory_limit
-from jattn.core.op import Op, TritonImpl, XlaImpl, run
+from jattn.core.op import Op, Problem, TritonImpl, XlaImpl, run
 from jattn.core.validation import (check_array, check_choice, check_positive_int,
                                    check_same_dtype, check_shape, scale_of)
-from jattn.kernels.common.config import BlockConfig, padded_head_dim
+from jattn.kernels.common.config import padded_head_dim
 from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwise_config,
                                      default_parallel_config, fitting_chunk,
                                      retention_chunkwise_backward, retention_chunkwise_forward,
@@ -38,7 +38,7 @@ from jattn.kernels.retention.chunkwise import grad_kernel_bytes
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
 from jattn.tuning.cache import bucket
 from jattn.tuning.search import SearchStage
-from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
+from jattn.tuning.spaces import BlockTritonImpl
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
@@ -50,7 +50,7 @@ PARALLEL_MAX_LEN = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class RetentionProblem:
+class RetentionProblem(Problem):
   """One retention call (any form), without its arrays. ``q_len <= kv_len``: queries
   are the last ``q_len`` positions; for ``retention_step`` both are 1."""
 
@@ -67,11 +67,7 @@ class RetentionProblem:
   initial_state: bool = False
 
   def __post_init__(self):
-    fix = lambda name, value: object.__setattr__(self, name, value)
-    fix("kv_len", self.q_len if self.kv_len is None else self.kv_len)
-    fix("dv", self.dk if self.dv is None else self.dv)
-    fix("dtype", jnp.dtype(self.dtype))
-    fix("scale", self.dk ** -0.5 if self.scale is None else float(self.scale))
+    self._normalize(self.dk, kv_len=self.q_len, dv=self.dk)
 
   @property
   def head_dims(self) -> tuple[int, ...]:
@@ -161,23 +157,15 @@ def _cache_fields(p: RetentionProblem) -> tuple[str, ...]:
 
 # --- parallel ------------------------------------------------------------------------------
 
-class TritonParallel(TritonImpl):
-  config_cls = BlockConfig
+class TritonParallel(BlockTritonImpl):
+  def rows(self, p):
+    return p.q_len, p.kv_len
 
   def heuristic_config(self, p, info):
     return default_parallel_config(max(p.dk, p.dv), p.dtype.itemsize)
 
   def cache_key(self, p):
     return _cache_fields(p) + (str(p.normalize),)
-
-  def tuning_stages(self):
-    return BLOCK_STAGES
-
-  def normalize_config(self, config, p):
-    return clamp_blocks(config, p.q_len, p.kv_len)
-
-  def fits(self, config, p, info):
-    return block_fits()(config, p, info)
 
   def forward(self, call, q, k, v, decay, state):
     p = call.problem
@@ -214,6 +202,7 @@ def _chunk_bytes(chunk: int, p: RetentionProblem) -> int:
 
 class TritonChunkwise(TritonImpl):
   config_cls = ChunkwiseConfig
+  exact_fit = True  # grad_kernel_bytes equals what Triton asked for on the H100
 
   def gaps(self, p):
     chunk = p.chunk_size
@@ -232,8 +221,12 @@ class TritonChunkwise(TritonImpl):
                                     info.sm_count if info.is_gpu else None, chunk=chunk)
 
   def cache_key(self, p):
-    # A caller's chunk_size is kept as asked (lowered only to fit): no tuned chunk.
-    return None if p.chunk_size is not None else _cache_fields(p) + (f"b{p.batch * p.heads}",)
+    # A caller's chunk_size is kept (its own key): only the rest of the config is tuned.
+    chunk = (f"c{p.chunk_size}",) if p.chunk_size else ()
+    return _cache_fields(p) + (f"b{p.batch * p.heads}",) + chunk
+
+  def normalize_config(self, config, p):
+    return dataclasses.replace(config, chunk=p.chunk_size) if p.chunk_size else config
 
   def tuning_stages(self):
     return (SearchStage("chunk", "fwd+bwd", {"chunk": (16, 32, 64, 128),

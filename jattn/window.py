@@ -15,20 +15,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn.core.op import SoftmaxOp, TritonImpl, XlaImpl
+from jattn.core.op import Problem, SoftmaxOp, XlaImpl
 from jattn.core.validation import FLOAT_DTYPES, check_array, check_same_dtype, check_shape, scale_of
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.window import (default_window_config, window_triton_backward,
                                   window_triton_forward)
 from jattn.reference import additive_window_mask, window_attention_reference
 from jattn.tuning.cache import bucket
-from jattn.tuning.spaces import BLOCK_STAGES, block_fits, clamp_blocks
+from jattn.tuning.spaces import BlockTritonImpl
 
 LAYOUT = "windows, tokens, heads, head_dim"
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowProblem:
+class WindowProblem(Problem):
   """One window-attention call, without its arrays."""
 
   windows: int = 1
@@ -40,17 +40,16 @@ class WindowProblem:
   mask_windows: int | None = None  # None: no mask
 
   def __post_init__(self):
-    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-    object.__setattr__(self, "scale",
-                       self.head_dim ** -0.5 if self.scale is None else float(self.scale))
+    self._normalize(self.head_dim)
 
   @property
   def head_dims(self) -> tuple[int, ...]:
     return (self.head_dim,)
 
 
-class TritonWindow(TritonImpl):
-  config_cls = BlockConfig
+class TritonWindow(BlockTritonImpl):
+  def rows(self, p):
+    return p.tokens, p.tokens
 
   def heuristic_config(self, p, info):
     return default_window_config(p.head_dim, p.dtype.itemsize)
@@ -58,15 +57,6 @@ class TritonWindow(TritonImpl):
   def cache_key(self, p):
     return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}", f"t{p.tokens}",
             f"w{bucket(p.windows)}")
-
-  def tuning_stages(self):
-    return BLOCK_STAGES
-
-  def normalize_config(self, config, p):
-    return clamp_blocks(config, p.tokens, p.tokens)
-
-  def fits(self, config, p, info):
-    return block_fits()(config, p, info)
 
   def forward(self, call, q, k, v, bias, mask):
     o, lse = window_triton_forward(q, k, v, bias, mask, scale=call.problem.scale,

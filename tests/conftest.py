@@ -2,29 +2,28 @@
 ``gpu`` and ``kernel`` markers, sharding for the device, and the one error measure.
 
 Markers:
-- ``gpu``: needs a CUDA GPU; skipped elsewhere, run on the device with ``-m gpu``.
-- ``kernel``: runs the kernels on whatever is here: in interpret mode on CPU, compiled
-  on a GPU, where ``-m gpu`` selects it too. The CPU cases of a kernel test are its
-  GPU cases as well; larger GPU-only cases carry ``gpu``.
+- ``gpu``: needs a CUDA GPU; skipped elsewhere, run on the device with ``-m gpu``. The
+  kernel modules keep their GPU cases next to the CPU ones, on the same check helpers.
+- ``kernel``: runs on whatever is here: the kernels in interpret mode on CPU, compiled
+  on a GPU, where ``-m gpu`` selects it too (the contract, tests/test_contract.py).
 """
 
-import importlib.util
 import os
 
-# XLA reads these once, when JAX starts, so they are set before anything imports jax:
-# the ring-attention tests shard over 4 simulated CPU devices, and where no CUDA
-# plugin is installed (CPU runs) the interpret-mode programs, compile-bound and tiny,
-# are compiled without LLVM's optimisations (about 40% less time per test).
-_FLAGS = ["--xla_force_host_platform_device_count=4"]
-if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
-  _FLAGS.append("--xla_backend_optimization_level=0")
-for _flag in _FLAGS:
-  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from jattn.core.device import compile_interpreted_programs_fast
+
+# XLA reads these once, when its backend starts (the first device query, not the
+# import): the ring-attention tests shard over 4 simulated CPU devices, and on CPU the
+# interpret-mode programs compile without LLVM's optimisations.
+_DEVICES = "--xla_force_host_platform_device_count=4"
+if _DEVICES.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
+compile_interpreted_programs_fast()
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -41,6 +40,17 @@ def rel_err(ours, ref, floor: float = 0.0) -> float:
   gradient), where any rounding would count as an infinite relative error."""
   a, b = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor * b.size ** 0.5, 1e-30))
+
+
+RING_DEVICES = 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  """A 1-D mesh ``("sp",)`` over the 4 simulated CPU devices (or 4 real ones)."""
+  if len(jax.devices()) < RING_DEVICES:
+    pytest.skip(f"needs {RING_DEVICES} devices ({_DEVICES})")
+  return Mesh(np.array(jax.devices()[:RING_DEVICES]), ("sp",))
 
 
 def pytest_configure(config):

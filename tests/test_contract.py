@@ -2,13 +2,15 @@
 ``jit``, ``grad``, ``vmap`` (over an extra leading axis) and ``checkpoint``; runs with
 ``jax_enable_x64`` on; takes single-token sequences; gives zeros, never NaN, for rows
 that see no key; has bitwise-deterministic gradients; and rejects mixed dtypes, wrong
-ranks, mismatched shapes and unknown backends with errors that name the argument.
+ranks, mismatched shapes and unknown backends with errors that name the argument; the
+rings' block computations give the op's own results.
 
 On CPU the Pallas kernels run in interpret mode; on a GPU (``-m gpu``) every backend
 the GPU has runs, the Hopper and cuDNN ones in 16-bit.
 """
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -60,8 +62,9 @@ SPECS = [
                              + _normal(key, [(2, 6, 6)], jnp.float32), np.s_[1::2, 2])),
     Spec("dilated_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
+         # one pair: mixing pairs is test_dilated's; here the op's plumbing is tested
          lambda q, k, v, backend: jattn.dilated_attention(
-             q, k, v, segment_lengths=(4, 8), dilation_rates=(1, 2), causal=True,
+             q, k, v, segment_lengths=(8,), dilation_rates=(2,), causal=True,
              backend=backend),
          # one pair of rate 2: head 0 covers the even positions only
          lambda key, dtype: (_normal(key, [(1, 8, 1, 16)] * 3, dtype), np.s_[:, 1::2])),
@@ -113,39 +116,51 @@ def _loss(out):
   return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in jax.tree.leaves(out))
 
 
-def _grads(spec, backend, args):
-  return jax.jit(jax.grad(lambda *a: _loss(spec.call(*a, backend=backend)),
-                          argnums=tuple(range(len(args)))))(*args)
+@functools.cache
+def _compiled(spec):
+  """The op's jitted ``(outputs, gradients)`` and its gradients through ``vmap`` and
+  ``checkpoint``, with the backend static: each (backend, shapes) compiles once in a
+  process, so the xla references serve every backend's case."""
+
+  def out_and_grads(backend, *args):
+    loss = lambda *a: (lambda out: (_loss(out), out))(spec.call(*a, backend=backend))
+    (_, out), grads = jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                         has_aux=True)(*args)
+    return out, grads
+
+  def composed_grads(backend, *stacked):
+    f = jax.checkpoint(lambda *b: spec.call(*b, backend=backend))
+    loss = lambda *a: _loss(jax.vmap(f)(*a))
+    return jax.grad(loss, argnums=tuple(range(len(stacked))))(*stacked)
+
+  return jax.jit(out_and_grads, static_argnums=0), jax.jit(composed_grads, static_argnums=0)
 
 
 @pytest.mark.parametrize("spec,backend", CASES)
-def test_composes_with_jit_grad_vmap_checkpoint(spec, backend):
+def test_composes_with_jit_grad_vmap_checkpoint_and_repeats_bitwise(spec, backend):
   dtype = _dtype(backend)
   args = spec.inputs(jax.random.PRNGKey(0), dtype, 24)
   _runnable(spec, backend, *args)
   stacked = tuple(jnp.stack([x, (1.5 * x).astype(x.dtype)]) for x in args)
-
-  def loss(backend, *a):
-    f = jax.checkpoint(lambda *b: spec.call(*b, backend=backend))
-    return _loss(jax.vmap(f)(*a))
-
-  grad = lambda backend: jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))),
-                                 static_argnums=0)(backend, *stacked)
-  ours, ref = grad(backend), grad("xla")
+  grad = _compiled(spec)[1]
+  ours, ref = grad(backend, *stacked), grad("xla", *stacked)
   for g, g_ref in zip(ours, ref):
     assert g.shape == g_ref.shape and g.dtype == g_ref.dtype
     assert rel_err(g, g_ref, floor=1e-2) < TOL[dtype]
+  # The gradients are bitwise deterministic: a second run gives the same bits.
+  for g, again in zip(ours, grad(backend, *stacked)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(again, np.float32))
 
 
 @pytest.mark.parametrize("spec,backend", CASES)
 def test_runs_with_x64_enabled(spec, backend):
   dtype = _dtype(backend)
+  run = _compiled(spec)[0]
   with jax.enable_x64(True):
     args = spec.inputs(jax.random.PRNGKey(1), dtype, 20)
     _runnable(spec, backend, *args)
-    out = jax.jit(lambda *a: spec.call(*a, backend=backend))(*args)
-    grads = _grads(spec, backend, args)
-  ref = jax.jit(lambda *a: spec.call(*a, backend=backend))(*args)
+    out, grads = run(backend, *args)
+  ref, _ = run(backend, *args)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     assert a.dtype == b.dtype and rel_err(a, b) < TOL[dtype]
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
@@ -156,12 +171,14 @@ def test_single_token_sequences(spec, backend):
   dtype = _dtype(backend)
   args = spec.inputs(jax.random.PRNGKey(2), dtype, 1)
   _runnable(spec, backend, *args)
-  out = jax.jit(lambda *a: spec.call(*a, backend=backend))(*args)
-  ref = jax.jit(lambda *a: spec.call(*a, backend="xla"))(*args)
+  run = _compiled(spec)[0]
+  (out, grads), (ref, grads_ref) = run(backend, *args), run("xla", *args)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     assert rel_err(a, b) < TOL[dtype]
-  for g, g_ref in zip(_grads(spec, backend, args), _grads(spec, "xla", args)):
-    assert rel_err(g, g_ref, floor=1e-2) < TOL[dtype]
+  # Against one key the softmax has no logit gradient: dq, dk are exactly 0 in the
+  # reference, and a 16-bit kernel leaves rounding there, measured on the inputs' scale.
+  for g, g_ref in zip(grads, grads_ref):
+    assert rel_err(g, g_ref, floor=1.0) < TOL[dtype]
 
 
 @pytest.mark.parametrize("spec,backend", [c for c in CASES if c.values[0].masked])
@@ -175,20 +192,12 @@ def test_rows_that_see_no_key_give_zeros(spec, backend):
         q, k, v, segment_lengths=(8,), dilation_rates=(2,), backend=backend)
   masked = dataclasses.replace(spec, call=call)
   _runnable(masked, backend, *args)
-  out = np.asarray(jax.jit(lambda *a: call(*a, backend=backend))(*args), np.float32)
+  out, grads = _compiled(masked)[0](backend, *args)
+  out = np.asarray(out, np.float32)
   assert np.all(out[rows] == 0.0)
   assert np.isfinite(out).all() and np.abs(out).max() > 0
-  for g in _grads(masked, backend, args):
+  for g in grads:
     assert np.isfinite(np.asarray(g, np.float32)).all()
-
-
-@pytest.mark.parametrize("spec,backend", CASES)
-def test_gradients_are_bitwise_deterministic(spec, backend):
-  args = spec.inputs(jax.random.PRNGKey(4), _dtype(backend), 40)
-  _runnable(spec, backend, *args)
-  first, second = _grads(spec, backend, args), _grads(spec, backend, args)
-  for a, b in zip(first, second):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def _mixed(args):
@@ -235,7 +244,7 @@ def test_block_computations_of_the_rings(spec, backend):
   _runnable(spec, backend, *args)
   kwargs = dict(causal=True) if spec.op == "flash_attention" else {}
   if spec.op == "dilated_attention":
-    kwargs = dict(segment_lengths=(4, 8), dilation_rates=(1, 2), causal=True)
+    kwargs = dict(segment_lengths=(8,), dilation_rates=(2,), causal=True)
   problem, arrays = op.bind(*args, **kwargs)
   if spec.op == "flash_attention":
     problem = dataclasses.replace(problem, return_lse=True)  # what a ring's blocks ask for

@@ -13,7 +13,6 @@ import jattn
 from conftest import rel_err
 from jattn.reference import dilated_attention_reference, dilated_pair_reference
 
-pytestmark = pytest.mark.kernel
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.float32, seed=0):

@@ -6,24 +6,13 @@ sequence; causal; GQA / MQA."""
 import functools
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn.parallel import dilated_ring_attention, sharded_dilated_ring_attention
 from jattn.parallel.dilated_ring import plan_pair
 from jattn.reference import dilated_attention_reference
 from conftest import rel_err
-
-DEVICES = 4
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  if len(jax.devices()) < DEVICES:
-    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-  return Mesh(np.array(jax.devices()[:DEVICES]), ("sp",))
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim, seed):
@@ -32,8 +21,6 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, seed):
   k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim))
   v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim))
   return q, k, v, jax.random.normal(ks[3], q.shape)
-
-
 
 
 def _check(mesh, pairs, causal, heads, kv_heads, backend, seq=64, seed=0, tol=1e-5):
@@ -52,17 +39,15 @@ def _check(mesh, pairs, causal, heads, kv_heads, backend, seq=64, seed=0, tol=1e
 
 # 64 positions on 4 devices (16 each): w=8 and 16 stay local, 32 spans 2 devices,
 # 48 spans 3 (the last group is device 3 alone: a partial segment), 64 and 128 span all.
-@pytest.mark.parametrize("pairs,causal,heads,kv_heads", [
-    ([(8, 1), (32, 2), (64, 4)], False, 4, 4),
-    ([(16, 2), (32, 4)], True, 4, 2),
-    ([(48, 2), (128, 4)], True, 4, 1),
+# One case runs the Pallas kernels (the on-device pairs in the dilated kernels, the
+# group rings' blocks in the flash kernels), the others the XLA blocks.
+@pytest.mark.parametrize("pairs,causal,heads,kv_heads,backend", [
+    ([(8, 1), (32, 2), (64, 4)], False, 4, 4, "xla"),
+    ([(16, 2), (32, 4)], True, 4, 2, "pallas_triton"),
+    ([(48, 2), (128, 4)], True, 4, 1, "xla"),
 ])
-def test_dilated_ring_equals_single_device(mesh, pairs, causal, heads, kv_heads):
-  _check(mesh, pairs, causal, heads, kv_heads, "xla", seed=len(pairs) + int(causal))
-
-
-def test_dilated_ring_with_pallas_blocks(mesh):
-  _check(mesh, [(16, 1), (64, 4)], True, 2, 1, "pallas_triton", seed=7)
+def test_dilated_ring_equals_single_device(mesh, pairs, causal, heads, kv_heads, backend):
+  _check(mesh, pairs, causal, heads, kv_heads, backend, seed=len(pairs) + int(causal))
 
 
 def test_inside_user_shard_map_on_sharded_inputs(mesh):

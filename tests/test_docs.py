@@ -13,9 +13,11 @@ BLOCKS = [(page, i, code) for page in PAGES
 
 @pytest.mark.parametrize("page,index,code", BLOCKS,
                          ids=[f"{p.name}-{i}" for p, i, _ in BLOCKS])
-def test_documented_example_runs(page, index, code):
+def test_documented_example_runs(page, index, code, monkeypatch):
   if "import torch" in code:
     pytest.importorskip("torch")
+  # As a user runs them on a CPU: without interpret mode (an example may set it).
+  monkeypatch.delenv("JATTN_INTERPRET", raising=False)
   exec(compile(code, f"{page.name}[{index}]", "exec"), {})
 
 

@@ -89,9 +89,9 @@ def test_torch_pair_is_segmented_full_attention():
       assert torch.all(out[:, ~mine, h] == 0)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
 @pytest.mark.parametrize("case", PAIR_SETS.values(), ids=PAIR_SETS.keys())
-def test_op_matches_torch_reference(case, backend):
+def test_op_matches_torch_reference(case, backend="xla"):
+  # The semantics against torch; the kernels meet the jnp reference in test_dilated.py.
   seq, kv_heads, kwargs = _split(case)
   q, k, v, do = _draw(seq, kv_heads)
   ours = _jax_run(q, k, v, do, backend, **kwargs)

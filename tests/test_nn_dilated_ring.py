@@ -7,21 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn.nn import DilatedRingAttention, MultiheadDilatedAttention
 from jattn.parallel import hilbert_flatten, hilbert_unflatten
 from conftest import rel_err
 
-DEVICES = 4
 PAIRS = dict(segment_lengths=(16, 64), dilation_rates=(1, 4))  # 16 stays local, 64 rings
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  if len(jax.devices()) < DEVICES:
-    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-  return Mesh(np.array(jax.devices()[:DEVICES]), ("sp",))
 
 
 def _modules(mesh, **kwargs):
@@ -30,8 +22,6 @@ def _modules(mesh, **kwargs):
   plain = MultiheadDilatedAttention(32, 4, **PAIRS, backend="xla", rngs=nnx.Rngs(0),
                                     causal=kwargs.get("causal", False))
   return ring, plain
-
-
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -7,20 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn.parallel import ring_attention, sharded_ring_attention, zigzag_order, zigzag_restore
 from jattn.reference import flash_attention_reference
 from conftest import rel_err
-
-DEVICES = 4
-
-
-@pytest.fixture(scope="module")
-def mesh():
-  if len(jax.devices()) < DEVICES:
-    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-  return Mesh(np.array(jax.devices()[:DEVICES]), ("sp",))
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
@@ -29,8 +20,6 @@ def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
   k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim))
   v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim))
   return q, k, v, jax.random.normal(ks[3], q.shape)
-
-
 
 
 def _check(fn, q, k, v, do, causal, tol=1e-5):

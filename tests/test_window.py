@@ -12,7 +12,6 @@ from hypothesis import given, settings, strategies as st
 import jattn
 from jattn.reference import window_attention_reference
 
-pytestmark = pytest.mark.kernel
 
 
 def _inputs(windows=4, tokens=20, heads=2, head_dim=30, mask_windows=None, dtype=jnp.float32,
@@ -69,13 +68,12 @@ def test_reference_matches_an_explicit_loop():
   np.testing.assert_allclose(o, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)],
-                         ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", [
-    dict(windows=4, tokens=20, heads=2, head_dim=30, mask_windows=None),
-    dict(windows=6, tokens=16, heads=3, head_dim=16, mask_windows=3),
-    dict(windows=2, tokens=49, heads=1, head_dim=8, mask_windows=2),   # 7x7 windows
-], ids=["plain-d30", "mask3-of-6", "t49-mask"])
+@pytest.mark.parametrize("case,dtype,tol", [
+    (dict(windows=4, tokens=20, heads=2, head_dim=30, mask_windows=None), jnp.float32, 1e-5),
+    (dict(windows=6, tokens=16, heads=3, head_dim=16, mask_windows=3), jnp.float32, 1e-5),
+    (dict(windows=6, tokens=16, heads=3, head_dim=16, mask_windows=3), jnp.bfloat16, 2e-2),
+    (dict(windows=2, tokens=49, heads=1, head_dim=8, mask_windows=2), jnp.float32, 1e-5),  # 7x7
+], ids=["plain-d30", "mask3-of-6", "mask3-of-6-bf16", "t49-mask"])
 def test_kernel_matches_reference(case, dtype, tol):
   check_against_reference(*_inputs(dtype=dtype, **case), tol)
 
@@ -88,7 +86,7 @@ def test_kernel_with_many_tiles_and_a_scale():
                           1e-5, scale=0.3, config=tiles)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(windows=st.sampled_from([1, 2, 4]), tokens=st.integers(2, 40), heads=st.integers(1, 2),
        head_dim=st.sampled_from([4, 17, 32]), mask_windows=st.sampled_from([None, 1, 2]))
 def test_kernel_matches_reference_on_random_shapes(windows, tokens, heads, head_dim,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib.util
 import os
 from typing import Callable
 
@@ -24,6 +25,18 @@ INTERPRET_ENV = "JATTN_INTERPRET"
 _CU_ATTR_SM_COUNT = 16
 _CU_ATTR_L2_CACHE_SIZE = 38
 _CU_ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+
+
+def compile_interpreted_programs_fast() -> None:
+  """Where no CUDA plugin of JAX is installed, the Pallas kernels can only run
+  interpreted, and their programs are compile-bound: asks XLA to compile without
+  LLVM's optimisations (about 40% less time for ``jattn check`` and the tests). Call
+  it before JAX starts its backend; a level already in ``XLA_FLAGS`` is kept."""
+  if any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_backend_optimization_level" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 
 def interpret_mode() -> bool:

@@ -4,9 +4,9 @@ call takes the same path:
 1. ``Op.bind``: validation and normalisation, once, into one hashable *problem*
    (shapes, dtype, flags) and the call's arrays;
 2. ``Op.prepare``: the backend (one ``"auto"`` rule: the first implementation, in
-   the op's order, that this device runs, whose ``gaps`` are empty and whose config
-   fits the device; one error text that lists every backend and why it was
-   skipped) and the config (explicit, else the user's tuning cache, else the
+   the op's order, that this device runs, whose ``gaps`` are empty and, where its
+   resource model is exact, whose config fits the device; one error text that lists
+   every backend and why it was skipped) and the config (explicit, else the user's tuning cache, else the
    table shipped with jattn, else the implementation's heuristic);
 3. ``run``: the implementation's forward, under one ``jax.custom_vjp`` when it
    brings its own backward kernels (autodiff otherwise).
@@ -33,6 +33,25 @@ from jattn.tuning.cache import TuningKey, lookup
 OPS: dict[str, "Op"] = {}  # every op, by name: what lists ops iterates this
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Base of the ops' problems: frozen dataclasses (hashable: they key the caches and
+  the compiled programs) with a ``dtype`` and a ``scale`` field."""
+
+  def _set(self, **fields) -> None:
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
+
+  def _normalize(self, scale_dim: int, **defaults) -> None:
+    """In ``__post_init__``: ``dtype`` as a numpy dtype, ``scale`` defaulting to
+    ``scale_dim ** -0.5``, and each field named in ``defaults`` that is None set to
+    its default."""
+    self._set(**{name: value for name, value in defaults.items()
+                 if getattr(self, name) is None})
+    self._set(dtype=jnp.dtype(self.dtype),
+              scale=scale_dim ** -0.5 if self.scale is None else float(self.scale))
+
+
 class Impl:
   """One implementation of an op on one backend.
 
@@ -47,6 +66,10 @@ class Impl:
   backend: ClassVar[Backend]
   config_cls: ClassVar[type | None] = None
   has_backward: ClassVar[bool] = False
+  # Whether ``fits`` matches what the compiler accepts (then a chosen config that does
+  # not fit rules the backend out for the problem), rather than a conservative model
+  # that only prunes the autotuner's candidates (some configs it prunes do compile).
+  exact_fit: ClassVar[bool] = False
 
   def supported_on(self, info: GPUInfo) -> str | None:
     """Why ``info``'s device cannot run this implementation (None: it can)."""
@@ -153,20 +176,28 @@ def _with_vjp_bwd(call: Call, dtypes, residuals, cotangents):
 _with_vjp.defvjp(_with_vjp_fwd, _with_vjp_bwd)
 
 
-def run(call: Call, arrays: tuple):
-  """The outputs of ``call`` on ``arrays``, differentiable: through the
-  implementation's backward kernels if it has them, else by autodiff."""
+@functools.partial(jax.jit, static_argnums=0)
+def _run(call: Call, arrays: tuple):
   if call.impl.has_backward:
     dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in arrays)
     return _with_vjp(call, dtypes, *arrays)
   return call.impl.forward(call, *arrays)[0]
 
 
+def run(call: Call, arrays: tuple):
+  """The outputs of ``call`` on ``arrays``, differentiable: through the
+  implementation's backward kernels if it has them, else by autodiff. One compiled
+  program per call and shapes (the host-side padding, the kernels, the reference's
+  ops together), so an eager call does not compile op by op; under an outer ``jit``
+  it is inlined."""
+  return _run(call, tuple(arrays))
+
+
 class Op:
   """One operation: a problem class, its implementations in ``"auto"`` order, and the
   one path every call takes (see the module docstring).
 
-  Subclasses set ``name`` and ``problem_cls`` (a frozen dataclass whose fields have
+  Subclasses set ``name`` and ``problem_cls`` (a ``Problem`` dataclass whose fields have
   defaults, so keywords describe a problem without arrays) and implement ``bind``
   (validation: arguments -> ``(problem, arrays)``) and ``example`` (random arrays for
   a problem: tuning, benchmarks, checks); ``finish`` shapes the outputs the public
@@ -252,9 +283,10 @@ class Op:
     if reason is not None:
       return reason, None
     chosen = self.config_for(impl, problem, info, config)
-    # The cost model vets the configs jattn picks; one the caller gives is the compiler's
-    # to accept (the model is conservative: some configs it prunes do run, slower).
-    if config is None and info.is_gpu and not (impl.backend.interpretable and info.interpret):
+    # An exact model vets the configs jattn picks; one the caller gives is the compiler's
+    # to accept. Interpret mode has no limits.
+    if (impl.exact_fit and config is None and info.is_gpu
+        and not (impl.backend.interpretable and info.interpret)):
       reason = impl.fits(chosen, problem, info)
     return reason, chosen
 
@@ -288,7 +320,7 @@ class Op:
       reason, chosen = self._reason(impl, problem, info, config)
       if reason is None:
         return Call(self, impl, problem, chosen, impl.backend.interpretable and interpret_mode())
-    raise self._error("auto", "found no backend that", problem, info, config)
+    raise self._error("auto", "finds no backend that can", problem, info, config)
 
   def select(self, problem, info: GPUInfo | None = None) -> str:
     """The backend ``"auto"`` takes for ``problem`` on ``info``'s device."""

@@ -29,13 +29,25 @@ gelu = functools.partial(jax.nn.gelu, approximate=False)  # torch's nn.GELU
 
 
 class Fn(nnx.Module):
-  """A parameter-free member of a torch ``nn.Sequential`` (activation, reshape)."""
+  """A parameter-free member of a torch ``nn.Sequential`` (activation, reshape):
+  ``fn(x, **options)``. ``fn`` is a module-level function and the options plain values,
+  so two models of one config have equal graph definitions (one compiled program
+  serves both; a lambda or ``functools.partial`` would compare unequal)."""
 
-  def __init__(self, fn):
-    self.fn = fn
+  def __init__(self, fn, **options):
+    self.fn, self.options = fn, tuple(sorted(options.items()))
 
   def __call__(self, x):
-    return self.fn(x)
+    return self.fn(x, **dict(self.options))
+
+
+def identity(x):
+  return x
+
+
+def spatial_mean(x):
+  """``[B, H, W, C] -> [B, 1, 1, C]`` (torch's ``AdaptiveAvgPool2d(1)``)."""
+  return x.mean(axis=(1, 2), keepdims=True)
 
 
 def run(layers, x):
@@ -171,7 +183,7 @@ class _Layers:
 
   def interaction(self, dim):
     """The adaptive interaction maps: (channel, spatial) as ``nnx.List`` Sequentials."""
-    channel = nnx.List([Fn(lambda x: x.mean(axis=(1, 2), keepdims=True)),
+    channel = nnx.List([Fn(spatial_mean),
                         self.conv(dim, dim // 8, 1), self.batch_norm(dim // 8), Fn(gelu),
                         self.conv(dim // 8, dim, 1)])
     spatial = nnx.List([self.conv(dim, dim // 16, 1), self.batch_norm(dim // 16), Fn(gelu),
@@ -352,7 +364,7 @@ class DATB(nnx.Module):
 def _residual_conv(dim, resi_connection, layers: _Layers):
   if resi_connection == "1conv":
     return layers.conv(dim, dim, 3)
-  leaky = Fn(functools.partial(jax.nn.leaky_relu, negative_slope=0.2))
+  leaky = Fn(jax.nn.leaky_relu, negative_slope=0.2)
   return nnx.List([layers.conv(dim, dim // 4, 3), leaky, layers.conv(dim // 4, dim // 4, 1),
                    leaky, layers.conv(dim // 4, dim, 3)])
 
@@ -396,7 +408,7 @@ class DAT(nnx.Module):
     layers = _Layers(dtype, param_dtype, rngs)
     c = config
     self.conv_first = layers.conv(c.in_chans, c.embed_dim, 3)
-    self.before_RG = nnx.List([Fn(lambda x: x), layers.norm(c.embed_dim)])
+    self.before_RG = nnx.List([Fn(identity), layers.norm(c.embed_dim)])
     self.layers = nnx.List([ResidualGroup(c, i, layers, backend) for i in range(len(c.depth))])
     self.norm = layers.norm(c.embed_dim)
     self.conv_after_body = _residual_conv(c.embed_dim, c.resi_connection, layers)
@@ -406,11 +418,11 @@ class DAT(nnx.Module):
       steps = [(2, 4)] * int(math.log2(c.upscale)) if c.upscale != 3 else [(3, 9)]
       self.upsample = nnx.List([m for r, n in steps for m in
                                 (layers.conv(NUM_FEAT, n * NUM_FEAT, 3),
-                                 Fn(functools.partial(pixel_shuffle, r=r)))])
+                                 Fn(pixel_shuffle, r=r))])
       self.conv_last = layers.conv(NUM_FEAT, c.in_chans, 3)
     else:
       self.upsample = nnx.List([layers.conv(c.embed_dim, c.upscale ** 2 * c.in_chans, 3),
-                                Fn(functools.partial(pixel_shuffle, r=c.upscale))])
+                                Fn(pixel_shuffle, r=c.upscale)])
     self.mean = RGB_MEAN if c.in_chans == 3 else (0.0,) * c.in_chans
 
   @classmethod

@@ -3,7 +3,7 @@
 ``MultiheadDilatedAttention`` follows the ``dilated-attention-pytorch`` package's
 layer: ``q_proj``, ``k_proj``, ``v_proj``, dilated attention, MAGNETO's sub-LayerNorm
 ``norm`` on the attention output, ``out_proj``, with MAGNETO's init; so its torch
-checkpoints load by name (``interop.convert.load_torch_state_dict``). Unlike that
+checkpoints load by name (``jattn.interop.convert.load_torch_state_dict``). Unlike that
 package, every head takes part in every ``(w, r)`` pair (head ``h`` reading the
 positions ``≡ h (mod r)``), and the pairs are mixed by their softmax denominators.
 """

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn.core.op import Call
-from jattn.dilated import DILATED, DilatedProblem
+from jattn.dilated import DILATED
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
 

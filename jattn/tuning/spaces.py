@@ -1,5 +1,6 @@
 """The search space and cost model of a ``BlockConfig`` (the Triton-lowered forward,
-dK/dV and dQ kernels of flash, window, dilated and parallel-retention attention).
+dK/dV and dQ kernels of flash, window, dilated and parallel-retention attention), and
+``BlockTritonImpl``, the implementation base those four share.
 
 Cost model (prunes candidates before anything is compiled; ``d`` is the padded head
 dim, ``bytes`` the element size, ``S`` the software-pipelining stages):
@@ -21,6 +22,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jattn.core.device import GPUInfo, shared_memory_limit
+from jattn.core.op import TritonImpl
 from jattn.kernels.common.config import BlockConfig, clamp_block, padded_head_dim
 from jattn.tuning.search import SearchStage
 
@@ -85,3 +87,22 @@ def clamp_blocks(c: BlockConfig, q_rows: int, k_rows: int) -> BlockConfig:
   ``k_rows``: what the kernels run."""
   return dataclasses.replace(c, **{f: clamp_block(getattr(c, f), q_rows) for f in Q_BLOCKS},
                              **{f: clamp_block(getattr(c, f), k_rows) for f in K_BLOCKS})
+
+
+class BlockTritonImpl(TritonImpl):
+  """A Triton-lowered family on ``BlockConfig`` tiles: the shared search space and cost
+  model. Subclasses say how many query and key rows the tiles cover (``rows``)."""
+
+  config_cls = BlockConfig
+
+  def rows(self, problem) -> tuple[int, int]:
+    raise NotImplementedError
+
+  def tuning_stages(self):
+    return BLOCK_STAGES
+
+  def normalize_config(self, config, problem):
+    return clamp_blocks(config, *self.rows(problem))
+
+  def fits(self, config, problem, info):
+    return block_fits()(config, problem, info)

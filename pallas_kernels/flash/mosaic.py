@@ -6,7 +6,6 @@ tile grid and runs the forward kernel, or the dQ and dK/dV kernels given the sav
 
 from __future__ import annotations
 
-import math
 
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.masking import MaskSpec

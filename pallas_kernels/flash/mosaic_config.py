@@ -15,7 +15,7 @@ class MosaicBlockConfig:
   ``block_q`` / ``block_q_dq`` / ``block_kv_dkv`` are per consumer warpgroup: a CTA
   covers twice as many rows. Every block is a multiple of 64. ``stages`` is the
   depth of the shared-memory ring the producer warpgroup fills: at least 2 (a
-  one-slot ring gave wrong dQ on the H100, see docs/backends.md).
+  one-slot ring gave wrong dQ on the H100; the cause was not found).
   """
 
   block_q: int = 64

@@ -1,4 +1,4 @@
-"""Chunkwise retention (Triton-lowered Pallas) with its custom VJP.
+"""Chunkwise retention (Triton-lowered Pallas): the forward and backward kernels.
 
 Sequence positions are cut into chunks of ``C``. With ``S_c`` the state before chunk
 ``c`` (``S_0`` = the initial state), chunk length ``L_c`` (``C``, or less for the last)
@@ -194,8 +194,12 @@ def _state_spec(dk, dv):
   return pl.BlockSpec((None, None, None, dk, dv), lambda c, b, h: (b, h, c, 0, 0))
 
 
-def _layout(chunk: int, length: int, dk: int, dv: int):
-  return round_up(length, chunk), padded_head_dim(dk), padded_head_dim(dv)
+def _padded(chunk: int, q, k, v):
+  """``((q, k, v) padded to whole chunks and head dims, (dk_p, dv_p))``."""
+  length_p = round_up(q.shape[1], chunk)
+  dk_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
+  return (pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)), (
+      dk_p, dv_p)
 
 
 def _pad_state(s, dk_p, dv_p):
@@ -245,9 +249,8 @@ def retention_chunkwise_forward(q, k, v, initial_state, log2_decay, *, scale: fl
   batch, length, heads, dk = q.shape
   dv = v.shape[-1]
   chunk = config.chunk
-  length_p, dk_p, dv_p = _layout(chunk, length, dk, dv)
-  n = length_p // chunk
-  q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
+  (q_p, k_p, v_p), (dk_p, dv_p) = _padded(chunk, q, k, v)
+  n = q_p.shape[1] // chunk
   states, final = _scan_chunks(
       chunk, config, interpret,
       functools.partial(_states_kernel, chunk=chunk, length=length, n_chunks=n),
@@ -258,7 +261,7 @@ def retention_chunkwise_forward(q, k, v, initial_state, log2_decay, *, scale: fl
       in_specs=[tile_spec(chunk, dk_p), tile_spec(chunk, dk_p), tile_spec(chunk, dv_p),
                 _state_spec(dk_p, dv_p), HEAD_SCALAR],
       out_specs=tile_spec(chunk, dv_p),
-      out_shape=jax.ShapeDtypeStruct((batch, length_p, heads, dv_p), q.dtype),
+      out_shape=jax.ShapeDtypeStruct((batch, q_p.shape[1], heads, dv_p), q.dtype),
       name="jattn_retention_chunk_out", interpret=interpret, num_warps=config.out_warps,
       num_stages=1,
   )(q_p, k_p, v_p, states, log2_decay)
@@ -272,10 +275,9 @@ def retention_chunkwise_backward(q, k, v, states, log2_decay, do, dfinal, *, sca
   batch, length, heads, dk = q.shape
   dv = v.shape[-1]
   chunk = config.chunk
-  length_p, dk_p, dv_p = _layout(chunk, length, dk, dv)
-  n = length_p // chunk
-  q_p, k_p, v_p = pad_to(q, length_p, dk_p), pad_to(k, length_p, dk_p), pad_to(v, length_p, dv_p)
-  do_p = pad_to(do.astype(q.dtype), length_p, dv_p)
+  (q_p, k_p, v_p), (dk_p, dv_p) = _padded(chunk, q, k, v)
+  n = q_p.shape[1] // chunk
+  do_p = pad_to(do.astype(q.dtype), q_p.shape[1], dv_p)
   dstates, ds0 = _scan_chunks(
       chunk, config, interpret,
       functools.partial(_dstates_kernel, chunk=chunk, length=length, n_chunks=n, scale=scale),
