@@ -134,9 +134,7 @@ HEADER = (f"{'op':<19} {'case':<15} {'backend':<15} {'dtype':<9} {'err jax':>9} 
 
 
 def main_check(args) -> int:
-  backends = args.backends.split(",") if args.backends else None
-  dtypes = args.dtypes.split(",") if args.dtypes else None
-  backends, dtypes, interpret = plan(backends, dtypes)
+  backends, dtypes, interpret = plan(args.backends or None, args.dtypes or None)
   dev = jax.devices()[0]
   print(f"jattn check on {getattr(dev, 'device_kind', dev.platform)} (jax {jax.__version__}); "
         f"backends {', '.join(backends)}; dtypes {', '.join(dtypes)}")
@@ -148,7 +146,7 @@ def main_check(args) -> int:
   reps = args.reps if args.reps is not None else (1 if interpret else 5)
   rows = run_check(backends, dtypes, torch_reference=not args.no_torch, reps=reps,
                    progress=lambda r: print(format_row(r, interpret), flush=True),
-                   ops=args.ops.split(",") if args.ops else None)
+                   ops=args.ops or None)
   if interpret:
     print("* Pallas kernel in interpret mode (no GPU here): timings are not kernel speed")
   failed = [r for r in rows if not r.ok]

@@ -1,69 +1,114 @@
-"""The ``jattn`` command line: ``jattn check`` and ``jattn convert`` (also installed as
-``jattn-convert``)."""
+"""The ``jattn`` command line: ``jattn check``, ``jattn convert`` (also installed as
+``jattn-convert``) and ``jattn upscale`` (also ``jattn-upscale``).
+
+Every user mistake exits with status 2 and one line (``jattn.command_line``); options
+and files are checked before anything slow starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from jattn.core.device import compile_interpreted_programs_fast
+from jattn.command_line import (Parser, UsageError, add_verbose, atomic_folder, check_choices,
+                                comma_list, positive_int, run_tool)
+from jattn.core.device import BACKEND_NAMES, compile_interpreted_programs_fast, current_device
 from jattn.interop.check import CASES, main_check
-from jattn.interop.checkpoints import (dat_from_state_dict, infer_dat_config, read_state_dict,
-                                       save_converted)
+from jattn.interop.checkpoints import (checkpoint_format, dat_from_state_dict, infer_dat_config,
+                                       read_state_dict, save_converted)
+from jattn.interop.harness import TOLERANCE
+from jattn.interop.upscale_cli import DESCRIPTION as UPSCALE_DESCRIPTION
+from jattn.interop.upscale_cli import add_upscale_arguments, run_upscale
+
+MODEL_TYPES = ("dat",)
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jattn", description="jattn command line tools")
-  sub = parser.add_subparsers(dest="command", required=True)
+  parser = Parser(prog="jattn", description="jattn command-line tools")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="{check,convert,upscale}")
   check = sub.add_parser(
-      "check", help="run every op on every usable backend against the JAX and torch references")
-  check.add_argument("--backends", help="comma-separated backends (default: all usable here)")
-  check.add_argument("--dtypes", help="comma-separated dtypes (default: float32, and "
-                     "bfloat16,float16 on a GPU)")
-  check.add_argument("--ops", help="comma-separated ops (default: all: " + ", ".join(
-      sorted({op for op, _, _ in CASES})) + ")")
+      "check", help="run every op on every usable backend against the JAX and torch references",
+      description="Run every op on every backend usable here against the pure-JAX and torch "
+      "references on small built-in problems; print errors and timings.")
+  check.add_argument("--backends", type=comma_list,
+                     help="comma-separated backends (default: every one usable here)")
+  check.add_argument("--dtypes", type=comma_list,
+                     help="comma-separated dtypes of float32, bfloat16, float16 (default: "
+                     "float32, and the 16-bit ones too on a GPU)")
+  check.add_argument("--ops", type=comma_list, help="comma-separated ops (default: all: "
+                     + ", ".join(sorted({op for op, _, _ in CASES})) + ")")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
-  check.add_argument("--reps", type=int, help="timed repetitions per case (default: 5 on a "
-                     "GPU, 1 in interpret mode, whose timings say nothing of kernel speed)")
+  check.add_argument("--reps", type=positive_int,
+                     help="timed repetitions per case (default: 5 on a GPU, 1 in interpret "
+                     "mode, whose timings say nothing of kernel speed)")
+  add_verbose(check)
   _add_convert_arguments(sub.add_parser(
-      "convert", help="convert a PyTorch checkpoint into Flax params + config.json"))
+      "convert", help="convert a PyTorch checkpoint into Flax params + config.json",
+      description="Convert a PyTorch checkpoint into Flax params (params.safetensors) and "
+      "config.json in an output folder."))
+  add_upscale_arguments(sub.add_parser(
+      "upscale", help="super-resolve images with a DAT checkpoint",
+      description=UPSCALE_DESCRIPTION))
   return parser
 
 
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("model_type", choices=("dat",), help="the architecture")
-  parser.add_argument("checkpoint", help=".pth / .pt (torch.load weights_only) or .safetensors")
+  parser.add_argument("model_type", choices=MODEL_TYPES, help="the architecture")
+  parser.add_argument("checkpoint", help=".pth (torch.load weights_only) or .safetensors")
   parser.add_argument("out_dir", help="writes params.safetensors and config.json here")
   parser.add_argument("--img-range", type=float, help="DAT's img_range if not 1.0")
+  add_verbose(parser)
 
 
 def run_convert(args) -> int:
+  if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+    raise UsageError(f"out_dir {args.out_dir!r} is a file; expected a folder")
+  try:
+    checkpoint_format(args.checkpoint)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
   overrides = {} if args.img_range is None else {"img_range": args.img_range}
-  state = read_state_dict(args.checkpoint)
-  config, img_size = infer_dat_config(state, **overrides)
-  model = dat_from_state_dict(state, **overrides)
-  params, config_path = save_converted(model, args.out_dir)
+  try:
+    state = read_state_dict(args.checkpoint)
+    config, img_size = infer_dat_config(state, **overrides)
+    model = dat_from_state_dict(state, **overrides)
+  except ValueError as e:  # not a DAT checkpoint, or one that does not match its config
+    raise UsageError(f"{args.checkpoint!r}: {e}") from None
+  with atomic_folder(args.out_dir) as tmp:
+    save_converted(model, tmp)
   print(f"{args.checkpoint}: DAT {config} (masks stored for {img_size}x{img_size} inputs)")
-  print(f"wrote {params} and {config_path}")
+  print(f"wrote {os.path.join(args.out_dir, 'params.safetensors')} and "
+        f"{os.path.join(args.out_dir, 'config.json')}")
   return 0
+
+
+def run_check(args) -> int:
+  compile_interpreted_programs_fast()  # before JAX starts: the check is compile-bound
+  check_choices("--dtypes", args.dtypes or (), tuple(TOLERANCE))
+  check_choices("--ops", args.ops or (), tuple(sorted({op for op, _, _ in CASES})))
+  check_choices("--backends", args.backends or (), BACKEND_NAMES)
+  info = current_device()
+  for backend in args.backends or ():
+    usable = backend in info.backends or (backend == "pallas_triton" and not info.is_gpu)
+    if not usable:
+      here = ", ".join(dict.fromkeys(("pallas_triton",) * (not info.is_gpu) + info.backends))
+      raise UsageError(f"--backends: {backend} is not usable here ({info.name}); usable: {here}")
+  return main_check(args)
+
+
+def main(argv=None) -> int:
+  """``jattn check | convert | upscale``."""
+  handlers = {"check": run_check, "convert": run_convert, "upscale": run_upscale}
+  return run_tool("jattn", build_parser(), lambda args: handlers[args.command](args), argv)
 
 
 def convert_main(argv=None) -> int:
   """``jattn-convert dat model.pth out_dir``."""
-  parser = argparse.ArgumentParser(prog="jattn-convert", description="convert a PyTorch "
-                                   "checkpoint into Flax params + config.json")
+  parser = Parser(prog="jattn-convert", description="Convert a PyTorch checkpoint into Flax "
+                  "params (params.safetensors) and config.json in an output folder.")
   _add_convert_arguments(parser)
-  return run_convert(parser.parse_args(argv))
-
-
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  if args.command == "check":
-    compile_interpreted_programs_fast()  # before JAX starts: the check is compile-bound
-    return main_check(args)
-  if args.command == "convert":
-    return run_convert(args)
-  return 2
+  return run_tool("jattn-convert", parser, run_convert, argv)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ def load_torch_state_dict(module, state_dict, *, derived=()) -> None:
   expected = torch_names(module)
   given = {k for k in state_dict if not _is_derived(k, derived)}
   missing, unexpected = sorted(set(expected) - given), sorted(given - set(expected))
-  names = [f"missing keys {missing}"] if missing else []
-  names += [f"unexpected keys {unexpected}"] if unexpected else []
+  names = [f"missing keys {_few(missing)}"] if missing else []
+  names += [f"unexpected keys {_few(unexpected)}"] if unexpected else []
   problems = [", ".join(names)] if names else []
   values = {}
   for key in sorted(set(expected) & given):
@@ -93,10 +93,18 @@ def load_torch_state_dict(module, state_dict, *, derived=()) -> None:
     values[key] = value
   if problems:
     raise ValueError(f"checkpoint does not match {type(module).__name__}: "
-                     + "; ".join(problems))
+                     + "; ".join(problems[:4]) + ("" if len(problems) <= 4 else
+                                                  f"; ... {len(problems) - 4} more"))
   for key, value in values.items():
     var, kind = expected[key]
     _assign(var, jnp.asarray(_relayout(kind, value, to_torch=False), var.dtype))
+
+
+def _few(keys: list[str], shown: int = 4) -> str:
+  """``keys`` as a list, the first ``shown`` of them (the message stays one line)."""
+  if len(keys) <= shown:
+    return str(keys)
+  return f"{str(keys[:shown])[:-1]}, ... {len(keys) - shown} more]"
 
 
 def _assign(var: nnx.Variable, value) -> None:

@@ -1,11 +1,10 @@
-"""``jattn-upscale``: super-resolve images with a DAT checkpoint under ``jax.jit``.
+"""``jattn-upscale`` (also ``jattn upscale``): super-resolve images with a DAT model.
 
-    jattn-upscale --model 4xModel_dat2.pth input.png output.png
-    jattn-upscale --model converted_dir/ --precision bf16 --tile 256 inputs/ outputs/
-
-The model is a PyTorch checkpoint (``.pth`` / ``.safetensors``) or a folder written by
-``jattn-convert dat``. Images larger than ``--tile`` run in overlapping tiles, blended
-at the seams; all tiles share one shape, so one compiled function serves them.
+Everything the command is given is checked before the model loads: the options, the
+model file's format, every input image, and that each output can be written. Each
+output is written to a temporary file and renamed when complete, so a failed run
+leaves no partial image (with a folder of inputs, the images finished before a
+failure stay).
 """
 
 from __future__ import annotations
@@ -15,34 +14,110 @@ import os
 import sys
 import time
 
-import numpy as np
+from jattn.command_line import (Parser, UsageError, add_verbose, atomic_output, existing_file,
+                                non_negative_int, positive_int, run_tool, writable_destination)
+from jattn.interop.images import (IMAGE_SUFFIXES, ImageError, inspect_image, output_format,
+                                  read_image, write_image)
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
+PROG = "jattn-upscale"
+DESCRIPTION = """\
+Super-resolve images with a DAT model under jax.jit.
+
+examples:
+  jattn-upscale --model 4xModel_dat2.pth photo.png photo_x4.png
+  jattn-upscale --model converted/ --precision bf16 --tile 256 photos/ upscaled/
+
+The model is a PyTorch DAT checkpoint (.pth, loaded with torch.load(weights_only=True),
+or .safetensors) or a folder written by `jattn convert dat`. Images larger than --tile
+run in overlapping tiles blended at the seams; all tiles share one shape, so one
+compiled function serves them. Grey images come out grey; an alpha channel is upscaled
+bicubically beside the model's colours (write it to .png, .webp or .tif). A folder of
+inputs gives .png files of the same names in the output folder.
+"""
+MIN_TILE = 8
+
+
+def add_upscale_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--model", required=True,
+                      help="DAT checkpoint (.pth / .safetensors) or a `jattn convert` folder")
+  parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                      help="computation dtype (the weights stay float32)")
+  parser.add_argument("--tile", type=positive_int, default=256,
+                      help=f"tile side in input pixels (at least {MIN_TILE})")
+  parser.add_argument("--overlap", type=non_negative_int, default=16,
+                      help="input pixels shared by adjacent tiles (less than --tile)")
+  parser.add_argument("input", help="an image, or a folder of images")
+  parser.add_argument("output", help="the output image, or a folder (made if missing)")
+  add_verbose(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = Parser(prog=PROG, description=DESCRIPTION)
+  add_upscale_arguments(parser)
+  return parser
+
+
+def plan_jobs(args) -> list[tuple[str, str, str]]:
+  """``(input, output, PIL format)`` for each image, every input read and every output
+  checked; a ``UsageError`` for the first mistake."""
+  if args.tile < MIN_TILE:
+    raise UsageError(f"--tile must be at least {MIN_TILE} pixels, got {args.tile}")
+  if args.overlap >= args.tile:
+    raise UsageError(f"--overlap ({args.overlap}) must be smaller than --tile ({args.tile})")
+  _check_model_path(args.model)
+  src, dst = args.input, args.output
+  if not os.path.exists(src):
+    raise UsageError(f"input {src!r}: no such file or folder")
+  if os.path.isdir(src):
+    names = sorted(n for n in os.listdir(src) if n.lower().endswith(IMAGE_SUFFIXES))
+    if not names:
+      raise UsageError(f"input folder {src!r} has no images ({', '.join(IMAGE_SUFFIXES)})")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+      raise UsageError(f"output {dst!r} is a file; with an input folder it must be a folder")
+    pairs = [(os.path.join(src, n), os.path.join(dst, os.path.splitext(n)[0] + ".png"))
+             for n in names]
+  else:
+    pairs = [(existing_file("input", src), writable_destination("output", dst))]
+  jobs = []
+  for image_in, image_out in pairs:
+    try:
+      _, _, has_alpha = inspect_image(image_in)
+      jobs.append((image_in, image_out, output_format(image_out, has_alpha)))
+    except ImageError as e:
+      raise UsageError(str(e)) from None
+  return jobs
+
+
+def _check_model_path(path: str) -> None:
+  from jattn.interop.checkpoints import checkpoint_format
+
+  if os.path.isdir(path):
+    missing = [n for n in ("config.json", "params.safetensors")
+               if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+      raise UsageError(f"--model {path!r} is a folder without {' and '.join(missing)}: give a "
+                       "checkpoint file or a folder written by `jattn convert dat`")
+    return
+  try:
+    checkpoint_format(path)
+  except ValueError as e:
+    raise UsageError(f"--model: {e}") from None
 
 
 def load_model(path: str, precision: str):
+  """The DAT model of a checkpoint file or a converted folder; a ``UsageError`` for a
+  file that is not a DAT checkpoint."""
   import jax.numpy as jnp
 
   from jattn.interop.checkpoints import load_converted, load_dat
 
   dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
-  if os.path.isdir(path):
-    return load_converted(path, dtype=dtype)
-  return load_dat(path, dtype=dtype)
-
-
-def read_image(path: str) -> np.ndarray:
-  from PIL import Image
-
-  with Image.open(path) as img:
-    return np.asarray(img.convert("RGB"), np.float32) / 255.0
-
-
-def write_image(path: str, image: np.ndarray) -> None:
-  from PIL import Image
-
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  Image.fromarray(np.round(np.clip(image, 0, 1) * 255).astype(np.uint8)).save(path)
+  try:
+    if os.path.isdir(path):
+      return load_converted(path, dtype=dtype)
+    return load_dat(path, dtype=dtype)
+  except ValueError as e:  # not a DAT checkpoint, or not matching the model it describes
+    raise UsageError(f"--model {path!r}: {e}") from None
 
 
 def _progress_bar(name: str, stream=sys.stderr):
@@ -55,45 +130,31 @@ def _progress_bar(name: str, stream=sys.stderr):
   return show
 
 
-def _pairs(src: str, dst: str) -> list[tuple[str, str]]:
-  if not os.path.isdir(src):
-    return [(src, dst)]
-  names = sorted(n for n in os.listdir(src) if n.lower().endswith(IMAGE_SUFFIXES))
-  if not names:
-    raise SystemExit(f"jattn-upscale: no images ({', '.join(IMAGE_SUFFIXES)}) in {src}")
-  return [(os.path.join(src, n), os.path.join(dst, os.path.splitext(n)[0] + ".png"))
-          for n in names]
+def run_upscale(args) -> int:
+  jobs = plan_jobs(args)
+  model = load_model(args.model, args.precision)
+  from jattn.upscale import jit_model, upscale_image
 
-
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jattn-upscale", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", required=True,
-                      help="DAT checkpoint (.pth / .safetensors) or a jattn-convert folder")
-  parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-  parser.add_argument("--tile", type=int, default=256, help="tile side in input pixels")
-  parser.add_argument("--overlap", type=int, default=16, help="pixels shared by adjacent tiles")
-  parser.add_argument("input", help="an image, or a folder of images")
-  parser.add_argument("output", help="the output image, or a folder")
-  return parser
+  fn = jit_model(model)
+  scale = model.config.upscale
+  for src, dst, fmt in jobs:
+    start = time.perf_counter()
+    try:
+      picture = read_image(src)
+    except ImageError as e:
+      raise UsageError(str(e)) from None
+    width, height = picture.size
+    picture.rgb = upscale_image(fn, picture.rgb, scale=scale, tile=args.tile,
+                                overlap=args.overlap, progress=_progress_bar(os.path.basename(src)))
+    with atomic_output(dst) as tmp:
+      write_image(tmp, picture, fmt)
+    print(f"{src} {width}x{height} -> {dst} {width * scale}x{height * scale} "
+          f"({time.perf_counter() - start:.1f} s)")
+  return 0
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  from jattn.upscale import jit_model, upscale_image
-
-  model = load_model(args.model, args.precision)
-  fn = jit_model(model)
-  scale = model.config.upscale
-  for src, dst in _pairs(args.input, args.output):
-    start = time.perf_counter()
-    image = read_image(src)
-    out = upscale_image(fn, image, scale=scale, tile=args.tile, overlap=args.overlap,
-                        progress=_progress_bar(os.path.basename(src)))
-    write_image(dst, out)
-    print(f"{src} {image.shape[1]}x{image.shape[0]} -> {dst} {out.shape[1]}x{out.shape[0]} "
-          f"({time.perf_counter() - start:.1f} s)")
-  return 0
+  return run_tool(PROG, build_parser(), run_upscale, argv)
 
 
 if __name__ == "__main__":

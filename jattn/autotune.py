@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 
+from jattn.command_line import Parser, UsageError, add_verbose, run_tool
 from jattn.core.device import gpu_info, shared_memory_limit
 from jattn.core.op import OPS
 from jattn.tuning.cache import cache_path, load_cache
@@ -38,15 +39,7 @@ ALIASES = {"flash": "flash_attention", "window": "window_attention",
            "dilated": "dilated_attention"}
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    fail(message)
-
-
-def fail(message: str):
-  """A user's mistake: one line on stderr, exit status 2."""
-  print(f"python -m jattn.autotune: error: {message}", file=sys.stderr)
-  raise SystemExit(2)
+PROG = "python -m jattn.autotune"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -66,7 +59,7 @@ def _value(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="python -m jattn.autotune", description=(
+  parser = Parser(prog=PROG, description=(
       "Search the tiles of a Pallas kernel on this GPU and store the fastest in the cache."))
   parser.add_argument("--op", default="flash_attention", help="the op (--list shows them)")
   parser.add_argument("--backend", default="pallas_triton")
@@ -85,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="list the candidates and the pruned ones, time nothing")
   parser.add_argument("--list", action="store_true", help="list what can be tuned and exit")
   parser.add_argument("--show-cache", action="store_true", help="print the cache and exit")
+  add_verbose(parser)
   return parser
 
 
@@ -99,23 +93,23 @@ def problem_from_args(op, args):
       continue
     name = next((n for n in names if n in fields), None)
     if name is None:
-      fail(f"--{flag.replace('_', '-')} does not apply to {op.name} (its problem fields: "
-           f"{', '.join(sorted(fields))})")
+      raise UsageError(f"--{flag.replace('_', '-')} does not apply to {op.name} (its problem "
+                       f"fields: {', '.join(sorted(fields))})")
     values[name] = given
   for item in args.set:
     name, sep, text = item.partition("=")
     if not sep or name not in fields:
-      fail(f"--set takes FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}, "
-           f"got {item!r}")
+      raise UsageError(f"--set takes FIELD=VALUE with FIELD one of "
+                       f"{', '.join(sorted(fields))}, got {item!r}")
     values[name] = _value(text)
   for name in ("batch", "q_len", "kv_len", "seq", "tokens", "windows", "heads", "q_heads",
                "kv_heads", "head_dim", "dk", "dv"):
     if name in values and not (isinstance(values[name], int) and values[name] >= 1):
-      fail(f"{name} must be a positive int, got {values[name]!r}")
+      raise UsageError(f"{name} must be a positive int, got {values[name]!r}")
   try:
     return op.problem(**values)
   except (TypeError, ValueError) as e:
-    fail(f"not a {op.name} problem: {e}")
+    raise UsageError(f"not a {op.name} problem: {e}") from None
 
 
 def _show_cache(stream) -> int:
@@ -141,7 +135,11 @@ def _list(stream) -> int:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  """``python -m jattn.autotune ...`` (see the module docstring)."""
+  return run_tool(PROG, build_parser(), _run, argv)
+
+
+def _run(args) -> int:
   if args.show_cache:
     return _show_cache(sys.stdout)
   if args.list:
@@ -150,16 +148,16 @@ def main(argv=None) -> int:
   try:
     op, impl = tunable(op_name, args.backend)
   except ValueError as e:
-    fail(str(e))
+    raise UsageError(str(e))
   problem = problem_from_args(op, args)
   for name in ("reps", "max_candidates"):
     value = getattr(args, name)
     if value is not None and value < 1:
-      fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+      raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   info = gpu_info()
   unusable = impl.supported_on(info)
   if unusable is not None:
-    fail(f"backend {args.backend!r} is not usable on {info.name}: it {unusable}")
+    raise UsageError(f"backend {args.backend!r} is not usable on {info.name}: it {unusable}")
   if args.dry_run:
     print(f"{tuning_key(op_name, args.backend, problem, info)} "
           f"(shared memory limit {shared_memory_limit(info) // 1024} KiB)")

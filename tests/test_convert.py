@@ -3,8 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
+
+torch = pytest.importorskip("torch")
 
 from jattn.interop.convert import load_torch_state_dict, to_torch_state_dict
 from jattn.interop.torch_reference import multi_scale_retention_torch

@@ -1,15 +1,16 @@
 """jattn.nn.DAT against the torch reference on the same random weights, the checkpoint
-converter (config inference, errors, files), tiled upscaling and the two CLIs."""
+converter (config inference, errors, files) and tiled upscaling (the command lines:
+test_cli.py)."""
 
 import dataclasses
-import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from hypothesis import given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
 
 from jattn.interop.checkpoints import (DAT_DERIVED, dat_from_state_dict, dat_to_torch_state_dict,
                                  infer_dat_config, load_converted, load_dat, read_state_dict,
@@ -203,27 +204,3 @@ def test_tiled_upscaling_blends_to_the_untiled_result():
                         progress=lambda done, total: seen.append((done, total)))
   np.testing.assert_allclose(tiled, whole, atol=1e-6)
   assert seen[-1][0] == seen[-1][1] == len(tile_starts(45, 16, 5)) * len(tile_starts(70, 16, 5))
-
-
-def test_convert_and_upscale_command_lines(tmp_path, capsys):
-  from PIL import Image
-
-  from jattn.interop.cli import convert_main, main as jattn_main
-  from jattn.interop.upscale_cli import main as upscale_main
-
-  torch.save(dat_torch(SMALL, seed=7).state_dict(), tmp_path / "tiny.pth")
-  assert convert_main(["dat", str(tmp_path / "tiny.pth"), str(tmp_path / "conv")]) == 0
-  assert sorted(os.listdir(tmp_path / "conv")) == ["config.json", "params.safetensors"]
-  assert jattn_main(["convert", "dat", str(tmp_path / "tiny.pth"), str(tmp_path / "conv2")]) == 0
-  pixels = (np.random.default_rng(0).uniform(size=(20, 27, 3)) * 255).astype(np.uint8)
-  (tmp_path / "in").mkdir()
-  Image.fromarray(pixels).save(tmp_path / "in" / "a.png")
-  Image.fromarray(pixels[:13]).save(tmp_path / "in" / "b.jpg")
-  assert upscale_main(["--model", str(tmp_path / "tiny.pth"), "--tile", "16", "--overlap", "4",
-                       str(tmp_path / "in" / "a.png"), str(tmp_path / "a_x2.png")]) == 0
-  assert Image.open(tmp_path / "a_x2.png").size == (54, 40)
-  assert upscale_main(["--model", str(tmp_path / "conv"), "--precision", "bf16",
-                       str(tmp_path / "in"), str(tmp_path / "out")]) == 0
-  assert sorted(os.listdir(tmp_path / "out")) == ["a.png", "b.png"]
-  assert Image.open(tmp_path / "out" / "b.png").size == (54, 26)
-  assert "tiles" in capsys.readouterr().err

@@ -12,7 +12,6 @@ torch = pytest.importorskip("torch")
 import jattn.interop as interop  # noqa: E402
 from jattn.interop import harness  # noqa: E402
 from jattn.core.op import OPS  # noqa: E402
-from jattn.interop.cli import main as cli_main  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32,
@@ -104,17 +103,6 @@ def test_crosscheck_rejects_unknown_op_and_dtype():
     interop.crosscheck("nope")
   with pytest.raises(ValueError, match="dtype must be one of"):
     interop.crosscheck(dtype="int32")
-
-
-def test_jattn_check_cli(capsys):
-  # CI runs the whole `jattn check` from the README; here, the command line on one op.
-  assert cli_main(["check", "--ops", "retention_step", "--backends", "xla",
-                   "--dtypes", "float32", "--reps", "1"]) == 0
-  out = capsys.readouterr().out
-  assert "1/1 checks within tolerance" in out
-  assert "FAIL" not in out and "flash_attention" not in out
-  with pytest.raises(ValueError, match="unknown ops \\['flash'\\]"):
-    cli_main(["check", "--ops", "flash", "--backends", "xla"])
 
 
 def test_window_attention_torch_reference_takes_boolean_masks():

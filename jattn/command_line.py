@@ -1,0 +1,204 @@
+"""What every jattn command-line tool shares (``jattn``, ``jattn-convert``,
+``jattn-upscale``, ``python -m jattn.autotune``).
+
+A user's mistake (a bad option, a missing or unreadable file, a checkpoint of another
+model) is a ``UsageError``: the tool prints it as one line, ``<prog>: error: ...``, and
+exits with status 2, before any slow work where it can be known then. Anything else is
+a bug: one line saying so and exit status 1; ``--verbose`` prints the traceback of
+either. Outputs go to a temporary name beside the destination and are renamed into
+place only once complete (``atomic_output``), so a failed run leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from typing import Callable, Iterator
+
+
+class UsageError(Exception):
+  """A user's mistake, said in one line that names the option or file and what to do."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+  """``--help`` with every option's default (where it has one: not for flags and
+  required options), and descriptions laid out as written."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS):
+      return text
+    if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+      text += " (default: %(default)s)"
+    return text
+
+
+class Parser(argparse.ArgumentParser):
+  """An ``ArgumentParser`` whose errors are ``UsageError`` (one line, no usage dump) and
+  whose ``--help`` shows every default (its subcommands' too)."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("formatter_class", HelpFormatter)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message):
+    raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--verbose", action="store_true",
+                      help="print the full traceback of an error (for bug reports)")
+
+
+def run_tool(prog: str, parser: argparse.ArgumentParser, handler: Callable[[argparse.Namespace], int],
+             argv=None) -> int:
+  """Parses ``argv`` and runs ``handler(args)``, turning its errors into exit statuses:
+  0 (or the handler's own), 2 for a ``UsageError``, 1 for a bug, 130 on Ctrl-C."""
+  verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
+  try:
+    return handler(parser.parse_args(argv))
+  except UsageError as e:
+    if verbose:
+      traceback.print_exc()
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:  # a bug: say so in one line unless asked for the traceback
+    if verbose:
+      traceback.print_exc()
+    first = (str(e).strip().splitlines() or [""])[0]
+    print(f"{prog}: internal error: {type(e).__name__}: {first} (run again with --verbose "
+          "and report the traceback)", file=sys.stderr)
+    return 1
+
+
+def positive_int(text: str) -> int:
+  """An argparse type: an int >= 1."""
+  return _bounded_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+  """An argparse type: an int >= 0."""
+  return _bounded_int(text, 0)
+
+
+def _bounded_int(text: str, low: int) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if value < low:
+    raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+  return value
+
+
+def comma_list(text: str) -> list[str]:
+  """An argparse type: ``a,b,c`` -> ``["a", "b", "c"]`` (empty items dropped)."""
+  return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def check_choices(option: str, given, allowed) -> None:
+  """Raises a ``UsageError`` naming ``option`` if any of ``given`` is not ``allowed``."""
+  unknown = [g for g in given if g not in allowed]
+  if unknown:
+    raise UsageError(f"{option}: {', '.join(map(repr, unknown))} "
+                     f"{'is' if len(unknown) == 1 else 'are'} not one of "
+                     f"{', '.join(allowed)}")
+
+
+def existing_file(option: str, path: str) -> str:
+  """``path`` if it is a readable file, else a ``UsageError`` naming ``option``."""
+  if not os.path.exists(path):
+    raise UsageError(f"{option} {path!r}: no such file")
+  if os.path.isdir(path):
+    raise UsageError(f"{option} {path!r} is a folder; expected a file")
+  if not os.access(path, os.R_OK):
+    raise UsageError(f"{option} {path!r}: permission denied")
+  return path
+
+
+def writable_destination(option: str, path: str) -> str:
+  """``path`` if a file can be written there (its folder exists, or can be made, and
+  ``path`` is not a folder), else a ``UsageError`` naming ``option``."""
+  if os.path.isdir(path):
+    raise UsageError(f"{option} {path!r} is a folder; expected a file name")
+  folder = _first_existing(os.path.dirname(os.path.abspath(path)))
+  if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    raise UsageError(f"{option} {path!r}: cannot write in {folder!r}")
+  return path
+
+
+def _first_existing(folder: str) -> str:
+  while not os.path.exists(folder):
+    folder = os.path.dirname(folder)
+  return folder
+
+
+@contextlib.contextmanager
+def atomic_output(path: str) -> Iterator[str]:
+  """Yields a temporary file name beside ``path``; on success it is renamed to ``path``,
+  on any error removed (as are the folders made for it)."""
+  folder = os.path.dirname(os.path.abspath(path))
+  made = _make_folders(folder)
+  base = os.path.basename(path)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".partial")
+  os.close(fd)
+  try:
+    yield tmp
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    _remove_empty(made)
+    raise
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str) -> Iterator[str]:
+  """Yields a temporary folder beside ``path``; on success its files move into ``path``
+  (made if missing, other files there kept), on any error it is removed."""
+  parent = os.path.dirname(os.path.abspath(path))
+  made = _make_folders(parent)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(path))}.",
+                         suffix=".partial")
+  try:
+    yield tmp
+    if not os.path.exists(path):
+      os.replace(tmp, path)
+      return
+    for name in os.listdir(tmp):
+      os.replace(os.path.join(tmp, name), os.path.join(path, name))
+    os.rmdir(tmp)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_empty(made)
+    raise
+
+
+def _make_folders(folder: str) -> list[str]:
+  """Makes ``folder`` and its missing parents; returns those made, deepest first."""
+  made = []
+  while not os.path.exists(folder):
+    made.append(folder)
+    folder = os.path.dirname(folder)
+  for f in reversed(made):
+    os.mkdir(f)
+  return made
+
+
+def _remove_empty(folders: list[str]) -> None:
+  for f in folders:
+    with contextlib.suppress(OSError):
+      os.rmdir(f)
+
+
+__all__ = ["HelpFormatter", "Parser", "UsageError", "add_verbose", "atomic_folder", "atomic_output",
+           "check_choices", "comma_list", "existing_file", "non_negative_int", "positive_int",
+           "run_tool", "writable_destination"]

@@ -1,0 +1,203 @@
+"""The command-line tools as a user runs them: the installed entry points in a
+subprocess. Every mistake exits with status 2 and one line naming the option or file,
+before the model loads where it can be known then, and leaves no output behind; the
+working runs write what they say, grey and alpha images kept as such."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+Image = pytest.importorskip("PIL.Image")
+
+from jattn.command_line import atomic_folder, atomic_output  # noqa: E402
+from jattn.interop.dat_torch import dat_torch  # noqa: E402
+from jattn.nn import DATConfig  # noqa: E402
+
+TINY = DATConfig(embed_dim=32, depth=(2,), num_heads=(2,), split_size=(4, 8), upscale=2)
+
+
+def tool(name: str) -> str:
+  """The installed entry point ``name`` (beside this Python, else on PATH)."""
+  found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+  if found is None:
+    pytest.fail(f"{name} is not installed: pip install -e . (the README's install) adds it")
+  return found
+
+
+def run(*argv, cwd=None):
+  env = {k: v for k, v in os.environ.items() if k != "JATTN_INTERPRET"}
+  return subprocess.run([tool(argv[0]), *argv[1:]], capture_output=True, text=True, env=env,
+                        cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  """A tiny DAT checkpoint, broken ones, and images of several kinds."""
+  d = tmp_path_factory.mktemp("cli")
+  torch.save(dat_torch(TINY, img_size=16, seed=7).state_dict(), d / "tiny.pth")
+  data = (d / "tiny.pth").read_bytes()
+  (d / "truncated.pth").write_bytes(data[: len(data) // 2])
+  with zipfile.ZipFile(d / "tiny.pth") as src, zipfile.ZipFile(d / "corrupt.pth", "w") as dst:
+    for item in src.infolist():  # a valid archive whose pickle is garbage
+      body = src.read(item)
+      dst.writestr(item, b"\x80\x02garbage" if item.filename.endswith("data.pkl") else body)
+  torch.save({"model": torch.nn.Linear(2, 2)}, d / "pickled.pth")  # a module, not weights
+  torch.save({"encoder.weight": torch.ones(3, 3)}, d / "other.pth")
+  (d / "notes.txt").write_text("not a checkpoint\n")
+  rng = np.random.default_rng(0)
+  (d / "in").mkdir()
+  Image.fromarray((rng.uniform(size=(20, 27, 3)) * 255).astype(np.uint8)).save(d / "in/rgb.png")
+  Image.fromarray((rng.uniform(size=(17, 19)) * 255).astype(np.uint8)).save(d / "in/grey.png")
+  Image.fromarray((rng.uniform(size=(18, 16, 4)) * 255).astype(np.uint8), "RGBA").save(
+      d / "in/rgba.png")
+  return d
+
+
+def _one_line_error(done, *needles):
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1, done.stderr
+  assert "Traceback" not in done.stderr and "weights_only=False" not in done.stderr
+  for needle in needles:
+    assert needle in lines[0], lines[0]
+
+
+MISTAKES = {
+    "missing checkpoint": (["--model", "{d}/nope.pth", "{d}/in/rgb.png", "{out}/o.png"],
+                           ["nope.pth", "no such file"]),
+    "text file as checkpoint": (["--model", "{d}/notes.txt", "{d}/in/rgb.png", "{out}/o.png"],
+                                ["notes.txt", "is not a checkpoint"]),
+    "truncated checkpoint": (["--model", "{d}/truncated.pth", "{d}/in/rgb.png", "{out}/o.png"],
+                             ["truncated.pth", "truncated or corrupt"]),
+    "corrupt checkpoint": (["--model", "{d}/corrupt.pth", "{d}/in/rgb.png", "{out}/o.png"],
+                           ["corrupt.pth", "truncated or corrupt"]),
+    "pickled objects": (["--model", "{d}/pickled.pth", "{d}/in/rgb.png", "{out}/o.png"],
+                        ["pickled.pth", "Python objects besides tensors"]),
+    "another model": (["--model", "{d}/other.pth", "{d}/in/rgb.png", "{out}/o.png"],
+                      ["other.pth", "not a DAT checkpoint", "encoder.weight"]),
+    "text file as image": (["--model", "{d}/tiny.pth", "{d}/notes.txt", "{out}/o.png"],
+                           ["notes.txt", "not an image"]),
+    "missing image": (["--model", "{d}/tiny.pth", "{d}/nope.png", "{out}/o.png"],
+                      ["nope.png", "no such file"]),
+    "tile 0": (["--model", "{d}/tiny.pth", "--tile", "0", "{d}/in/rgb.png", "{out}/o.png"],
+               ["--tile", ">= 1"]),
+    "tile below 8": (["--model", "{d}/tiny.pth", "--tile", "4", "--overlap", "2",
+                      "{d}/in/rgb.png", "{out}/o.png"], ["--tile must be at least 8"]),
+    "negative overlap": (["--model", "{d}/tiny.pth", "--overlap", "-4", "{d}/in/rgb.png",
+                          "{out}/o.png"], ["--overlap", ">= 0"]),
+    "overlap over tile": (["--model", "{d}/tiny.pth", "--tile", "16", "--overlap", "16",
+                           "{d}/in/rgb.png", "{out}/o.png"], ["--overlap (16) must be smaller"]),
+    "unknown output format": (["--model", "{d}/tiny.pth", "{d}/in/rgb.png", "{out}/o.xyz"],
+                              ["o.xyz", "unknown image suffix '.xyz'"]),
+    "alpha into jpeg": (["--model", "{d}/tiny.pth", "{d}/in/rgba.png", "{out}/o.jpg"],
+                        ["o.jpg", "stores no alpha channel"]),
+    "bad precision": (["--model", "{d}/tiny.pth", "--precision", "fp8", "{d}/in/rgb.png",
+                       "{out}/o.png"], ["--precision", "invalid choice: 'fp8'"]),
+}
+
+
+@pytest.mark.parametrize("argv,needles", MISTAKES.values(), ids=MISTAKES)
+def test_upscale_mistakes_exit_2_with_one_line_and_write_nothing(files, tmp_path, argv, needles):
+  out = tmp_path / "out"
+  done = run("jattn-upscale", *(a.format(d=files, out=out) for a in argv))
+  _one_line_error(done, *needles)
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["check", "--dtypes", "float64"], ["--dtypes: 'float64' is not one of"]),
+    (["check", "--reps", "0"], ["--reps", ">= 1"]),
+    (["check", "--backends", "cudnn"], ["--backends: cudnn is not usable here"]),
+    (["check", "--ops", "flash"], ["--ops: 'flash' is not one of"]),
+    (["convert", "dat", "{d}/notes.txt", "{out}"], ["notes.txt", "is not a checkpoint"]),
+    (["convert", "dat", "{d}/other.pth", "{out}"], ["other.pth", "not a DAT checkpoint"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+], ids=["dtype", "reps", "backend", "op", "convert-text", "convert-other-model", "command"])
+def test_jattn_mistakes_exit_2_with_one_line(files, tmp_path, argv, needles):
+  if "cudnn" in argv and "cuda" in subprocess.run(
+      [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+      capture_output=True, text=True).stdout:
+    pytest.skip("cudnn is usable on this machine")
+  out = tmp_path / "out"
+  done = run("jattn", *(a.format(d=files, out=out) for a in argv))
+  _one_line_error(done, *needles)
+  assert not out.exists()
+
+
+def test_verbose_shows_the_traceback(files, tmp_path):
+  done = run("jattn-upscale", "--verbose", "--model", str(files / "notes.txt"),
+             str(files / "in/rgb.png"), str(tmp_path / "o.png"))
+  assert done.returncode == 2 and "Traceback" in done.stderr
+  assert done.stderr.strip().splitlines()[-1].startswith("jattn-upscale: error: ")
+
+
+def test_help_shows_every_default():
+  done = run("jattn-upscale", "--help")
+  assert done.returncode == 0
+  text = " ".join(done.stdout.split())  # argparse wraps lines
+  for default in ("(default: 256)", "(default: 16)", "(default: fp32)"):
+    assert default in text
+  assert "``" not in text and "(default: None)" not in text
+  assert "upscale" in run("jattn", "--help").stdout
+
+
+def test_convert_then_upscale_keeps_grey_and_alpha(files, tmp_path):
+  conv = tmp_path / "conv"
+  done = run("jattn-convert", "dat", str(files / "tiny.pth"), str(conv))
+  assert done.returncode == 0, done.stderr
+  assert sorted(os.listdir(conv)) == ["config.json", "params.safetensors"]
+  out = tmp_path / "out"
+  done = run("jattn", "upscale", "--model", str(conv), "--tile", "16", "--overlap", "4",
+             str(files / "in"), str(out))
+  assert done.returncode == 0, done.stderr
+  assert sorted(os.listdir(out)) == ["grey.png", "rgb.png", "rgba.png"]
+  expected = {"rgb.png": ("RGB", (54, 40)), "grey.png": ("L", (38, 34)),
+              "rgba.png": ("RGBA", (32, 36))}
+  for name, (mode, size) in expected.items():
+    with Image.open(out / name) as img:
+      assert (img.mode, img.size) == (mode, size), name
+  with Image.open(out / "rgba.png") as img, Image.open(files / "in/rgba.png") as src:
+    # the alpha channel is the input's, upscaled
+    alpha = np.asarray(img)[:, :, 3].astype(np.float32)
+    small = np.asarray(src)[:, :, 3].astype(np.float32)
+    assert abs(alpha.mean() - small.mean()) < 8
+
+
+def test_upscale_a_file_from_a_pth_checkpoint(files, tmp_path):
+  done = run("jattn-upscale", "--model", str(files / "tiny.pth"), "--precision", "bf16",
+             str(files / "in/rgb.png"), str(tmp_path / "new/x2.webp"))
+  assert done.returncode == 0, done.stderr
+  with Image.open(tmp_path / "new/x2.webp") as img:
+    assert img.size == (54, 40)
+  assert os.listdir(tmp_path / "new") == ["x2.webp"]  # no temporary file left
+
+
+def test_jattn_check_runs_one_op():
+  done = run("jattn", "check", "--ops", "retention_step", "--backends", "xla", "--reps", "1")
+  assert done.returncode == 0, done.stderr
+  assert "1/1 checks within tolerance" in done.stdout
+  assert "FAIL" not in done.stdout and "flash_attention" not in done.stdout
+
+
+def test_outputs_appear_only_when_complete(tmp_path):
+  target = tmp_path / "a" / "b" / "out.png"
+  with pytest.raises(RuntimeError):
+    with atomic_output(str(target)) as tmp:
+      open(tmp, "w").write("half")
+      raise RuntimeError("failed while writing")
+  assert not (tmp_path / "a").exists()  # nor the folders made for it
+  with atomic_output(str(target)) as tmp:
+    open(tmp, "w").write("whole")
+  assert target.read_text() == "whole" and os.listdir(target.parent) == ["out.png"]
+  folder = tmp_path / "conv"
+  with pytest.raises(RuntimeError):
+    with atomic_folder(str(folder)) as tmp:
+      open(os.path.join(tmp, "params"), "w").write("half")
+      raise RuntimeError
+  assert os.listdir(tmp_path) == ["a"]
