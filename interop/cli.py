@@ -13,7 +13,8 @@ import sys
 
 from jattn.command_line import (Parser, UsageError, add_verbose, atomic_folder, check_choices,
                                 comma_list, positive_int, run_tool)
-from jattn.core.device import BACKEND_NAMES, compile_interpreted_programs_fast, current_device
+from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_programs_fast,
+                               current_device)
 from jattn.interop.check import CASES, main_check
 from jattn.interop.checkpoints import (checkpoint_format, dat_from_state_dict, infer_dat_config,
                                        read_state_dict, save_converted)
@@ -92,8 +93,9 @@ def run_check(args) -> int:
   for backend in args.backends or ():
     usable = backend in info.backends or (backend == "pallas_triton" and not info.is_gpu)
     if not usable:
+      why = next(b.needs(info) for b in BACKENDS if b.name == backend)
       here = ", ".join(dict.fromkeys(("pallas_triton",) * (not info.is_gpu) + info.backends))
-      raise UsageError(f"--backends: {backend} is not usable here ({info.name}); usable: {here}")
+      raise UsageError(f"--backends: {backend} is not usable here: it {why}; usable: {here}")
   return main_check(args)
 
 
