@@ -181,6 +181,8 @@ def test_config_errors():
     DATConfig(embed_dim=16, num_heads=(2,), depth=(1,))
   with pytest.raises(ValueError, match=r"x must be \[batch, H, W, 3\]"):
     _abstract(SMALL)(jnp.zeros((1, 3, 8, 8)))
+  with pytest.raises(TypeError, match="x has dtype uint8: DAT takes float images in"):
+    _abstract(SMALL)(jnp.full((1, 8, 8, 3), 200, jnp.uint8))
 
 
 @settings(max_examples=30, deadline=None)

@@ -449,6 +449,10 @@ class DAT(nnx.Module):
     """x: ``[batch, H, W, in_chans]`` -> ``[batch, H * upscale, W * upscale, in_chans]``."""
     if x.ndim != 4 or x.shape[-1] != self.config.in_chans:
       raise ValueError(f"x must be [batch, H, W, {self.config.in_chans}], got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      # An integer image's scale (0-255? 0-65535?) is not the model's to guess.
+      raise TypeError(f"x has dtype {x.dtype}: DAT takes float images in [0, 1] (divide "
+                      "uint8 images by 255)")
     c = self.config
     mean = jnp.asarray(self.mean, jnp.float32)
     x = ((x.astype(jnp.float32) - mean) * c.img_range).astype(self.dtype)
