@@ -173,16 +173,36 @@ def test_gradients_reach_the_position_bias_mlp(monkeypatch):
 
 
 def test_config_errors():
-  with pytest.raises(ValueError, match="num_heads 3 must be even"):
-    DATConfig(embed_dim=48, depth=(1,), num_heads=(3,))
+  with pytest.raises(ValueError, match="num_heads 1 must be >= 2"):
+    DATConfig(embed_dim=48, depth=(1,), num_heads=(1,))
+  with pytest.raises(ValueError, match="num_heads 5 must divide embed_dim 48"):
+    DATConfig(embed_dim=48, depth=(2,), num_heads=(5,))
   with pytest.raises(ValueError, match="upscale 5 is not supported"):
     DATConfig(upscale=5)
-  with pytest.raises(ValueError, match="embed_dim must be >= 32"):
-    DATConfig(embed_dim=16, num_heads=(2,), depth=(1,))
+  with pytest.raises(ValueError, match="embed_dim must be even .* got 31"):
+    DATConfig(embed_dim=31, num_heads=(2,), depth=(1,))
+  with pytest.raises(ValueError, match="even FFN width"):
+    DATConfig(embed_dim=18, num_heads=(2,), depth=(1,), expansion_factor=1.5)
   with pytest.raises(ValueError, match=r"x must be \[batch, H, W, 3\]"):
     _abstract(SMALL)(jnp.zeros((1, 3, 8, 8)))
   with pytest.raises(TypeError, match="x has dtype uint8: DAT takes float images in"):
     _abstract(SMALL)(jnp.full((1, 8, 8, 3), 200, jnp.uint8))
+
+
+# What the original accepts beyond the presets: odd head counts (a spatial branch then
+# has the rounded-down half), widths under 32 (the position-bias MLP is then 0 wide and
+# gives its bias) and odd window sides (shifts of half, rounded down).
+NARROW = DATConfig(embed_dim=30, depth=(2, 2), num_heads=(3, 2), split_size=(3, 5), upscale=2)
+
+
+def test_odd_heads_narrow_widths_and_odd_windows_match_the_torch_reference():
+  reference = dat_torch(NARROW, img_size=15, seed=1)
+  assert infer_dat_config(reference.state_dict()) == (NARROW, 15)
+  model = dat_from_state_dict(reference.state_dict())
+  for h, w in ((15, 15), (11, 13)):  # the stored masks, then the padded path
+    x = _image(h, w)
+    np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(x))),
+                               _torch_out(reference, x), atol=1e-5, rtol=0)
 
 
 @settings(max_examples=30, deadline=None)

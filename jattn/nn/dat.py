@@ -140,13 +140,28 @@ class DATConfig:
     scale = self.upscale
     if self.upsampler == "pixelshuffle" and not (scale == 3 or (scale >= 1 and not scale & (scale - 1))):
       raise ValueError(f"upscale {scale} is not supported by 'pixelshuffle': use 2^n or 3")
-    if self.embed_dim < 32:
-      raise ValueError(f"embed_dim must be >= 32 (the position-bias MLP is embed_dim / 32 "
-                       f"wide), got {self.embed_dim}")
-    for heads in self.num_heads:
-      if self.embed_dim % heads or heads % 2 or (self.embed_dim // 2) % (heads // 2):
-        raise ValueError(f"num_heads {heads} must be even and divide embed_dim "
-                         f"{self.embed_dim} (each spatial branch takes half the heads)")
+    # What the original's forward pass needs (its constructor checks none of it):
+    # two spatial branches of half the channels and half the heads (rounded down),
+    # channel attention over all of them, and a gate that halves the FFN's width.
+    # Widths from 16 to 30 are fine: the position-bias MLP is embed_dim // 32 wide, and
+    # at 0 its output is its last bias, as in the original.
+    if self.embed_dim < 16 or self.embed_dim % 2:
+      raise ValueError(f"embed_dim must be even (the spatial branches take half the "
+                       f"channels each) and >= 16 (the spatial interaction map is "
+                       f"embed_dim // 16 channels wide), got {self.embed_dim}")
+    hidden = int(self.embed_dim * self.expansion_factor)
+    if hidden < 2 or hidden % 2:
+      raise ValueError(f"embed_dim * expansion_factor must give an even FFN width (its gate "
+                       f"splits it in halves), got int({self.embed_dim} * "
+                       f"{self.expansion_factor}) = {hidden}")
+    for heads, blocks in zip(self.num_heads, self.depth):
+      if heads < 2 or (self.embed_dim // 2) % (heads // 2):
+        raise ValueError(f"num_heads {heads} must be >= 2 with {heads // 2 or 'its half'} "
+                         f"dividing embed_dim / 2 = {self.embed_dim // 2} (each spatial branch "
+                         "takes half the heads, rounded down)")
+      if blocks >= 2 and self.embed_dim % heads:
+        raise ValueError(f"num_heads {heads} must divide embed_dim {self.embed_dim} (the "
+                         "channel-attention blocks split the channels among the heads)")
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -169,10 +184,17 @@ class _Layers:
     self.kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def linear(self, i, o, bias=True):
-    return nnx.Linear(i, o, use_bias=bias, **self.kw)
+    return nnx.Linear(i, o, use_bias=bias, **self._empty_init(i, o), **self.kw)
 
   def conv(self, i, o, k, groups=1):
-    return nnx.Conv(i, o, (k, k), padding="SAME", feature_group_count=groups, **self.kw)
+    return nnx.Conv(i, o, (k, k), padding="SAME", feature_group_count=groups,
+                    **self._empty_init(i, o), **self.kw)
+
+  @staticmethod
+  def _empty_init(i, o):
+    # A zero-width layer (narrow models) has no weights to draw, and the default
+    # initialisers divide by the fan.
+    return {"kernel_init": nnx.initializers.zeros} if 0 in (i, o) else {}
 
   def norm(self, d):
     return nnx.LayerNorm(d, epsilon=1e-5, use_fast_variance=False, **self.kw)
