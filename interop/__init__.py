@@ -9,7 +9,8 @@ jattn itself never imports this package; torch is imported lazily here, so
 from jattn.interop.checkpoints import load_dat, read_state_dict
 from jattn.interop.dlpack import same_memory, to_jax, to_torch
 from jattn.interop.harness import CrosscheckReport, crosscheck
+from jattn.interop.retnet_checkpoints import load_retnet
 from jattn.interop.torch_reference import flash_attention_torch, retention_torch
 
-__all__ = ["CrosscheckReport", "crosscheck", "flash_attention_torch", "load_dat",
+__all__ = ["CrosscheckReport", "crosscheck", "flash_attention_torch", "load_dat", "load_retnet",
            "read_state_dict", "retention_torch", "same_memory", "to_jax", "to_torch"]

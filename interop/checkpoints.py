@@ -6,14 +6,10 @@
 - ``infer_dat_config(state_dict)``: the DAT hyper-parameters from tensor names and shapes.
 - ``load_dat(path)`` / ``dat_from_state_dict(state)``: the weights copied into a Flax ``DAT``.
 - ``dat_to_torch_state_dict(model)``: back to the original's state dict, buffers included.
-- ``save_converted`` / ``load_converted``: Flax params as ``params.safetensors`` plus
-  ``config.json`` (what ``jattn-convert dat`` writes).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import re
@@ -245,30 +241,3 @@ def dat_to_torch_state_dict(model, *, img_size: int = 64) -> dict[str, np.ndarra
         masks = shift_masks(img_size, img_size, attn.split_size, attn.shift_size)
         state[f"{prefix}.attn_mask_0"], state[f"{prefix}.attn_mask_1"] = masks
   return state
-
-
-def save_converted(model, out_dir) -> tuple[str, str]:
-  """Writes ``model``'s weights (torch names, torch layouts) to ``out_dir/params.safetensors``
-  and its config to ``out_dir/config.json``; returns both paths."""
-  from safetensors.numpy import save_file
-
-  os.makedirs(out_dir, exist_ok=True)
-  params = os.path.join(out_dir, "params.safetensors")
-  config = os.path.join(out_dir, "config.json")
-  save_file(to_torch_state_dict(model), params)
-  with open(config, "w") as f:
-    json.dump({"model": type(model).__name__, "config": dataclasses.asdict(model.config)}, f,
-              indent=1)
-  return params, config
-
-
-def load_converted(out_dir, *, dtype=None, backend: str = "auto"):
-  """The model ``save_converted`` (or ``jattn-convert dat``) wrote to ``out_dir``."""
-  from safetensors.numpy import load_file
-
-  with open(os.path.join(out_dir, "config.json")) as f:
-    meta = json.load(f)
-  if meta.get("model") != "DAT":
-    raise ValueError(f"{out_dir}: config.json describes {meta.get('model')!r}, expected 'DAT'")
-  state = load_file(os.path.join(out_dir, "params.safetensors"))
-  return dat_from_state_dict(state, dtype=dtype, backend=backend, **meta["config"])

@@ -17,12 +17,14 @@ from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_prog
                                current_device)
 from jattn.interop.check import CASES, main_check
 from jattn.interop.checkpoints import (checkpoint_format, dat_from_state_dict, infer_dat_config,
-                                       read_state_dict, save_converted)
+                                       read_state_dict)
+from jattn.interop.converted import save_converted
+from jattn.interop.retnet_checkpoints import retnet_from_state_dict
 from jattn.interop.harness import TOLERANCE
 from jattn.interop.upscale_cli import DESCRIPTION as UPSCALE_DESCRIPTION
 from jattn.interop.upscale_cli import add_upscale_arguments, run_upscale
 
-MODEL_TYPES = ("dat",)
+MODEL_TYPES = ("dat", "retnet")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,11 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("model_type", choices=MODEL_TYPES, help="the architecture")
+  parser.add_argument("model_type", choices=MODEL_TYPES,
+                      help="the architecture: DAT, or torchscale's RetNetDecoder")
   parser.add_argument("checkpoint", help=".pth (torch.load weights_only) or .safetensors")
   parser.add_argument("out_dir", help="writes params.safetensors and config.json here")
-  parser.add_argument("--img-range", type=float, help="DAT's img_range if not 1.0")
+  parser.add_argument("--img-range", type=float, help="dat: img_range if not 1.0")
+  parser.add_argument("--num-heads", type=positive_int,
+                      help="retnet: the head count, if the checkpoint has no decay buffer")
+  parser.add_argument("--activation", choices=("gelu", "swish"),
+                      help="retnet: the FFN activation (torchscale's activation_fn; "
+                      "default gelu)")
   add_verbose(parser)
+
+
+def _converted_model(args):
+  """The Flax model of ``args.checkpoint`` and a line describing it."""
+  state = read_state_dict(args.checkpoint)
+  if args.model_type == "dat":
+    overrides = {} if args.img_range is None else {"img_range": args.img_range}
+    config, img_size = infer_dat_config(state, **overrides)
+    return (dat_from_state_dict(state, **overrides),
+            f"DAT {config} (masks stored for {img_size}x{img_size} inputs)")
+  options = {} if args.activation is None else {"activation": args.activation}
+  model = retnet_from_state_dict(state, num_heads=args.num_heads, **options)
+  return model, f"RetNet {model.config}"
 
 
 def run_convert(args) -> int:
@@ -69,16 +90,13 @@ def run_convert(args) -> int:
     checkpoint_format(args.checkpoint)
   except ValueError as e:
     raise UsageError(str(e)) from None
-  overrides = {} if args.img_range is None else {"img_range": args.img_range}
   try:
-    state = read_state_dict(args.checkpoint)
-    config, img_size = infer_dat_config(state, **overrides)
-    model = dat_from_state_dict(state, **overrides)
-  except ValueError as e:  # not a DAT checkpoint, or one that does not match its config
+    model, description = _converted_model(args)
+  except ValueError as e:  # not a checkpoint of that model, or not matching its config
     raise UsageError(f"{args.checkpoint!r}: {e}") from None
   with atomic_folder(args.out_dir) as tmp:
     save_converted(model, tmp)
-  print(f"{args.checkpoint}: DAT {config} (masks stored for {img_size}x{img_size} inputs)")
+  print(f"{args.checkpoint}: {description}")
   print(f"wrote {os.path.join(args.out_dir, 'params.safetensors')} and "
         f"{os.path.join(args.out_dir, 'config.json')}")
   return 0
@@ -106,7 +124,7 @@ def main(argv=None) -> int:
 
 
 def convert_main(argv=None) -> int:
-  """``jattn-convert dat model.pth out_dir``."""
+  """``jattn-convert dat|retnet model.pth out_dir``."""
   parser = Parser(prog="jattn-convert", description="Convert a PyTorch checkpoint into Flax "
                   "params (params.safetensors) and config.json in an output folder.")
   _add_convert_arguments(parser)

@@ -9,6 +9,7 @@ jattn's Flax modules name their parameters after the torch modules they mirror
 | ``nnx.Linear`` | ``kernel [in, out]``, ``bias`` | ``weight [out, in]``, ``bias`` | transposed |
 | ``nnx.Conv`` | ``kernel [kh, kw, in/groups, out]``, ``bias`` | ``weight [out, in/groups, kh, kw]`` | transposed |
 | ``nnx.LayerNorm``, ``nnx.BatchNorm`` | ``scale``, ``bias``, ``mean``, ``var`` | ``weight``, ``bias``, ``running_mean``, ``running_var`` | as is |
+| ``nnx.Embed`` | ``embedding [vocab, dim]`` | ``weight`` | as is |
 | any other ``nnx.Param`` (e.g. a temperature) | its name | the same name | as is |
 
 Buffers the Flax module recomputes (``num_batches_tracked``, and the ``derived`` key
@@ -52,6 +53,8 @@ def torch_names(module) -> dict[str, tuple[nnx.Variable, str]]:
         kind = "plain"
     elif isinstance(parent, (nnx.LayerNorm, nnx.BatchNorm)):
       name = _NORM_NAMES[leaf]
+    elif isinstance(parent, nnx.Embed):
+      name = "weight"  # [vocab, dim] in both
     out[f"{prefix}.{name}" if prefix else name] = (var, kind)
   return out
 

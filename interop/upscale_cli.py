@@ -109,7 +109,8 @@ def load_model(path: str, precision: str):
   file that is not a DAT checkpoint."""
   import jax.numpy as jnp
 
-  from jattn.interop.checkpoints import load_converted, load_dat
+  from jattn.interop.checkpoints import load_dat
+  from jattn.interop.converted import load_converted
 
   dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
   try:

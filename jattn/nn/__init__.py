@@ -4,8 +4,8 @@ from jattn.nn.attention import MultiHeadAttention
 from jattn.nn.dat import DAT, PRESETS as DAT_PRESETS, DATConfig
 from jattn.nn.dilated import DilatedAttention, MultiheadDilatedAttention
 from jattn.nn.dilated_ring import DilatedRingAttention
-from jattn.nn.retention import MultiScaleRetention, RetNet, RetNetLayer
+from jattn.nn.retention import GLU, MultiScaleRetention, RetNet, RetNetConfig, RetNetLayer, RMSNorm
 
-__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "DilatedAttention", "DilatedRingAttention",
-           "MultiHeadAttention",
-           "MultiScaleRetention", "MultiheadDilatedAttention", "RetNet", "RetNetLayer"]
+__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "DilatedAttention", "DilatedRingAttention", "GLU",
+           "MultiHeadAttention", "MultiScaleRetention", "MultiheadDilatedAttention", "RMSNorm",
+           "RetNet", "RetNetConfig", "RetNetLayer"]

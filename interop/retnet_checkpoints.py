@@ -1,0 +1,100 @@
+"""torchscale ``RetNetDecoder`` checkpoints into ``jattn.nn.RetNet``.
+
+The state dict's names are torchscale's: ``embed_tokens.weight``,
+``layers.<i>.retention.{q,k,v,g,out}_proj.weight``, ``layers.<i>.retention_layer_norm``,
+``layers.<i>.ffn.{fc1,fc2,gate}.weight``, ``layers.<i>.final_layer_norm``,
+``layer_norm``, ``layernorm_embedding`` (optional), ``output_projection.weight``
+(absent or equal to the embedding when tied) and the buffers ``retnet_rel_pos.decay``
+/ ``.angle``, which give the head count. A ``decoder.`` prefix (fairseq's language
+model) is removed.
+
+What the tensors do not record is passed as options: ``activation`` ("gelu", the
+torchscale default, or "swish"), ``eps`` (1e-6), ``embed_scale`` (1.0), and
+``num_heads`` when the buffers are missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from jattn.interop.checkpoints import CheckpointError, read_state_dict
+from jattn.interop.convert import load_torch_state_dict
+from jattn.nn.retention import RetNet, RetNetConfig
+from jattn.reference import default_decay
+
+# Buffers the model recomputes from its config (the decay checked against num_heads).
+RETNET_DERIVED = ("retnet_rel_pos.decay", "retnet_rel_pos.angle")
+
+
+def _strip_prefix(state: dict, prefix: str = "decoder.") -> dict:
+  if state and all(k.startswith(prefix) for k in state):
+    return {k[len(prefix):]: v for k, v in state.items()}
+  return state
+
+
+def infer_retnet_config(state, *, num_heads: int | None = None, **options) -> RetNetConfig:
+  """The ``RetNetConfig`` of a torchscale ``RetNetDecoder`` state dict."""
+  state = _strip_prefix(dict(state))
+  if "embed_tokens.weight" not in state or "layers.0.retention.q_proj.weight" not in state:
+    keys = sorted(state)
+    raise CheckpointError("not a RetNet checkpoint: no 'embed_tokens.weight' and "
+                          "'layers.0.retention.q_proj.weight' (it holds "
+                          f"{len(keys)} tensors: {', '.join(map(repr, keys[:3]))}"
+                          f"{', ...' if len(keys) > 3 else ''})")
+  vocab_size, embed_dim = (int(n) for n in state["embed_tokens.weight"].shape)
+  decay = state.get("retnet_rel_pos.decay")
+  if decay is not None:
+    stored = int(np.shape(decay)[0])
+    if num_heads is not None and num_heads != stored:
+      raise CheckpointError(f"num_heads={num_heads} but the checkpoint's decay buffer has "
+                            f"{stored} heads")
+    num_heads = stored
+    if not np.allclose(np.exp(np.asarray(decay, np.float64)), default_decay(stored), atol=1e-6):
+      raise CheckpointError("the checkpoint's decay buffer is not RetNet's "
+                            "1 - 2**(-5 - h): jattn.nn.RetNet has no other decay")
+  if num_heads is None:
+    raise CheckpointError("the checkpoint has no 'retnet_rel_pos.decay' buffer to read the "
+                          "head count from: pass num_heads")
+  layers = 0
+  while f"layers.{layers}.retention.q_proj.weight" in state:
+    layers += 1
+  output = state.get("output_projection.weight")
+  tied = output is None or np.array_equal(np.asarray(output), np.asarray(state["embed_tokens.weight"]))
+  fields = dict(
+      vocab_size=vocab_size, embed_dim=embed_dim, num_heads=num_heads, num_layers=layers,
+      value_dim=int(state["layers.0.retention.v_proj.weight"].shape[0]),
+      ffn_dim=int(state["layers.0.ffn.fc1.weight"].shape[0]),
+      layernorm_embedding="layernorm_embedding.weight" in state, tie_embeddings=bool(tied))
+  fields.update(options)
+  return RetNetConfig(**fields)
+
+
+def retnet_from_state_dict(state, *, num_heads: int | None = None, backend: str = "auto",
+                           dtype=None, rngs=None, **options) -> RetNet:
+  """A ``jattn.nn.RetNet`` with the weights of a torchscale ``RetNetDecoder`` state dict."""
+  state = _strip_prefix({k: np.asarray(v.detach().cpu().float() if hasattr(v, "detach") else v)
+                         for k, v in state.items()})
+  config = infer_retnet_config(state, num_heads=num_heads, **options)
+  for key in RETNET_DERIVED + (("output_projection.weight",) if config.tie_embeddings else ()):
+    state.pop(key, None)
+  # Built abstractly: every parameter is then set from the checkpoint.
+  model = nnx.eval_shape(lambda: RetNet.from_config(config, backend=backend, dtype=dtype,
+                                                    rngs=rngs or nnx.Rngs(0)))
+  load_torch_state_dict(model, state)
+  return model
+
+
+def load_retnet(source, *, num_heads: int | None = None, backend: str = "auto", dtype=None,
+                rngs=None, **options) -> RetNet:
+  """``RetNet.from_torch``: ``source`` is a checkpoint path (``.pth`` through
+  ``torch.load(weights_only=True)``, or ``.safetensors``) or a state dict; ``options``
+  are ``RetNetConfig`` fields the tensors do not record (see the module docstring).
+  Raises ``CheckpointError`` (a ``ValueError``) for a file or state dict that is not
+  such a checkpoint, naming what does not match."""
+  state = source if isinstance(source, dict) else read_state_dict(source)
+  return retnet_from_state_dict(state, num_heads=num_heads, backend=backend, dtype=dtype,
+                                rngs=rngs, **options)
+
+
+__all__ = ["RETNET_DERIVED", "infer_retnet_config", "load_retnet", "retnet_from_state_dict"]
