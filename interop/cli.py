@@ -76,8 +76,9 @@ def _converted_model(args):
   if args.model_type == "dat":
     overrides = {} if args.img_range is None else {"img_range": args.img_range}
     config, img_size = infer_dat_config(state, **overrides)
-    return (dat_from_state_dict(state, **overrides),
-            f"DAT {config} (masks stored for {img_size}x{img_size} inputs)")
+    masks = ("no stored shift masks" if img_size is None
+             else f"shift masks stored for {img_size}x{img_size} inputs")
+    return dat_from_state_dict(state, **overrides), f"DAT {config} ({masks})"
   options = {} if args.activation is None else {"activation": args.activation}
   model = retnet_from_state_dict(state, num_heads=args.num_heads, **options)
   return model, f"RetNet {model.config}"
