@@ -66,6 +66,9 @@ class CheckRow:
     return all(e <= self.tolerance for e in errs)
 
 
+CHECK_OPS = tuple(sorted({op for op, _, _ in CASES}))  # the ops the cases cover
+
+
 def _torch_available() -> bool:
   return importlib.util.find_spec("torch") is not None
 
@@ -75,7 +78,7 @@ def plan(backends=None, dtypes=None):
   on_gpu = current_device().is_gpu
   if backends is None:
     backends = list(current_device().backends)
-    if "pallas_triton" not in backends:
+    if not on_gpu and "pallas_triton" not in backends:
       backends.insert(0, "pallas_triton")  # interpret mode off-GPU
   if dtypes is None:
     # In interpret mode 16-bit math is emulated: it adds time, not coverage (the tests
@@ -88,10 +91,9 @@ def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: in
               progress=None, ops=None) -> list[CheckRow]:
   """Runs every case (of ``ops`` only, if given) on every backend that can run it;
   returns one row per (case, backend, dtype)."""
-  known = sorted({op for op, _, _ in CASES})
-  unknown = set(ops or ()) - set(known)
+  unknown = set(ops or ()) - set(CHECK_OPS)
   if unknown:
-    raise ValueError(f"unknown ops {sorted(unknown)}; known: {known}")
+    raise ValueError(f"unknown ops {sorted(unknown)}; known: {list(CHECK_OPS)}")
   backends, dtypes, interpret = plan(backends, dtypes)
   if interpret:
     os.environ[INTERPRET_ENV] = "1"
@@ -154,4 +156,4 @@ def main_check(args) -> int:
   return 1 if failed else 0
 
 
-__all__ = ["CASES", "CheckRow", "run_check", "main_check"]
+__all__ = ["CASES", "CHECK_OPS", "CheckRow", "run_check", "main_check"]

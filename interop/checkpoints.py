@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jattn.command_line import first_line
 from jattn.interop.convert import load_torch_state_dict, to_torch_state_dict
 from jattn.nn.dat import DAT, AdaptiveSpatialAttention, DATConfig, relative_positions, shift_masks
 
@@ -85,7 +86,7 @@ def read_state_dict(path) -> dict[str, np.ndarray]:
       state = load_file(path)
     except Exception as e:  # safetensors raises its own error type for a bad header
       raise CheckpointError(f"checkpoint {path!r} is not a valid .safetensors file "
-                            f"(truncated or corrupt: {_first_line(e)})") from None
+                            f"(truncated or corrupt: {first_line(e)})") from None
   else:
     state = _unwrap(_torch_load(path), path)
     state = {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.cpu().numpy()
@@ -116,11 +117,7 @@ def _torch_load(path: str):
                           "cannot be read); download or save it again") from None
   except Exception as e:
     raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt (torch cannot read "
-                          f"it: {_first_line(e)})") from None
-
-
-def _first_line(e: Exception) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                          f"it: {first_line(e)})") from None
 
 
 def _key_summary(state) -> str:

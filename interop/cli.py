@@ -15,7 +15,7 @@ from jattn.command_line import (Parser, UsageError, add_verbose, atomic_folder, 
                                 comma_list, positive_int, run_tool)
 from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_programs_fast,
                                current_device)
-from jattn.interop.check import CASES, main_check
+from jattn.interop.check import CHECK_OPS, main_check, plan
 from jattn.interop.checkpoints import (checkpoint_format, dat_from_state_dict, infer_dat_config,
                                        read_state_dict)
 from jattn.interop.converted import save_converted
@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
   check.add_argument("--dtypes", type=comma_list,
                      help="comma-separated dtypes of float32, bfloat16, float16 (default: "
                      "float32, and the 16-bit ones too on a GPU)")
-  check.add_argument("--ops", type=comma_list, help="comma-separated ops (default: all: "
-                     + ", ".join(sorted({op for op, _, _ in CASES})) + ")")
+  check.add_argument("--ops", type=comma_list,
+                     help="comma-separated ops (default: all: " + ", ".join(CHECK_OPS) + ")")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
   check.add_argument("--reps", type=positive_int,
                      help="timed repetitions per case (default: 5 on a GPU, 1 in interpret "
@@ -106,15 +106,14 @@ def run_convert(args) -> int:
 def run_check(args) -> int:
   compile_interpreted_programs_fast()  # before JAX starts: the check is compile-bound
   check_choices("--dtypes", args.dtypes or (), tuple(TOLERANCE))
-  check_choices("--ops", args.ops or (), tuple(sorted({op for op, _, _ in CASES})))
+  check_choices("--ops", args.ops or (), CHECK_OPS)
   check_choices("--backends", args.backends or (), BACKEND_NAMES)
-  info = current_device()
+  usable = plan()[0]  # what the check runs by default here
   for backend in args.backends or ():
-    usable = backend in info.backends or (backend == "pallas_triton" and not info.is_gpu)
-    if not usable:
-      why = next(b.needs(info) for b in BACKENDS if b.name == backend)
-      here = ", ".join(dict.fromkeys(("pallas_triton",) * (not info.is_gpu) + info.backends))
-      raise UsageError(f"--backends: {backend} is not usable here: it {why}; usable: {here}")
+    if backend not in usable:
+      why = next(b.needs(current_device()) for b in BACKENDS if b.name == backend)
+      raise UsageError(f"--backends: {backend} is not usable here: it {why}; usable: "
+                       f"{', '.join(usable)}")
   return main_check(args)
 
 

@@ -14,10 +14,13 @@ Outputs are 8 bits per channel.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
 import numpy as np
+
+from jattn.command_line import first_line
 
 # Suffixes the tools read, and those they can write (with the PIL format for each).
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
@@ -53,16 +56,23 @@ def _pil():
   return Image
 
 
+@contextlib.contextmanager
+def _reading(path: str):
+  """Turns PIL's errors while reading ``path`` into one ``ImageError`` naming it."""
+  Image = _pil()
+  try:
+    yield Image
+  except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    raise ImageError(f"{path!r} is not an image that can be read ({first_line(e, 120)})"
+                     ) from None
+
+
 def inspect_image(path: str) -> tuple[int, int, bool]:
   """``(width, height, has_alpha)`` of an image file without decoding it all; an
   ``ImageError`` naming the file if it is not an image."""
-  Image = _pil()
-  try:
-    with Image.open(path) as img:
-      img.verify()  # the header and, for PNG, the chunks' checksums
-      mode, size, info = img.mode, img.size, dict(img.info)
-  except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-    raise ImageError(f"{path!r} is not an image that can be read ({_reason(e)})") from None
+  with _reading(path) as Image, Image.open(path) as img:
+    img.verify()  # the header and, for PNG, the chunks' checksums
+    mode, size, info = img.mode, img.size, dict(img.info)
   has_alpha = mode in ("RGBA", "RGBa") + GREY_ALPHA_MODES or (
       mode == "P" and "transparency" in info)
   return size[0], size[1], has_alpha
@@ -70,27 +80,23 @@ def inspect_image(path: str) -> tuple[int, int, bool]:
 
 def read_image(path: str) -> Picture:
   """Decodes ``path`` into a ``Picture`` (see the module docstring for the modes)."""
-  Image = _pil()
-  try:
-    with Image.open(path) as img:
-      img.load()
-      mode = img.mode
-      if mode == "P":
-        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
-      elif mode in GREY_MODES:
-        grey = np.asarray(img, np.float32)
-        peak = {"1": 1.0, "L": 255.0, "F": 1.0}.get(mode, 65535.0)
-        grey = np.clip(grey / peak, 0.0, 1.0)
-        return Picture(np.repeat(grey[:, :, None], 3, axis=2), None, grey=True)
-      elif mode in GREY_ALPHA_MODES:
-        la = np.asarray(img.convert("LA"))
-        grey = la[:, :, 0].astype(np.float32) / 255.0
-        return Picture(np.repeat(grey[:, :, None], 3, axis=2), la[:, :, 1].copy(), grey=True)
-      elif img.mode not in ("RGB", "RGBA"):
-        img = img.convert("RGB")
-      pixels = np.asarray(img)
-  except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-    raise ImageError(f"{path!r} is not an image that can be read ({_reason(e)})") from None
+  with _reading(path) as Image, Image.open(path) as img:
+    img.load()
+    mode = img.mode
+    if mode == "P":
+      img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    elif mode in GREY_MODES:
+      grey = np.asarray(img, np.float32)
+      peak = {"1": 1.0, "L": 255.0, "F": 1.0}.get(mode, 65535.0)
+      grey = np.clip(grey / peak, 0.0, 1.0)
+      return Picture(np.repeat(grey[:, :, None], 3, axis=2), None, grey=True)
+    elif mode in GREY_ALPHA_MODES:
+      la = np.asarray(img.convert("LA"))
+      grey = la[:, :, 0].astype(np.float32) / 255.0
+      return Picture(np.repeat(grey[:, :, None], 3, axis=2), la[:, :, 1].copy(), grey=True)
+    elif img.mode not in ("RGB", "RGBA"):
+      img = img.convert("RGB")
+    pixels = np.asarray(img)
   rgb = pixels[:, :, :3].astype(np.float32) / 255.0
   alpha = pixels[:, :, 3].copy() if pixels.shape[2] == 4 else None
   return Picture(rgb, alpha, grey=False)
@@ -124,11 +130,6 @@ def write_image(path: str, picture: Picture, fmt: str) -> None:
     alpha = Image.fromarray(picture.alpha, "L").resize(img.size, Image.Resampling.BICUBIC)
     img.putalpha(alpha)
   img.save(path, format=fmt)
-
-
-def _reason(e: Exception) -> str:
-  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-  return text[:120]
 
 
 __all__ = ["IMAGE_SUFFIXES", "ImageError", "Picture", "inspect_image", "output_format",

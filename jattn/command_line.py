@@ -73,10 +73,15 @@ def run_tool(prog: str, parser: argparse.ArgumentParser, handler: Callable[[argp
   except Exception as e:  # a bug: say so in one line unless asked for the traceback
     if verbose:
       traceback.print_exc()
-    first = (str(e).strip().splitlines() or [""])[0]
-    print(f"{prog}: internal error: {type(e).__name__}: {first} (run again with --verbose "
+    print(f"{prog}: internal error: {type(e).__name__}: {first_line(e)} (run again with --verbose "
           "and report the traceback)", file=sys.stderr)
     return 1
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+  """An exception's first line (its type's name if it has no text), cut to ``limit``
+  characters: what a one-line message quotes of a library's error."""
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 
 
 def positive_int(text: str) -> int:
@@ -200,5 +205,5 @@ def _remove_empty(folders: list[str]) -> None:
 
 
 __all__ = ["HelpFormatter", "Parser", "UsageError", "add_verbose", "atomic_folder", "atomic_output",
-           "check_choices", "comma_list", "existing_file", "non_negative_int", "positive_int",
+           "check_choices", "comma_list", "existing_file", "first_line", "non_negative_int", "positive_int",
            "run_tool", "writable_destination"]

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
 
+from conftest import ON_GPU  # noqa: E402
 from jattn.command_line import atomic_folder, atomic_output  # noqa: E402
 from jattn.interop.dat_torch import dat_torch  # noqa: E402
 from jattn.nn import DATConfig  # noqa: E402
@@ -120,9 +121,7 @@ def test_upscale_mistakes_exit_2_with_one_line_and_write_nothing(files, tmp_path
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
 ], ids=["dtype", "reps", "backend", "op", "convert-text", "convert-other-model", "command"])
 def test_jattn_mistakes_exit_2_with_one_line(files, tmp_path, argv, needles):
-  if "cudnn" in argv and "cuda" in subprocess.run(
-      [sys.executable, "-c", "import jax; print(jax.default_backend())"],
-      capture_output=True, text=True).stdout:
+  if "cudnn" in argv and ON_GPU:
     pytest.skip("cudnn is usable on this machine")
   out = tmp_path / "out"
   done = run("jattn", *(a.format(d=files, out=out) for a in argv))
