@@ -364,12 +364,13 @@ def main():
                   f"# 131072-token causal fwd+bwd, {env['device']}\n\n{_fmt_row(row)}\n")
     return
   torch_impls = [] if args.no_torch else ["torch_sdpa_cudnn", "torch_sdpa_flash"]
-  shapes = [SHAPES[i] for i in map(int, args.shapes.split(","))]
-  rows = run_table(shapes, args.dtypes.split(","), args.impls.split(","), modes, torch_impls)
-  md = markdown(rows, env)
-  write_results(args.out, args.stem, {"env": env, "rows": rows}, md)
+  rows = []
+  for i in map(int, args.shapes.split(",")):  # saved after each shape: a cut run keeps its rows
+    rows += run_table([SHAPES[i]], args.dtypes.split(","), args.impls.split(","), modes,
+                      torch_impls)
+    write_results(args.out, args.stem, {"env": env, "rows": rows}, markdown(rows, env))
   plot(rows, os.path.join(args.out, f"{args.stem}.png"))
-  print(md)
+  print(markdown(rows, env))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Shared test setup: 4 simulated CPU devices (the rings), interpret mode on CPU, the
-``gpu`` and ``kernel`` markers, sharding for the device, and the one error measure.
+``gpu`` and ``kernel`` markers and the one error measure.
 
 Markers:
 - ``gpu``: needs a CUDA GPU; skipped elsewhere, run on the device with ``-m gpu``. The
@@ -18,11 +18,13 @@ from jax.sharding import Mesh
 from jattn.core.device import compile_interpreted_programs_fast
 
 # XLA reads these once, when its backend starts (the first device query, not the
-# import): the ring-attention tests shard over 4 simulated CPU devices, and on CPU the
-# interpret-mode programs compile without LLVM's optimisations.
+# import): the ring-attention tests shard over 4 simulated CPU devices; on a GPU, XLA
+# does not time variants of each matmul (the tests compile hundreds of programs and
+# time none); and on CPU the interpret-mode programs compile without LLVM's optimisations.
 _DEVICES = "--xla_force_host_platform_device_count=4"
-if _DEVICES.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
+for _flag in (_DEVICES, "--xla_gpu_autotune_level=0"):
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 compile_interpreted_programs_fast()
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -70,11 +72,3 @@ def pytest_collection_modifyitems(config, items):
       if "gpu" in item.keywords:
         item.add_marker(skip)
 
-
-def pytest_collection_finish(session):
-  # JATTN_SHARD=i/n keeps every n-th selected test from the i-th: the device runs the
-  # compile-bound GPU tests as n parallel processes (tests/gpu_shards.sh).
-  shard = os.environ.get("JATTN_SHARD")
-  if shard:
-    i, n = (int(x) for x in shard.split("/"))
-    session.items[:] = [item for k, item in enumerate(session.items) if k % n == i]

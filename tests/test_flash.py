@@ -172,13 +172,13 @@ def _skip_unless_runnable(backend, *arrays, **kwargs):
 
 
 def _gpu_params():
-  """Every case on both families in 16-bit; float32 (Triton only) on the cases whose
-  head dims or lengths stress its tiles."""
+  """Every case on both families in 16-bit; float32 (Triton only) on an odd head dim and
+  on a single key block (float32 tiles compile slowly: the suite is compile-bound)."""
   ids = lambda c: "-".join(f"{k}={v}" for k, v in c.items())
   for case in GPU_CASES:
     for backend, dtype in (("pallas_triton", jnp.float16), ("pallas_mosaic", jnp.bfloat16)):
       yield pytest.param(case, backend, dtype, id=f"{ids(case)}-{backend}-{dtype.__name__}")
-    if case["shape"][-1] in (30, 96, 256) or case.get("kv_len"):
+    if case["shape"][-1] == 30 or case.get("kv_len") == 50:
       yield pytest.param(case, "pallas_triton", jnp.float32, id=f"{ids(case)}-float32")
 
 
