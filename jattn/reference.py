@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn.core.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 
@@ -78,6 +79,40 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   lse = lse[..., 0]
   return (o.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype),
           lse.reshape(batch, q_heads, q_len))
+
+
+def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=None):
+  """Dense FlexAttention in float32, differentiable by autodiff (also through the
+  arrays the functions close over).
+
+  ``softmax(where(mask_mod, score_mod(scale · q kᵀ, b, h, q_idx, kv_idx), -inf)) v``,
+  each function called elementwise on int32 indices (``h`` the query head).
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+
+  Returns:
+    ``(o, lse)``: ``o`` like q in q's dtype, ``lse: [batch, q_heads, q_len]``
+    float32. Rows that see no key (masked out, or every score ``-inf``) give zeros
+    and ``EMPTY_ROW_LSE``.
+  """
+  batch, q_len, q_heads, head_dim = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  group = q_heads // kv_heads
+  precision = jax.lax.Precision.HIGHEST
+  kg = jnp.repeat(k, group, axis=2)
+  vg = jnp.repeat(v, group, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kg, preferred_element_type=jnp.float32,
+                      precision=precision) * scale_of(scale, head_dim)
+  index = dense_indices(batch, q_heads, q_len, kv_len)
+  if score_mod is not None:
+    scores = elementwise(score_mod, scores, *index).astype(jnp.float32)
+  allowed = scores > -jnp.inf
+  if mask_mod is not None:
+    allowed = allowed & elementwise(mask_mod, *index)
+  p, lse = masked_softmax(scores, allowed)
+  o = jnp.einsum("bhqk,bkhd->bqhd", p, vg.astype(jnp.float32), precision=precision)
+  return o.astype(q.dtype), lse[..., 0]
 
 
 def additive_window_mask(mask):

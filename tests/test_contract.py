@@ -54,6 +54,14 @@ SPECS = [
          # causal with q_len > kv_len: the first two queries come before every key
          lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 16)], dtype),
                              np.s_[:, :2])),
+    Spec("flex_attention",
+         lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
+         # ALiBi (closing over its slopes) under a causal mask
+         lambda q, k, v, backend: jattn.flex_attention(
+             q, k, v, score_mod=jattn.flex.alibi_score(jattn.flex.alibi_slopes(4)),
+             mask_mod=jattn.flex.causal_mask(), backend=backend),
+         # keys strictly before the query: row 0 sees none
+         lambda key, dtype: (_normal(key, [(1, 6, 2, 16)] * 3, dtype), np.s_[:, :1])),
     Spec("window_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 2, 16)] * 3, dtype)
          + _normal(key, [(2, n, n)], jnp.float32),
@@ -190,6 +198,9 @@ def test_rows_that_see_no_key_give_zeros(spec, backend):
   if spec.op == "dilated_attention":
     call = lambda q, k, v, backend: jattn.dilated_attention(
         q, k, v, segment_lengths=(8,), dilation_rates=(2,), backend=backend)
+  if spec.op == "flex_attention":
+    call = lambda q, k, v, backend: jattn.flex_attention(
+        q, k, v, mask_mod=lambda b, h, i, j: j < i, backend=backend)
   masked = dataclasses.replace(spec, call=call)
   _runnable(masked, backend, *args)
   out, grads = _compiled(masked)[0](backend, *args)

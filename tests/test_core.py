@@ -5,6 +5,8 @@ heuristic), and that a call really runs the backend it resolves to."""
 import dataclasses
 import itertools
 import json
+import pathlib
+import tomllib
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +67,8 @@ def test_gpu_info_on_this_machine(monkeypatch):
 
 
 def test_every_op_is_known():
-  assert set(gpu.ops()) == {"flash_attention", "window_attention", "dilated_attention",
+  assert set(gpu.ops()) == {"flash_attention", "flex_attention", "window_attention",
+                            "dilated_attention",
                             "retention_parallel", "retention_chunkwise", "retention_recurrent",
                             "retention_step"}
   for op in OPS.values():
@@ -230,3 +233,15 @@ def test_the_choosing_functions_reject_what_is_not_an_op_or_a_mode():
     gpu.benchmark_backends(mode="bwd", info=FAKES[("cpu", False)])
   with pytest.raises(TypeError, match="unexpected keyword argument 'q_lenn'"):
     gpu.select_backend(q_lenn=3)
+
+
+def test_every_package_folder_is_installed():
+  """pyproject lists packages one by one (three folders map into one name): a new
+  folder left out would import here, from the checkout, and be missing from a wheel."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+  listed = set(tool["packages"])
+  for name, folder in tool["package-dir"].items():
+    for init in (root / folder).rglob("__init__.py"):
+      parts = init.parent.relative_to(root / folder).parts
+      assert ".".join((name,) + parts) in listed, f"{init.parent} is not in pyproject's packages"

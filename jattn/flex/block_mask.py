@@ -1,0 +1,101 @@
+"""``create_block_mask``: a mask evaluated once per tile, so that kernels skip the
+tiles it empties and drop the element mask where it allows everything."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jattn.core.elementwise import elementwise
+from jattn.core.validation import check_positive_int
+from jattn.flex.functions import trace
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """A ``mask_mod`` and, per ``(query block, key block)`` tile, whether it is empty
+  (``EMPTY``: no pair may attend), ``FULL`` (every pair may) or ``PARTIAL``.
+
+  Attributes:
+    kinds: int8 ``[batch or 1, heads or 1, q_blocks, kv_blocks]`` (1: the same for
+      every batch row or head).
+    mask_mod: the function ``(b, h, q_idx, kv_idx) -> bool`` it was made from.
+    q_len, kv_len, block_q, block_kv: the lengths and tile sizes it describes.
+  """
+
+  kinds: jax.Array
+  mask_mod: Callable
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+
+  def tree_flatten(self):
+    return (self.kinds,), (self.mask_mod, self.q_len, self.kv_len, self.block_q, self.block_kv)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def sparsity(self) -> float:
+    """The fraction of tiles that are empty (skipped by the kernels)."""
+    return float(jnp.mean(self.kinds == EMPTY))
+
+
+def _blocks(block) -> tuple[int, int]:
+  pair = (block, block) if not isinstance(block, (tuple, list)) else tuple(block)
+  if len(pair) != 2:
+    raise ValueError(f"block must be an int or (block_q, block_kv), got {block!r}")
+  for size in pair:
+    check_positive_int("block", size)
+  return pair
+
+
+def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_len: int,
+                      kv_len: int, block=128) -> BlockMask:
+  """Evaluates ``mask_mod`` over ``[batch, heads, q_len, kv_len]`` one query block at a
+  time and classifies each tile.
+
+  Args:
+    mask_mod: ``(b, h, q_idx, kv_idx) -> bool``, called elementwise with int32 indices
+      (``h`` the query head); it may close over arrays.
+    batch, heads: sizes to evaluate over, or None when the mask does not depend on ``b``
+      (or ``h``): then one entry serves every batch row (head).
+    q_len, kv_len: sequence lengths of the calls it will serve.
+    block: tile size, an int or ``(block_q, block_kv)``.
+
+  Returns:
+    A ``BlockMask`` (a pytree: it passes through ``jit``).
+  """
+  if mask_mod is None:
+    raise TypeError("mask_mod must be a function (b, h, q_idx, kv_idx), got None")
+  trace(mask_mod, "mask_mod")  # the same checks as flex_attention's
+  for name, value in (("batch", batch), ("heads", heads)):
+    check_positive_int(name, value, optional=True)
+  check_positive_int("q_len", q_len)
+  check_positive_int("kv_len", kv_len)
+  block_q, block_kv = _blocks(block)
+  q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
+  b = jnp.arange(batch or 1, dtype=jnp.int32)[:, None, None, None]
+  h = jnp.arange(heads or 1, dtype=jnp.int32)[None, :, None, None]
+  kv = jnp.arange(kv_blocks * block_kv, dtype=jnp.int32)[None, None, None, :]
+
+  def classify(i):
+    q = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None]
+    allowed = elementwise(mask_mod, b, h, q, kv)
+    real = (q < q_len) & (kv < kv_len)  # padding counts as neither allowed nor refused
+    shape = allowed.shape[:2] + (block_q, kv_blocks, block_kv)
+    any_allowed = jnp.any((allowed & real).reshape(shape), axis=(2, 4))
+    all_allowed = jnp.all((allowed | ~real).reshape(shape), axis=(2, 4))
+    return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+  kinds = lax.map(classify, jnp.arange(q_blocks, dtype=jnp.int32))  # [q_blocks, B, H, kv_blocks]
+  return BlockMask(jnp.transpose(kinds, (1, 2, 0, 3)), mask_mod, q_len, kv_len, block_q,
+                   block_kv)

@@ -1,0 +1,89 @@
+"""User score and mask functions, traced once into a form every backend can call.
+
+A ``score_mod(score, b, h, q_idx, kv_idx)`` or ``mask_mod(b, h, q_idx, kv_idx)`` is
+traced on scalars (as PyTorch's FlexAttention vmaps it), and every array it closes
+over (ALiBi slopes, bias tables, document ids, concrete or traced) is hoisted out
+as an explicit input. So:
+
+- the arrays reach the op as arguments: they get gradients through its VJP, and a
+  new value never hides behind a cached compilation;
+- two calls with functions of the same trace share one compiled program, even when
+  each call builds a fresh lambda;
+- a backend evaluates the function on whatever broadcastable index arrays it has (a
+  dense ``[B, H, Sq, Sk]`` grid, or a kernel tile), elementwise, through ``vmap``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+
+from jattn.core.elementwise import elementwise
+
+SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
+MASK_ARGS = "(b, h, q_idx, kv_idx)"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ElementFunction:
+  """A traced score or mask function: its scalar jaxpr, whose constants are the
+  hoisted arrays (passed back in at each call). Equal, and hashed alike, when the
+  traces are equal: it is part of an op's static problem."""
+
+  jaxpr: Jaxpr
+  kind: str  # "score_mod" or "mask_mod"
+  _key: str = dataclasses.field(repr=False)
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, ElementFunction) and self._key == other._key
+
+  @property
+  def num_consts(self) -> int:
+    return len(self.jaxpr.constvars)
+
+  def bind(self, consts) -> Callable:
+    """The scalar function with ``consts`` in place of the arrays it closed over."""
+    scalar = jaxpr_as_fun(ClosedJaxpr(self.jaxpr, list(consts)))
+    return lambda *xs: scalar(*xs)[0]
+
+  def __call__(self, consts, *args):
+    """The function on broadcastable ``args`` (score float32, indices int32),
+    elementwise, with ``consts`` in place of the arrays it closed over."""
+    return elementwise(self.bind(consts), *args)
+
+
+def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple]:
+  """``(traced fn, the arrays it closes over)`` for a ``score_mod`` or ``mask_mod``
+  (``(None, ())`` for None). Raises TypeError naming ``kind`` when ``fn`` is not a
+  function of the expected arguments returning one float score (``score_mod``) or one
+  boolean (``mask_mod``) per element."""
+  if fn is None:
+    return None, ()
+  signature = SCORE_ARGS if kind == "score_mod" else MASK_ARGS
+  if not callable(fn):
+    raise TypeError(f"{kind} must be a function {signature}, got {type(fn).__name__}")
+  index = jax.ShapeDtypeStruct((), jnp.int32)
+  args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
+  try:
+    closed = jax.make_jaxpr(fn)(*args)
+  except TypeError as e:
+    raise TypeError(f"{kind} must be a function {signature} of jnp operations, called "
+                    f"elementwise; calling it raised: {e}") from e
+  out = closed.out_avals
+  want = "a float score" if kind == "score_mod" else "a boolean"
+  ok = len(out) == 1 and out[0].shape == () and (
+      jnp.issubdtype(out[0].dtype, jnp.floating) if kind == "score_mod"
+      else out[0].dtype == jnp.bool_)
+  if not ok:
+    got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out)
+    raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
+                    f"got {got}")
+  consts = tuple(jnp.asarray(c) for c in closed.consts)
+  return ElementFunction(closed.jaxpr, kind, f"{kind}:{closed.jaxpr}"), consts

@@ -1,0 +1,114 @@
+"""Ready score and mask functions for ``flex_attention``. Each is a few lines of jnp,
+called elementwise with int32 indices; those built from arrays close over them, so
+the arrays get gradients.
+
+Positions are the raw indices: ``q_idx`` and ``kv_idx`` both count from 0. For a
+query block that ends where the keys end (decoding, ``q_len < kv_len``), pass
+``offset = kv_len - q_len`` to the positional masks (flash_attention's bottom-right
+alignment).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+
+# --- masks: (b, h, q_idx, kv_idx) -> bool ---------------------------------------------------
+
+def causal_mask(offset: int = 0) -> Callable:
+  """A query at position ``q_idx + offset`` sees keys at or before it."""
+  return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset
+
+
+def sliding_window_mask(left: int, right: int = 0, offset: int = 0) -> Callable:
+  """A query at position ``a = q_idx + offset`` sees keys in ``[a - left, a + right]``
+  (``right = 0``: causal sliding window)."""
+  def mask(b, h, q_idx, kv_idx):
+    a = q_idx + offset
+    return (kv_idx >= a - left) & (kv_idx <= a + right)
+  return mask
+
+
+def document_mask(q_documents, kv_documents=None) -> Callable:
+  """Packed sequences: queries see keys of their own document only.
+
+  ``q_documents``: integer ids ``[q_len]`` (shared by the batch) or ``[batch, q_len]``;
+  ``kv_documents`` likewise over keys (default: ``q_documents``, self-attention).
+  """
+  q_documents = jnp.asarray(q_documents)
+  kv_documents = q_documents if kv_documents is None else jnp.asarray(kv_documents)
+
+  def ids(documents, b, i):
+    return documents[i] if documents.ndim == 1 else documents[b, i]
+
+  return lambda b, h, q_idx, kv_idx: ids(q_documents, b, q_idx) == ids(kv_documents, b, kv_idx)
+
+
+def prefix_lm_mask(prefix_length) -> Callable:
+  """Prefix LM: every query sees the first ``prefix_length`` keys (an int, or per batch
+  row ``[batch]``) and, past them, causally."""
+  prefix = jnp.asarray(prefix_length, jnp.int32)
+  return lambda b, h, q_idx, kv_idx: (kv_idx < (prefix if prefix.ndim == 0 else prefix[b])) | (
+      kv_idx <= q_idx)
+
+
+def and_masks(*masks: Callable) -> Callable:
+  """Pairs every mask allows."""
+  def mask(b, h, q_idx, kv_idx):
+    out = masks[0](b, h, q_idx, kv_idx)
+    for m in masks[1:]:
+      out = out & m(b, h, q_idx, kv_idx)
+    return out
+  return mask
+
+
+def or_masks(*masks: Callable) -> Callable:
+  """Pairs any mask allows."""
+  def mask(b, h, q_idx, kv_idx):
+    out = masks[0](b, h, q_idx, kv_idx)
+    for m in masks[1:]:
+      out = out | m(b, h, q_idx, kv_idx)
+    return out
+  return mask
+
+
+# --- scores: (score, b, h, q_idx, kv_idx) -> score -------------------------------------------
+
+def alibi_slopes(heads: int):
+  """ALiBi's per-head slopes ``2 ** (-8 (h + 1) / heads)``, ``[heads]`` float32 (for a
+  power-of-two head count, as in the paper)."""
+  return 2.0 ** (-8.0 * (jnp.arange(heads, dtype=jnp.float32) + 1) / heads)
+
+
+def alibi_score(slopes) -> Callable:
+  """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)`` (a penalty growing with distance
+  to earlier keys). ``slopes``: ``[q_heads]``; it gets a gradient."""
+  return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+
+
+def softcap_score(cap: float) -> Callable:
+  """Gemma 2's soft cap: ``cap * tanh(score / cap)``."""
+  return lambda score, b, h, q_idx, kv_idx: cap * jnp.tanh(score / cap)
+
+
+def relative_position_score(table) -> Callable:
+  """A learned bias by relative distance: ``score + table[h, clip(kv_idx - q_idx, -m, m)
+  + m]`` for ``table: [q_heads, 2 m + 1]`` (distances past ``m`` share the end entries).
+  The table gets a gradient."""
+  if table.ndim != 2 or table.shape[1] % 2 == 0:
+    raise ValueError(f"table must be [heads, 2 m + 1], got shape {tuple(table.shape)}")
+  m = (table.shape[1] - 1) // 2
+  return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(kv_idx - q_idx, -m, m) + m]
+
+
+def bias_score(bias) -> Callable:
+  """An additive bias ``[q_heads, q_len, kv_len]`` (or ``[batch, q_heads, q_len,
+  kv_len]``), e.g. DAT's and Swin's relative-position bias. It gets a gradient."""
+  if bias.ndim not in (3, 4):
+    raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
+                     f"got shape {tuple(bias.shape)}")
+  if bias.ndim == 3:
+    return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx]
+  return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]

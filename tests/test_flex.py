@@ -1,0 +1,212 @@
+"""flex_attention: the ready functions against the ops that fix the same pattern
+(flash_attention's masks, window_attention's bias), gradients of closed-over arrays
+against dense formulas written without any function, block masks against brute
+force, and the errors. (The op-wide guarantees are tests/test_contract.py's.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from conftest import rel_err
+from jattn import flex
+from jattn.core.elementwise import dense_indices, elementwise
+from jattn.reference import flash_attention_reference
+
+B, SQ, SK, HQ, HK, D = 2, 11, 13, 4, 2, 8
+
+
+def _inputs(seed=0, sq=SQ, sk=SK, hq=HQ, hk=HK, batch=B):
+  kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return (jax.random.normal(kq, (batch, sq, hq, D)), jax.random.normal(kk, (batch, sk, hk, D)),
+          jax.random.normal(kv, (batch, sk, hk, D)), jax.random.normal(kd, (batch, sq, hq, D)))
+
+
+def _out_and_grads(f, q, k, v, do, *extra):
+  """``(o, lse)`` and the gradients of ``<o, do> + sum(lse')`` for q, k, v and ``extra``."""
+  def loss(*args):
+    o, lse = f(*args)
+    return jnp.sum(o * do) + jnp.sum(jnp.where(lse > -1e29, lse, 0.0) * 0.1), (o, lse)
+  argnums = tuple(range(3 + len(extra)))
+  (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q, k, v, *extra)
+  return out, grads
+
+
+def _assert_close(ours, ref, tol=1e-5):
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    assert a.shape == b.shape and rel_err(a, b) < tol
+
+
+DOCS = np.repeat(np.arange(4), 4)[:SK]  # documents of 4 keys, the last one cut
+
+
+@pytest.mark.parametrize("mods,flash_kwargs", [
+    (dict(mask_mod=flex.causal_mask(offset=SK - SQ)), dict(causal=True)),
+    (dict(mask_mod=flex.sliding_window_mask(3, 1, offset=SK - SQ)), dict(local_window=(3, 1))),
+    (dict(score_mod=flex.softcap_score(2.0)), dict(softcap=2.0)),
+    (dict(mask_mod=flex.document_mask(DOCS[:SQ], DOCS)),
+     dict(q_segment_ids=jnp.tile(DOCS[:SQ], (B, 1)), kv_segment_ids=jnp.tile(DOCS, (B, 1)))),
+], ids=["causal", "sliding-window", "softcap", "documents"])
+def test_ready_functions_equal_flash_attention(mods, flash_kwargs):
+  q, k, v, do = _inputs()
+  ours = _out_and_grads(
+      lambda q, k, v: jattn.flex_attention(q, k, v, return_lse=True, **mods), q, k, v, do)
+  ref = _out_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **flash_kwargs),
+                       q, k, v, do)
+  _assert_close(ours, ref)
+
+
+def _bias_ref(bias_of):
+  """Dense attention with an explicit bias ``[B, HQ, SQ, SK]`` made by ``bias_of(*params)``."""
+  def f(q, k, v, *params):
+    kg, vg = (jnp.repeat(x, HQ // HK, axis=2) for x in (k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kg, precision="highest") * D ** -0.5
+    logits = logits + bias_of(*params)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(logits - lse[..., None]), vg,
+                   precision="highest")
+    return o, lse
+  return f
+
+
+DIST = jnp.arange(SK)[None, :] - jnp.arange(SQ)[:, None]  # kv_idx - q_idx
+
+
+@pytest.mark.parametrize("name", ["alibi", "relative-table", "bias"])
+def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name):
+  q, k, v, do = _inputs(1)
+  key = jax.random.PRNGKey(5)
+  if name == "alibi":
+    param = flex.alibi_slopes(HQ)
+    make, dense = flex.alibi_score, lambda s: jnp.broadcast_to(
+        s[:, None, None] * DIST, (B, HQ, SQ, SK))
+  elif name == "relative-table":
+    param = jax.random.normal(key, (HQ, 9))
+    make, dense = flex.relative_position_score, lambda t: jnp.broadcast_to(
+        t[:, jnp.clip(DIST, -4, 4) + 4], (B, HQ, SQ, SK))
+  else:
+    param = jax.random.normal(key, (B, HQ, SQ, SK))
+    make, dense = flex.bias_score, lambda b: b
+  ours = _out_and_grads(lambda q, k, v, p: jattn.flex_attention(
+      q, k, v, score_mod=make(p), return_lse=True), q, k, v, do, param)
+  ref = _out_and_grads(_bias_ref(dense), q, k, v, do, param)
+  _assert_close(ours, ref, 2e-5)
+
+
+def test_window_attention_through_flex():
+  """DAT's shifted-window attention: a bias shared by the windows and a mask per window."""
+  windows, tokens, heads = 4, 6, 2
+  q, k, v, do = _inputs(2, tokens, tokens, heads, heads, windows)
+  bias = jax.random.normal(jax.random.PRNGKey(8), (heads, tokens, tokens))
+  mask = np.ones((2, tokens, tokens), bool)
+  mask[1, :3, 3:] = mask[1, 3:, :3] = False  # odd windows: two regions that don't mix
+  mask_table = jnp.asarray(mask)
+
+  def through_flex(q, k, v, bias):
+    o = jattn.flex_attention(q, k, v, score_mod=flex.bias_score(bias),
+                             mask_mod=lambda b, h, i, j: mask_table[b % 2, i, j])
+    return o, jnp.zeros((windows, heads, tokens))  # window_attention gives no lse
+
+  def window(q, k, v, bias):
+    o = jattn.window_attention(q, k, v, bias, mask=mask)
+    return o, jnp.zeros((windows, heads, tokens))
+
+  ours = _out_and_grads(through_flex, q, k, v, do, bias)
+  ref = _out_and_grads(window, q, k, v, do, bias)
+  _assert_close(ours, ref, 2e-5)
+
+
+def test_composed_masks_and_prefix_lm():
+  q, k, v, do = _inputs(3, SQ, SQ, HQ, HQ)
+  prefix = jnp.array([3, 6])
+  mods = flex.and_masks(flex.prefix_lm_mask(prefix),
+                        flex.or_masks(flex.sliding_window_mask(4), lambda b, h, i, j: j == 0))
+  i, j, b = np.arange(SQ)[:, None], np.arange(SQ)[None, :], np.asarray(prefix)[:, None, None]
+  allowed = ((j < b) | (j <= i)) & (((j >= i - 4) & (j <= i)) | (j == 0))
+  bias = jnp.where(jnp.asarray(allowed)[:, None], 0.0, -jnp.inf)
+  ours = _out_and_grads(lambda q, k, v: jattn.flex_attention(q, k, v, mask_mod=mods,
+                                                             return_lse=True), q, k, v, do)
+  ref = _out_and_grads(lambda q, k, v: jattn.flex_attention(
+      q, k, v, score_mod=flex.bias_score(bias), return_lse=True), q, k, v, do)
+  _assert_close(ours, ref)
+
+
+def test_scores_of_minus_infinity_empty_rows_without_nan():
+  q, k, v, do = _inputs(4)
+  minus_inf = lambda s, b, h, i, j: jnp.where(i == 2, -jnp.inf, s)
+  (o, lse), grads = _out_and_grads(
+      lambda q, k, v: jattn.flex_attention(q, k, v, score_mod=minus_inf, return_lse=True),
+      q, k, v, do)
+  assert np.all(np.asarray(o[:, 2]) == 0) and np.all(np.asarray(lse[:, :, 2]) == -1e30)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_functions_of_one_trace_share_a_problem_and_new_arrays_are_used():
+  q, k, v, _ = _inputs(5)
+  p1, _ = flex.FLEX.bind(q, k, v, score_mod=lambda s, b, h, i, j: s * 2.0)
+  p2, _ = flex.FLEX.bind(q, k, v, score_mod=lambda s, b, h, i, j: s * 2.0)
+  p3, _ = flex.FLEX.bind(q, k, v, score_mod=lambda s, b, h, i, j: s * 3.0)
+  assert p1 == p2 and hash(p1) == hash(p2) and p1 != p3
+  for slopes in (flex.alibi_slopes(HQ), -flex.alibi_slopes(HQ)):  # one trace, two arrays
+    ours = jattn.flex_attention(q, k, v, score_mod=flex.alibi_score(slopes))
+    ref = jattn.flex_attention_reference(q, k, v, score_mod=flex.alibi_score(slopes))[0]
+    assert rel_err(ours, ref) < 1e-6
+
+
+@pytest.mark.parametrize("batch,heads,block", [(None, None, 4), (B, HQ, (3, 5))])
+def test_block_masks_classify_tiles_like_brute_force(batch, heads, block):
+  docs = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 3, (B, SK)), axis=1))
+  mask_mod = flex.and_masks(flex.causal_mask(SK - SQ), lambda b, h, i, j: (h < 3) | (j % 2 == 0))
+  if batch:
+    mask_mod = flex.and_masks(mask_mod, flex.document_mask(docs[:, -SQ:], docs))
+  bm = jattn.create_block_mask(mask_mod, batch, heads, SQ, SK, block=block)
+  bq, bk = (block, block) if isinstance(block, int) else block
+  allowed = np.asarray(elementwise(mask_mod, *dense_indices(batch or 1, heads or 1, SQ, SK)))
+  kinds = np.asarray(bm.kinds)
+  assert kinds.shape == (batch or 1, heads or 1, -(-SQ // bq), -(-SK // bk))
+  for (b, h, i, j), kind in np.ndenumerate(kinds):
+    tile = allowed[b, h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+    assert kind == (flex.EMPTY if not tile.any() else flex.FULL if tile.all() else flex.PARTIAL)
+  q, k, v, _ = _inputs(6)
+  out = jattn.flex_attention(q, k, v, block_mask=bm)
+  assert rel_err(out, jattn.flex_attention(q, k, v, mask_mod=mask_mod)) == 0
+  assert 0 < bm.sparsity() < 1
+
+
+def _bad_mask_mod(b, h, i, j):
+  return (j <= i).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(score_mod="alibi"), TypeError, r"score_mod must be a function \(score, b, h, q_idx"),
+    (dict(score_mod=lambda s, b, h: s), TypeError, "score_mod must be a function"),
+    (dict(mask_mod=_bad_mask_mod), TypeError, "mask_mod must return a boolean per element"),
+    (dict(score_mod=lambda s, b, h, i, j: jnp.stack([s, s])), TypeError,
+     "score_mod must return a float score per element"),
+    (dict(block_mask="causal"), TypeError, "block_mask must be a BlockMask"),
+    (dict(block_mask=jattn.create_block_mask(flex.causal_mask(), None, None, SQ, SQ)),
+     ValueError, f"made for q_len {SQ}, kv_len {SQ}; this call has q_len {SQ}, kv_len {SK}"),
+    (dict(block_mask=jattn.create_block_mask(flex.causal_mask(), 3, None, SQ, SK)),
+     ValueError, "made for batch 3, heads 1"),
+    (dict(mask_mod=flex.causal_mask(),
+          block_mask=jattn.create_block_mask(flex.causal_mask(), None, None, SQ, SK)),
+     ValueError, "pass mask_mod or a block_mask made from it"),
+    (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
+], ids=["score-not-callable", "score-arity", "mask-not-bool", "score-not-elementwise",
+        "block-mask-type", "block-mask-lengths", "block-mask-batch", "two-masks", "scale"])
+def test_errors_name_the_argument(kwargs, error, match):
+  q, k, v, _ = _inputs()
+  with pytest.raises(error, match=match):
+    jattn.flex_attention(q, k, v, **kwargs)
+
+
+def test_create_block_mask_errors():
+  with pytest.raises(ValueError, match="block must be a positive int"):
+    jattn.create_block_mask(flex.causal_mask(), None, None, 8, 8, block=0)
+  with pytest.raises(ValueError, match="heads must be a positive int or None"):
+    jattn.create_block_mask(flex.causal_mask(), None, 0, 8, 8)
+  with pytest.raises(TypeError, match="mask_mod must be a function"):
+    jattn.create_block_mask(None, None, None, 8, 8)
+  with pytest.raises(ValueError, match=r"table must be \[heads, 2 m \+ 1\]"):
+    flex.relative_position_score(jnp.zeros((2, 4)))
