@@ -56,9 +56,10 @@ SPECS = [
                              np.s_[:, :2])),
     Spec("flex_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
-         # ALiBi (closing over its slopes) under a causal mask
+         # an ALiBi-like distance penalty under a causal mask (closing over no array:
+         # both backends run it; closed-over arrays are tests/test_flex.py's)
          lambda q, k, v, backend: jattn.flex_attention(
-             q, k, v, score_mod=jattn.flex.alibi_score(jattn.flex.alibi_slopes(4)),
+             q, k, v, score_mod=lambda s, b, h, i, j: s + 0.25 * (h + 1) * (j - i),
              mask_mod=jattn.flex.causal_mask(), backend=backend),
          # keys strictly before the query: row 0 sees none
          lambda key, dtype: (_normal(key, [(1, 6, 2, 16)] * 3, dtype), np.s_[:, :1])),

@@ -174,6 +174,32 @@ def test_block_masks_classify_tiles_like_brute_force(batch, heads, block):
   assert 0 < bm.sparsity() < 1
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("sq,sk,hq,hk,d", [(37, 45, 4, 2, 16), (20, 12, 2, 2, 40)],
+                         ids=["gqa-longer-keys", "shorter-keys-d40"])
+def test_triton_kernels_equal_the_xla_backend(sq, sk, hq, hk, d):
+  """The functions traced into the forward, dQ and dK/dV tiles: a score depending on
+  every index and a mask with fully masked rows, against the dense computation."""
+  q, k, v, do = (x[..., :d] for x in _inputs(9, sq, sk, hq, hk))
+  if d > D:
+    q, k, v, do = (jnp.concatenate([x] * (d // D + 1), -1)[..., :d] for x in (q, k, v, do))
+  score = lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0) + 0.05 * (h + 1) * (j - i) + 0.1 * b
+  mask = lambda b, h, i, j: ((j <= i + 3) & (i % 5 != 4)) | ((h == 1) & (j == 0))
+  def run(backend):
+    return _out_and_grads(lambda q, k, v: jattn.flex_attention(
+        q, k, v, score_mod=score, mask_mod=mask, return_lse=True, backend=backend), q, k, v, do)
+  ours, ref = run("pallas_triton"), run("xla")
+  _assert_close(ours, ref, 1e-5 if jnp.dtype(q.dtype) == jnp.float32 else 3e-2)
+
+
+def test_arrays_closed_over_send_auto_to_xla():
+  q, k, v, _ = _inputs()
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.alibi_score(flex.alibi_slopes(HQ)))
+  reasons = dict(flex.FLEX.choices(problem))
+  assert "closing over arrays" in (reasons["pallas_triton"] or "")
+  assert flex.FLEX.select(problem) == "xla"
+
+
 def _bad_mask_mod(b, h, i, j):
   return (j <= i).astype(jnp.float32)
 

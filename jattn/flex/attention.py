@@ -1,9 +1,11 @@
 """``jattn.flex_attention``: attention with user score and mask functions, on the op core.
 
-Backends: ``xla`` (the dense float32 computation of
-``jattn.reference.flex_attention_reference``, differentiated by autodiff, the
-closed-over arrays included). The Pallas kernels (the functions traced into the
-tiles) are the next backend; docs/flex_attention.md says where they stand.
+Backends:
+- ``pallas_triton``: flash attention's Triton-lowered kernels with the functions
+  traced into the tiles (``jattn.kernels.flash.triton``), for functions that close
+  over no array;
+- ``xla``: the dense float32 computation of ``jattn.reference.flex_attention_reference``,
+  differentiated by autodiff, the closed-over arrays included.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from jattn.core.op import Problem, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, scale_of
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.functions import ElementFunction, trace
+from jattn.kernels.common.config import default_block_config
+from jattn.kernels.flash import flash_triton_backward, flash_triton_forward
 from jattn.reference import flex_attention_reference
+from jattn.tuning.spaces import BlockTritonImpl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +50,54 @@ class FlexProblem(Problem):
   def head_dims(self) -> tuple[int, ...]:
     return (self.head_dim,)
 
+  @property
+  def num_consts(self) -> int:
+    """How many arrays the functions close over (the op's arrays after q, k, v)."""
+    return sum(f.num_consts for f in (self.score_mod, self.mask_mod) if f is not None)
+
   def split_consts(self, consts: tuple) -> tuple[tuple, tuple]:
     """The op's arrays after q, k, v: ``(score_mod's, mask_mod's)``."""
     n = self.score_mod.num_consts if self.score_mod is not None else 0
     return tuple(consts[:n]), tuple(consts[n:])
+
+
+class TritonFlex(BlockTritonImpl):
+  """Flash attention's Triton kernels with the functions traced into the tiles: the
+  score transform and its derivative in the forward, dQ and dK/dV kernels, the mask
+  with the padding mask (every tile masked; block masks do not skip tiles yet)."""
+
+  def gaps(self, p):
+    closed = ("score_mod or mask_mod closing over arrays",) if p.num_consts else ()
+    return super().gaps(p) + closed
+
+  def rows(self, p):
+    return p.q_len, p.kv_len
+
+  def heuristic_config(self, p, info):
+    return default_block_config(p.head_dim, p.dtype.itemsize)
+
+  def tuning_stages(self):
+    # Not tuned yet: a cached config would have to be keyed by the functions too.
+    return ()
+
+  def _functions(self, p):
+    return dict(score_fn=None if p.score_mod is None else p.score_mod.bind(()),
+                mask_fn=None if p.mask_mod is None else p.mask_mod.bind(()))
+
+  def forward(self, call, q, k, v):
+    p = call.problem
+    o, lse = flash_triton_forward(q, k, v, None, None, causal=False, scale=p.scale,
+                                  local_window=None, softcap=None, config=call.config,
+                                  interpret=call.interpret, **self._functions(p))
+    return (o, lse), ((q, k, v), o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    (q, k, v), o, lse = residuals
+    p = call.problem
+    return flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
+                                 scale=p.scale, local_window=None, softcap=None,
+                                 config=call.config, interpret=call.interpret,
+                                 **self._functions(p))
 
 
 class XlaFlex(XlaImpl):
@@ -110,7 +159,7 @@ def _check_block_mask(block_mask, mask_mod, batch, heads, q_len, kv_len):
   return block_mask.mask_mod
 
 
-FLEX = FlexAttention(XlaFlex())
+FLEX = FlexAttention(TritonFlex(), XlaFlex())
 
 
 def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockMask | None = None,
@@ -134,8 +183,9 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockM
       from, ``mask_mod``).
     scale: logit scale (> 0), default ``head_dim ** -0.5``.
     return_lse: also return the log-sum-exp of each row.
-    backend: ``"auto"`` or ``"xla"``.
-    config: backends with tiles take one (``xla`` takes none).
+    backend: ``"auto"``, ``"pallas_triton"`` (functions that close over no array) or
+      ``"xla"``.
+    config: a ``BlockConfig`` for ``pallas_triton`` (default: the heuristic by head dim).
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim]`` in q's dtype; with ``return_lse`` also

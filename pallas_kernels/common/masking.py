@@ -10,9 +10,12 @@ Causal attention is the window ``right = 0``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
+
+from jattn.core.elementwise import elementwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,8 @@ class MaskSpec:
       ``[a - left, a + right]``. ``None`` means unbounded on that side.
     kv_padded: whether keys past ``kv_len`` exist in the padded buffers.
     segments: whether segment ids restrict attention further.
+    element_fn: a user mask ``(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
+      ``mask_mod``), called elementwise on each tile; every tile is then masked.
   """
 
   q_len: int
@@ -33,6 +38,11 @@ class MaskSpec:
   right: int | None = None
   kv_padded: bool = False
   segments: bool = False
+  element_fn: Callable | None = None
+
+  @property
+  def every_tile_masked(self) -> bool:
+    return self.segments or self.element_fn is not None
 
   @property
   def offset(self) -> int:
@@ -46,9 +56,10 @@ class MaskSpec:
     return MaskSpec(q_len, kv_len, left, right, kv_padded, segments)
 
 
-def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
-  """Boolean mask for broadcastable query-row and key indices (and segment ids),
-  or None when the spec restricts nothing."""
+def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None):
+  """Boolean mask for broadcastable query-row and key indices (and segment ids; and
+  ``bh = (batch row, query head)`` for ``element_fn``), or None when the spec
+  restricts nothing."""
   q_abs = q_idx + spec.offset
   mask = None
 
@@ -63,12 +74,14 @@ def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
     mask = conj(mask, k_idx >= q_abs - spec.left)
   if spec.segments:
     mask = conj(mask, q_seg == k_seg)
+  if spec.element_fn is not None:
+    mask = conj(mask, elementwise(spec.element_fn, *bh, q_idx, k_idx))
   return mask
 
 
-def apply_mask(x, fill, spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None):
+def apply_mask(x, fill, spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None):
   """``x`` where the pattern allows attention, ``fill`` elsewhere."""
-  mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg)
+  mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
   return x if mask is None else jnp.where(mask, x, fill)
 
 
@@ -101,7 +114,7 @@ def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_k: int):
   if spec.right is not None:
     hi = jnp.minimum(hi, _cdiv_nonneg(q_last + spec.right + 1, block_k))
   hi = jnp.maximum(hi, lo)
-  if spec.segments:
+  if spec.every_tile_masked:
     return lo, lo, lo, hi
   full_lo = lo
   full_hi = jnp.int32(spec.kv_len // block_k) if spec.kv_padded else hi
@@ -128,7 +141,7 @@ def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
   if spec.left is not None:
     hi = jnp.minimum(hi, _cdiv_nonneg(k_last + spec.left - spec.offset + 1, block_q))
   hi = jnp.maximum(hi, lo)
-  if spec.segments:
+  if spec.every_tile_masked:
     return lo, lo, lo, hi
   full_lo, full_hi = lo, hi
   if spec.right is not None:

@@ -5,10 +5,15 @@ and the backward's row term. Pure jnp: it runs inside kernels and on the host.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jattn.core.elementwise import elementwise
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -71,24 +76,49 @@ def merge_partials(o1, lse1, o2, lse2, expand=lambda w: w[:, None]):
   return o1 * expand(w1 / total) + o2 * expand(w2 / total), top + jnp.log(total)
 
 
-def log2_logits(qk, scale: float, softcap: float | None):
-  """Raw q.k products -> ``(s, c, t)`` with ``s * c`` the logits in base-2 units.
+@dataclasses.dataclass(frozen=True)
+class Softcap:
+  """The soft-cap score transform ``cap * tanh(x / cap)`` (Gemma 2)."""
 
-  Without a soft-cap ``s`` is ``qk`` itself and the multiply by ``c`` is left to
-  the caller, where it fuses with the max subtraction; with one, ``c = 1`` and
-  ``t = tanh(.)`` is kept for the VJP.
+  cap: float
+
+  def apply(self, x, index, with_grad: bool):
+    t = jnp.tanh(x / self.cap)
+    return self.cap * t, (1.0 - t * t) if with_grad else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreFunction:
+  """A user score function ``f(score, b, h, q_idx, kv_idx)`` applied elementwise to a
+  tile (``index``: broadcastable ``(b, h, q_idx, kv_idx)``), its derivative in the
+  score by forward-mode autodiff."""
+
+  fn: Callable
+
+  def apply(self, x, index, with_grad: bool):
+    f = lambda x: elementwise(self.fn, x, *index).astype(jnp.float32)
+    if not with_grad:
+      return f(x), None
+    return jax.jvp(f, (x,), (jnp.ones_like(x),))
+
+
+def log2_logits(qk, scale: float, score=None, index=None, with_grad: bool = False):
+  """Raw q.k products -> ``(s, c, g)`` with ``s * c`` the logits in base-2 units.
+
+  Without a score transform ``s`` is ``qk`` itself and the multiply by ``c`` is left
+  to the caller, where it fuses with the max subtraction. With one (``Softcap``,
+  ``ScoreFunction``) applied to the scaled logits ``x = qk * scale`` (at ``index``),
+  ``c = 1`` and ``g = d score / d x`` where ``with_grad`` (the backward's chain rule).
   """
-  if softcap is None:
+  if score is None:
     return qk, scale * LOG2E, None
-  t = jnp.tanh(qk * (scale / softcap))
-  return t * (softcap * LOG2E), 1.0, t
+  y, g = score.apply(qk * scale, index, with_grad)
+  return y * LOG2E, 1.0, g
 
 
-def logit_grad(ds, tanh_value):
-  """d(loss)/d(scaled logit) from d(loss)/d(capped logit)."""
-  if tanh_value is None:
-    return ds
-  return ds * (1.0 - tanh_value * tanh_value)
+def logit_grad(ds, g):
+  """d(loss)/d(scaled logit) from d(loss)/d(transformed score)."""
+  return ds if g is None else ds * g
 
 
 def backward_delta(o, do, dlse):

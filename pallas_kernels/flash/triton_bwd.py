@@ -24,10 +24,10 @@ from jattn.kernels.common.softmax import LOG2E, dot, log2_logits, logit_grad
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-                dk_ref, dv_ref, *, spec: MaskSpec, scale: float, softcap: float | None,
+                dk_ref, dv_ref, *, spec: MaskSpec, scale: float, score,
                 block_q: int, block_k: int, group: int):
   k_start = pl.program_id(0) * block_k
-  kv_head = pl.program_id(2)
+  batch_row, kv_head = pl.program_id(1), pl.program_id(2)
   k = k_ref[...]
   v = v_ref[...]
   # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
@@ -41,15 +41,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     do = do_ref[q_slice, head, :]
     lse = lse_ref[head, q_slice] * LOG2E
     delta = delta_ref[head, q_slice]
-    s_t, c, tanh_t = log2_logits(dot(k, q, 1, 1), scale, softcap)
+    q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+    bh = (batch_row, head)
+    s_t, c, g_t = log2_logits(dot(k, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
     p_t = jnp.exp2(s_t * c - lse[None, :])
     if masked:
-      q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
-      p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg)
+      p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0)
     dp_t = dot(v, do, 1, 1)
-    ds_t = logit_grad(p_t * (dp_t - delta[None, :]), tanh_t)
+    ds_t = logit_grad(p_t * (dp_t - delta[None, :]), g_t)
     dk = dk + dot(ds_t.astype(q.dtype), q, 1, 0)
     return dk, dv
 
@@ -69,9 +70,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-               dq_ref, *, spec: MaskSpec, scale: float, softcap: float | None,
-               block_q: int, block_k: int):
+               dq_ref, *, spec: MaskSpec, scale: float, score, block_q: int, block_k: int):
   q_start = pl.program_id(0) * block_q
+  bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
   do = do_ref[...]
   lse = lse_ref[...] * LOG2E
@@ -83,14 +84,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[k_slice, :]
     v = v_ref[k_slice, :]
-    s, c, tanh_s = log2_logits(dot(q, k, 1, 1), scale, softcap)
+    k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    s, c, g = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx), True)
     p = jnp.exp2(s * c - lse[:, None])
     if masked:
-      k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
-      p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg)
+      p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
     dp = dot(do, v, 1, 1)
-    ds = logit_grad(p * (dp - delta[:, None]), tanh_s)
+    ds = logit_grad(p * (dp - delta[:, None]), g)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
   lo, full_lo, full_hi, hi = kv_block_range(spec, q_start, block_q, block_k)
@@ -102,7 +103,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
 
 
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
-                   softcap: float | None, config: BlockConfig, blocks, interpret: bool):
+                   score, config: BlockConfig, blocks, interpret: bool):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
@@ -130,7 +131,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),
                  pl.BlockSpec((None, bk_dkv), lambda j, b, h: (b, j))]
   dk, dv = triton_call(
-      functools.partial(_dkv_kernel, spec=spec, scale=scale, softcap=softcap,
+      functools.partial(_dkv_kernel, spec=spec, scale=scale, score=score,
                         block_q=bq_dkv, block_k=bk_dkv, group=group),
       grid=(kv_len_p // bk_dkv, batch, kv_heads),
       in_specs=[full_q, kv_tile, kv_tile, full_q, full_rows, full_rows, *seg_specs],
@@ -147,7 +148,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
   dq = triton_call(
-      functools.partial(_dq_kernel, spec=spec, scale=scale, softcap=softcap,
+      functools.partial(_dq_kernel, spec=spec, scale=scale, score=score,
                         block_q=bq_dq, block_k=bk_dq),
       grid=(q_len_p // bq_dq, batch, q_heads),
       in_specs=[q_tile, full_kv, full_kv, q_tile, row_tile, row_tile, *seg_specs],

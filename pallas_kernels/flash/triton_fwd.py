@@ -23,20 +23,20 @@ from jattn.kernels.common.softmax import (dot, log2_logits, online_softmax_finis
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
-                    spec: MaskSpec, scale: float, softcap: float | None,
-                    block_q: int, block_k: int):
+                    spec: MaskSpec, scale: float, score, block_q: int, block_k: int):
   q_start = pl.program_id(0) * block_q
+  bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
 
   def body(masked: bool, j, carry):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    s, c, _ = log2_logits(dot(q, k_ref[k_slice, :], 1, 1), scale, softcap)
+    k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    s, c, _ = log2_logits(dot(q, k_ref[k_slice, :], 1, 1), scale, score, bh + (q_idx, k_idx))
     if masked:
-      k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
-      s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg)
+      s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg, bh)
     return online_softmax_step(carry, s, c, v_ref[k_slice, :])
 
   lo, full_lo, full_hi, hi = kv_block_range(spec, q_start, block_q, block_k)
@@ -49,15 +49,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, 
   lse_ref[...] = lse
 
 
-def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
-                  softcap: float | None, config: BlockConfig, block_q: int,
-                  block_k: int, interpret: bool):
+def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score,
+                  config: BlockConfig, block_q: int, block_k: int, interpret: bool):
   """Runs the forward kernel on padded inputs.
 
   Args:
     q: ``[batch, q_len_p, q_heads, d_p]`` with ``q_len_p % block_q == 0``.
     k, v: ``[batch, kv_len_p, kv_heads, d_p]`` with ``kv_len_p % block_k == 0``.
     q_seg, kv_seg: ``[batch, q_len_p]`` / ``[batch, kv_len_p]`` int32, or None.
+    score: a score transform (``Softcap``, ``ScoreFunction``) or None.
 
   Returns:
     ``o`` like ``q`` and ``lse: [batch, q_heads, q_len_p]`` float32 (natural log).
@@ -72,7 +72,7 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
   else:
     in_specs += [None, None]
-  kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
+  kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, score=score,
                              block_q=block_q, block_k=block_k)
   return triton_call(
       kernel,
