@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jattn.core.device import CUDNN, GPUInfo, shared_memory_limit
-from jattn.core.op import Impl, MosaicImpl, Problem, SoftmaxOp, XlaImpl
+from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, check_integer_array, scale_of
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
                                          padded_head_dim)
@@ -33,26 +32,18 @@ from jattn.tuning.spaces import BlockTritonImpl
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashProblem(Problem):
+class FlashProblem(AttentionProblem):
   """One flash-attention call, without its arrays. From keywords (``select_backend``,
   tuning) ``softcap=True`` / ``local_window=True`` stand for "some cap / window"."""
 
-  batch: int = 1
-  q_len: int = 1
-  kv_len: int | None = None  # default q_len
-  q_heads: int = 1
-  kv_heads: int | None = None  # default q_heads
-  head_dim: int = 64
-  dtype: Any = jnp.float16
   causal: bool = False
-  scale: float | None = None  # default head_dim ** -0.5
   local_window: tuple | None = None
   softcap: float | None = None
   segment_ids: bool = False
   return_lse: bool = False
 
   def __post_init__(self):
-    self._normalize(self.head_dim, kv_len=self.q_len, kv_heads=self.q_heads)
+    super().__post_init__()
     if self.local_window is True:
       self._set(local_window=(None, None))
     elif self.local_window is False:
@@ -61,10 +52,6 @@ class FlashProblem(Problem):
       self._set(local_window=tuple(self.local_window))
     if isinstance(self.softcap, bool):
       self._set(softcap=1.0 if self.softcap else None)
-
-  @property
-  def head_dims(self) -> tuple[int, ...]:
-    return (self.head_dim,)
 
 
 def _check_window(local_window):
@@ -83,13 +70,17 @@ def _cache_key(p: FlashProblem) -> tuple[str, ...]:
           "causal" if p.causal else "noncausal", f"s{bucket(max(p.q_len, p.kv_len))}")
 
 
-class TritonFlash(BlockTritonImpl):
+class AttentionTritonImpl(BlockTritonImpl):
+  """The Triton flash kernels' tiles for an ``AttentionProblem`` (flash and flex)."""
+
   def rows(self, p):
     return p.q_len, p.kv_len
 
   def heuristic_config(self, p, info):
     return default_block_config(p.head_dim, p.dtype.itemsize)
 
+
+class TritonFlash(AttentionTritonImpl):
   def cache_key(self, p):
     return _cache_key(p)
 
@@ -253,10 +244,9 @@ class FlashAttention(SoftmaxOp):
     if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(
         softcap, bool) and math.isfinite(softcap) and softcap > 0):
       raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-    problem = FlashProblem(
-        batch=batch, q_len=q_len, kv_len=k.shape[1], q_heads=q_heads, kv_heads=k.shape[2],
-        head_dim=head_dim, dtype=q.dtype, causal=bool(causal), scale=scale_of(scale, head_dim),
-        local_window=local_window, softcap=None if softcap is None else float(softcap),
+    problem = FlashProblem.of(
+        q, k, causal=bool(causal), scale=scale_of(scale, head_dim), local_window=local_window,
+        softcap=None if softcap is None else float(softcap),
         segment_ids=q_segment_ids is not None, return_lse=bool(return_lse))
     return problem, (q, k, v, q_segment_ids, kv_segment_ids)
 
@@ -266,10 +256,7 @@ class FlashAttention(SoftmaxOp):
 
   def example(self, p: FlashProblem, key):
     kq, kk, kv, ks = jax.random.split(key, 4)
-    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(p.dtype)
-    q = normal(kq, (p.batch, p.q_len, p.q_heads, p.head_dim))
-    k = normal(kk, (p.batch, p.kv_len, p.kv_heads, p.head_dim))
-    v = normal(kv, (p.batch, p.kv_len, p.kv_heads, p.head_dim))
+    q, k, v = p.random_qkv((kq, kk, kv))
     if not p.segment_ids:
       return q, k, v, None, None
     # Packed sequences: sorted ids, kv ids shifted so that some queries see nothing.

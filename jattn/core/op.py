@@ -52,6 +52,42 @@ class Problem:
               scale=scale_dim ** -0.5 if self.scale is None else float(self.scale))
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem(Problem):
+  """Base of the problems of q ``[batch, q_len, q_heads, head_dim]`` attending to k, v
+  ``[batch, kv_len, kv_heads, head_dim]`` (flash and flex attention)."""
+
+  batch: int = 1
+  q_len: int = 1
+  kv_len: int | None = None  # default q_len
+  q_heads: int = 1
+  kv_heads: int | None = None  # default q_heads
+  head_dim: int = 64
+  dtype: Any = jnp.float16
+  scale: float | None = None  # default head_dim ** -0.5
+
+  def __post_init__(self):
+    self._normalize(self.head_dim, kv_len=self.q_len, kv_heads=self.q_heads)
+
+  @classmethod
+  def of(cls, q, k, **fields):
+    """The problem of (validated) ``q`` against ``k``, with the subclass's ``fields``."""
+    batch, q_len, q_heads, head_dim = q.shape
+    return cls(batch=batch, q_len=q_len, kv_len=k.shape[1], q_heads=q_heads,
+               kv_heads=k.shape[2], head_dim=head_dim, dtype=q.dtype, **fields)
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim,)
+
+  def random_qkv(self, keys) -> tuple:
+    """Standard-normal q, k, v of this problem's shapes and dtype, one of ``keys`` each."""
+    kv_shape = (self.batch, self.kv_len, self.kv_heads, self.head_dim)
+    shapes = ((self.batch, self.q_len, self.q_heads, self.head_dim), kv_shape, kv_shape)
+    return tuple(jax.random.normal(k, shape, jnp.float32).astype(self.dtype)
+                 for k, shape in zip(keys, shapes))
+
+
 class Impl:
   """One implementation of an op on one backend.
 

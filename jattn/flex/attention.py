@@ -11,44 +11,26 @@ Backends:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from jattn.core.op import Problem, SoftmaxOp, XlaImpl
+from jattn.core.op import AttentionProblem, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, scale_of
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.functions import ElementFunction, trace
-from jattn.kernels.common.config import default_block_config
+from jattn.flash import AttentionTritonImpl
 from jattn.kernels.flash import flash_triton_backward, flash_triton_forward
 from jattn.reference import flex_attention_reference
-from jattn.tuning.spaces import BlockTritonImpl
 
 
 @dataclasses.dataclass(frozen=True)
-class FlexProblem(Problem):
+class FlexProblem(AttentionProblem):
   """One flex-attention call without its arrays: shapes, dtype and the traced
   functions (whose closed-over arrays follow q, k, v among the op's arrays)."""
 
-  batch: int = 1
-  q_len: int = 1
-  kv_len: int | None = None  # default q_len
-  q_heads: int = 1
-  kv_heads: int | None = None  # default q_heads
-  head_dim: int = 64
-  dtype: Any = jnp.float16
-  scale: float | None = None  # default head_dim ** -0.5
   score_mod: ElementFunction | None = None
   mask_mod: ElementFunction | None = None
   return_lse: bool = False
-
-  def __post_init__(self):
-    self._normalize(self.head_dim, kv_len=self.q_len, kv_heads=self.q_heads)
-
-  @property
-  def head_dims(self) -> tuple[int, ...]:
-    return (self.head_dim,)
 
   @property
   def num_consts(self) -> int:
@@ -61,7 +43,7 @@ class FlexProblem(Problem):
     return tuple(consts[:n]), tuple(consts[n:])
 
 
-class TritonFlex(BlockTritonImpl):
+class TritonFlex(AttentionTritonImpl):
   """Flash attention's Triton kernels with the functions traced into the tiles: the
   score transform and its derivative in the forward, dQ and dK/dV kernels, the mask
   with the padding mask (every tile masked; block masks do not skip tiles yet)."""
@@ -69,12 +51,6 @@ class TritonFlex(BlockTritonImpl):
   def gaps(self, p):
     closed = ("score_mod or mask_mod closing over arrays",) if p.num_consts else ()
     return super().gaps(p) + closed
-
-  def rows(self, p):
-    return p.q_len, p.kv_len
-
-  def heuristic_config(self, p, info):
-    return default_block_config(p.head_dim, p.dtype.itemsize)
 
   def tuning_stages(self):
     # Not tuned yet: a cached config would have to be keyed by the functions too.
@@ -122,10 +98,8 @@ class FlexAttention(SoftmaxOp):
       mask_mod = _check_block_mask(block_mask, mask_mod, batch, q_heads, q_len, k.shape[1])
     score_fn, score_consts = trace(score_mod, "score_mod")
     mask_fn, mask_consts = trace(mask_mod, "mask_mod")
-    problem = FlexProblem(
-        batch=batch, q_len=q_len, kv_len=k.shape[1], q_heads=q_heads, kv_heads=k.shape[2],
-        head_dim=head_dim, dtype=q.dtype, scale=scale_of(scale, head_dim), score_mod=score_fn,
-        mask_mod=mask_fn, return_lse=bool(return_lse))
+    problem = FlexProblem.of(q, k, scale=scale_of(scale, head_dim), score_mod=score_fn,
+                             mask_mod=mask_fn, return_lse=bool(return_lse))
     return problem, (q, k, v) + score_consts + mask_consts
 
   def finish(self, problem, outputs):
@@ -135,11 +109,7 @@ class FlexAttention(SoftmaxOp):
   def example(self, p: FlexProblem, key):
     if p.score_mod is not None or p.mask_mod is not None:
       raise ValueError("an example of flex_attention is of a problem without functions")
-    kq, kk, kv = jax.random.split(key, 3)
-    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(p.dtype)
-    return (normal(kq, (p.batch, p.q_len, p.q_heads, p.head_dim)),
-            normal(kk, (p.batch, p.kv_len, p.kv_heads, p.head_dim)),
-            normal(kv, (p.batch, p.kv_len, p.kv_heads, p.head_dim)))
+    return p.random_qkv(jax.random.split(key, 3))
 
 
 def _check_block_mask(block_mask, mask_mod, batch, heads, q_len, kv_len):

@@ -10,6 +10,8 @@ alignment).
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Callable
 
 import jax.numpy as jnp
@@ -56,22 +58,12 @@ def prefix_lm_mask(prefix_length) -> Callable:
 
 def and_masks(*masks: Callable) -> Callable:
   """Pairs every mask allows."""
-  def mask(b, h, q_idx, kv_idx):
-    out = masks[0](b, h, q_idx, kv_idx)
-    for m in masks[1:]:
-      out = out & m(b, h, q_idx, kv_idx)
-    return out
-  return mask
+  return lambda *index: functools.reduce(operator.and_, (m(*index) for m in masks))
 
 
 def or_masks(*masks: Callable) -> Callable:
   """Pairs any mask allows."""
-  def mask(b, h, q_idx, kv_idx):
-    out = masks[0](b, h, q_idx, kv_idx)
-    for m in masks[1:]:
-      out = out | m(b, h, q_idx, kv_idx)
-    return out
-  return mask
+  return lambda *index: functools.reduce(operator.or_, (m(*index) for m in masks))
 
 
 # --- scores: (score, b, h, q_idx, kv_idx) -> score -------------------------------------------

@@ -15,10 +15,7 @@ from jattn.kernels.common.softmax import EMPTY_ROW_LSE, merge_partials
 def block_problem(q, k, *, causal: bool, scale: float) -> FlashProblem:
   """The flash problem of ``q [b, sq, h, d]`` against ``k [b, sk, hk, d]``, with the
   row statistics a ring merges."""
-  batch, q_len, q_heads, head_dim = q.shape
-  return FlashProblem(batch=batch, q_len=q_len, kv_len=k.shape[1], q_heads=q_heads,
-                      kv_heads=k.shape[2], head_dim=head_dim, dtype=q.dtype, causal=causal,
-                      scale=scale, return_lse=True)
+  return FlashProblem.of(q, k, causal=causal, scale=scale, return_lse=True)
 
 
 def ring_backend(q, k, *, causal: bool, scale: float, backend: str) -> str:
