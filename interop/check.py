@@ -16,6 +16,7 @@ import jax
 from jattn.core.device import INTERPRET_ENV, current_device
 from jattn.core.op import OPS
 from jattn.core.timing import median_ms
+from jattn.flex.examples import EXAMPLES
 from jattn.interop.harness import (TOLERANCE, default_torch_device, jax_reference_errors,
                                    run_jax_side, torch_reference_errors)
 
@@ -39,6 +40,9 @@ CASES = [
     ("retention_step", "one step", dict(batch=2, heads=3, dk=16, dv=24, initial_state=True)),
     ("window_attention", "8x8 shift d30", dict(windows=8, tokens=64, heads=2, head_dim=30,
                                                mask_windows=4)),
+    *(("flex_attention", example.replace("_", " "),
+       dict(example=example, batch=2, q_len=40, kv_len=48, q_heads=4, kv_heads=2, head_dim=16))
+      for example in EXAMPLES),
     ("dilated_attention", "3 pairs gqa", dict(batch=2, seq=64, heads=4, kv_heads=2, head_dim=16,
                                               segment_lengths=(8, 16, 32),
                                               dilation_rates=(1, 2, 4))),

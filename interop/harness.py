@@ -19,8 +19,9 @@ import numpy as np
 
 from jattn.core.op import OPS, Op, run
 from jattn.interop.dlpack import to_torch
-from jattn.interop.torch_reference import (flash_attention_torch, retention_step_torch,
-                                           retention_torch, window_attention_torch)
+from jattn.interop.torch_reference import (flash_attention_torch, flex_attention_torch,
+                                           retention_step_torch, retention_torch,
+                                           window_attention_torch)
 
 # Error budget per input dtype, relative to the largest magnitude of the reference.
 TOLERANCE = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
@@ -30,6 +31,13 @@ def _retention(p, q, k, v, decay, state):
   if p.initial_state:
     raise ValueError("the torch retention reference starts from a zero state")
   return retention_torch(q, k, v, decay=decay, scale=p.scale, normalize=p.normalize)
+
+
+def _flex(p, q, k, v, *arrays):
+  if p.example is None:
+    raise ValueError("the torch reference of flex_attention covers the named examples "
+                     "(jattn.flex.examples) only")
+  return flex_attention_torch(q, k, v, example=p.example, scale=p.scale)
 
 
 def _dilated(p, q, k, v):
@@ -49,6 +57,7 @@ TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
     "window_attention": lambda p, q, k, v, bias, mask: window_attention_torch(
         q, k, v, bias, mask=mask, scale=p.scale),
     "dilated_attention": _dilated,
+    "flex_attention": _flex,
     "retention_parallel": _retention,
     "retention_chunkwise": _retention,
     "retention_recurrent": _retention,
@@ -185,7 +194,8 @@ def torch_reference_errors(run: _JaxRun, torch_device: str):
   for i in run.op.diff_argnums:
     tensors[i] = tensors[i].clone().requires_grad_(True)
   out = TORCH_REFERENCES[run.op.name](run.problem, *tensors)
-  out.backward(tensor(run.cotangent))
+  if out.requires_grad:  # (torch's FlexAttention has no backward on the CPU)
+    out.backward(tensor(run.cotangent))
   # A torch reference that does not model an input (retention's state when it starts
   # from zeros) gives it no gradient: that one is not compared.
   return _named_errors(run, _as_numpy(out),

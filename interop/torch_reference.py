@@ -6,6 +6,8 @@ transpose to torch's ``[batch, heads, seq, head_dim]`` internally.
 
 from __future__ import annotations
 
+from jattn.flex.examples import CAP, WINDOW, example_arrays
+
 
 def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
                          q_segment_ids=None, kv_segment_ids=None, device=None):
@@ -206,3 +208,39 @@ def _torch_module_classes():
 def multi_scale_retention_torch(embed_dim: int, num_heads: int, **kwargs):
   """A torch ``MultiScaleRetentionTorch`` module (see ``_torch_module_classes``)."""
   return _torch_module_classes()(embed_dim, num_heads, **kwargs)
+
+
+def flex_attention_torch(q, k, v, *, example: str, scale=None):
+  """PyTorch's FlexAttention on a named example of ``jattn.flex.examples``, with the
+  functions spelled for torch. q: ``[batch, q_len, q_heads, d]``, k, v: ``[batch,
+  kv_len, kv_heads, d]``. Differentiable on CUDA; on the CPU, where torch's
+  FlexAttention has no backward, the output carries no gradient."""
+  import torch
+  from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+  batch, q_len, q_heads, _ = q.shape
+  kv_len = k.shape[1]
+  arrays = {name: torch.as_tensor(a, device=q.device)
+            for name, a in example_arrays(example, batch, q_heads, q_len, kv_len).items()}
+  offset = kv_len - q_len
+  score_mod = mask_mod = None
+  if example == "alibi_causal":
+    slopes = arrays["slopes"]
+    score_mod = lambda s, b, h, i, j: s + slopes[h] * (j - i)
+    mask_mod = lambda b, h, i, j: j <= i + offset
+  elif example == "documents":
+    ids = arrays["ids"]
+    mask_mod = lambda b, h, i, j: ids[b, i + offset] == ids[b, j]
+  elif example == "sliding_window":
+    mask_mod = lambda b, h, i, j: (j <= i + offset) & (j >= i + offset - WINDOW)
+  else:
+    # CAP is read as a module global: dynamo then keeps it a constant (a closed-over
+    # float would become a symbolic input FlexAttention rejects).
+    score_mod = lambda s, b, h, i, j: CAP * torch.tanh(s / CAP)
+  block_mask = None if mask_mod is None else create_block_mask(
+      mask_mod, batch, None, q_len, kv_len, device=q.device)
+  on_cpu = q.device.type == "cpu"
+  heads_first = lambda x: (x.detach() if on_cpu else x).permute(0, 2, 1, 3)
+  o = flex_attention(heads_first(q), heads_first(k), heads_first(v), score_mod=score_mod,
+                     block_mask=block_mask, scale=scale, enable_gqa=True)
+  return o.permute(0, 2, 1, 3)

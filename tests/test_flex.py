@@ -190,12 +190,63 @@ def test_triton_kernels_equal_the_xla_backend(sq, sk, hq, hk, d):
   _assert_close(ours, ref, 1e-5)
 
 
-def test_arrays_closed_over_send_auto_to_xla():
+@pytest.mark.kernel
+def test_block_mask_tiles_are_skipped_and_full_tiles_unmasked():
+  """With the kernels' tiles equal to a caller's block mask's blocks, the block mask is
+  what they follow: tiles it calls empty are never visited, tiles it calls full skip
+  the element mask (both unlike mask_mod here)."""
+  sq, sk, block = 32, 48, 16
+  q, k, v, do = _inputs(10, sq, sk, 2, 2)
+  mask_mod = flex.sliding_window_mask(20, 0, offset=sk - sq)
+  bm = jattn.create_block_mask(mask_mod, None, None, sq, sk, block=block)
+  kinds = np.asarray(bm.kinds).copy()
+  kinds[0, 0, 1, 0] = flex.EMPTY  # allowed pairs in it: dropped
+  kinds[0, 0, 0, 2] = flex.FULL   # partly refused by the window: all taken
+  edited = flex.BlockMask(jnp.asarray(kinds), mask_mod, sq, sk, block, block)
+  allowed = np.array(elementwise(mask_mod, *dense_indices(1, 1, sq, sk)))[0, 0]
+  allowed[block:2 * block, :block] = False
+  allowed[:block, 2 * block:] = True
+  bias = jnp.broadcast_to(jnp.where(jnp.asarray(allowed), 0.0, -jnp.inf), (2, sq, sk))
+  ours = _out_and_grads(lambda q, k, v: jattn.flex_attention(
+      q, k, v, block_mask=edited, return_lse=True, backend="pallas_triton",
+      config=jattn.BlockConfig(*(block,) * 2, 4, 1, *(block,) * 4)), q, k, v, do)
+  ref = _out_and_grads(lambda q, k, v: jattn.flex_attention(
+      q, k, v, score_mod=flex.bias_score(bias), return_lse=True, backend="xla"), q, k, v, do)
+  _assert_close(ours, ref, 1e-5)
+
+
+def test_functions_the_tiles_cannot_evaluate_go_to_xla():
   q, k, v, _ = _inputs()
-  problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.alibi_score(flex.alibi_slopes(HQ)))
-  reasons = dict(flex.FLEX.choices(problem))
-  assert "closing over arrays" in (reasons["pallas_triton"] or "")
+  slopes = flex.alibi_slopes(HQ)
+  whole = lambda s, b, h, i, j: s + jnp.sum(slopes * h)  # arithmetic on a whole array
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=whole)
+  assert "computes mul on whole arrays" in dict(flex.FLEX.choices(problem))["pallas_triton"]
   assert flex.FLEX.select(problem) == "xla"
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.alibi_score(slopes))
+  assert flex.FLEX.select(problem) == "pallas_triton"
+
+
+TABLE = jax.random.normal(jax.random.PRNGKey(11), (3, 5, 6))
+FLAGS = jnp.array([True, False, True])
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, b, h, i, j: s * TABLE[h, i, j] + TABLE[0, 0, 0],           # dynamic_slice, scalar read
+    lambda s, b, h, i, j: s + jnp.take(TABLE[0, 0], j - i, mode="clip"),  # gather, clipped
+    lambda s, b, h, i, j: s + TABLE.at[h, i + 2, j].get(mode="fill", fill_value=-2.0),
+    lambda s, b, h, i, j: jnp.where(FLAGS[h], s, jax.nn.softplus(TABLE * 2.0)[h, i, j]),
+    lambda s, b, h, i, j: s + TABLE[-1, -i, j - 9],                       # negative indices
+    lambda s, b, h, i, j: jnp.float32(1.5),                               # constant
+], ids=["slice", "take-clip", "get-fill", "bool-and-outside-math", "negative", "constant"])
+def test_tile_evaluator_equals_vmap(fn):
+  """What the kernels evaluate on tiles (arrays read by index, math on the arrays
+  alone done outside) equals the function vmapped over the dense grid."""
+  traced, consts = jattn.flex.functions.trace(fn, "score_mod")
+  assert traced.kernel_gap is None
+  s = jax.random.normal(jax.random.PRNGKey(12), (2, 3, 5, 6))
+  index = dense_indices(2, 3, 5, 6)
+  tiles = traced.tile_function(traced.kernel_arrays(consts), s, *index)
+  np.testing.assert_array_equal(np.asarray(tiles), np.asarray(traced(consts, s, *index)))
 
 
 def _bad_mask_mod(b, h, i, j):

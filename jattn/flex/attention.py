@@ -2,8 +2,9 @@
 
 Backends:
 - ``pallas_triton``: flash attention's Triton-lowered kernels with the functions
-  traced into the tiles (``jattn.kernels.flash.triton``), for functions that close
-  over no array;
+  evaluated on the tiles (``jattn.kernels.common.element_functions``, closed-over
+  arrays read from refs) and the block mask as block-sparse tile lists; the
+  gradients of closed-over arrays by ``array_grads``;
 - ``xla``: the dense float32 computation of ``jattn.reference.flex_attention_reference``,
   differentiated by autodiff, the closed-over arrays included.
 """
@@ -16,10 +17,13 @@ import jax
 
 from jattn.core.op import AttentionProblem, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, scale_of
+from jattn.flex.array_grads import score_array_grads
 from jattn.flex.block_mask import BlockMask
+from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
 from jattn.flash import AttentionTritonImpl
-from jattn.kernels.flash import flash_triton_backward, flash_triton_forward
+from jattn.kernels.common.block_sparsity import classify_blocks
+from jattn.kernels.flash import FlexMods, flash_triton_backward, flash_triton_forward, kernel_tiles
 from jattn.reference import flex_attention_reference
 
 
@@ -31,6 +35,11 @@ class FlexProblem(AttentionProblem):
   score_mod: ElementFunction | None = None
   mask_mod: ElementFunction | None = None
   return_lse: bool = False
+  # (block_q, block_kv) of a caller's block mask, whose classification is then the
+  # op's last array; None: the kernels classify their own tiles.
+  block_mask: tuple[int, int] | None = None
+  # A named problem of ``jattn.flex.examples`` (checks and benchmarks), else None.
+  example: str | None = None
 
   @property
   def num_consts(self) -> int:
@@ -44,41 +53,69 @@ class FlexProblem(AttentionProblem):
 
 
 class TritonFlex(AttentionTritonImpl):
-  """Flash attention's Triton kernels with the functions traced into the tiles: the
-  score transform and its derivative in the forward, dQ and dK/dV kernels, the mask
-  with the padding mask (every tile masked; block masks do not skip tiles yet)."""
+  """Flash attention's Triton kernels with the functions evaluated on the tiles: the
+  score transform and its derivative in the forward, dQ and dK/dV kernels; the mask
+  with the padding mask on the tiles a block mask lists as partial, none on the
+  full ones, and the empty ones skipped."""
 
   def gaps(self, p):
-    closed = ("score_mod or mask_mod closing over arrays",) if p.num_consts else ()
-    return super().gaps(p) + closed
+    unsupported = tuple(f"a {f.kind} the tiles cannot evaluate ({f.kernel_gap})"
+                        for f in (p.score_mod, p.mask_mod) if f is not None and f.kernel_gap)
+    return super().gaps(p) + unsupported
 
   def tuning_stages(self):
-    # Not tuned yet: a cached config would have to be keyed by the functions too.
+    # Not tuned: a cached config would have to be keyed by the functions too.
     return ()
 
-  def _functions(self, p):
-    return dict(score_fn=None if p.score_mod is None else p.score_mod.bind(()),
-                mask_fn=None if p.mask_mod is None else p.mask_mod.bind(()))
-
-  def forward(self, call, q, k, v):
+  def _kinds(self, call, mask_consts, kinds):
+    """The block classification and its block size: the caller's, else the mask's
+    at the finest tiles any of the kernels runs."""
     p = call.problem
+    if p.mask_mod is None:
+      return None, None
+    if kinds is not None:
+      return kinds, p.block_mask
+    bq, bk, _, _ = kernel_tiles(call.config, p.q_len, p.kv_len)
+    block = (min(bq), min(bk))
+    batch = p.batch if p.mask_mod.uses("b") else 1
+    heads = p.q_heads if p.mask_mod.uses("h") else 1
+    allowed_at = lambda *index: p.mask_mod(mask_consts, *index)
+    return classify_blocks(allowed_at, batch, heads, (p.q_len, p.kv_len), block), block
+
+  def forward(self, call, q, k, v, *rest):
+    p = call.problem
+    consts, kinds = (rest[:-1], rest[-1]) if p.block_mask is not None else (rest, None)
+    score_consts, mask_consts = p.split_consts(consts)
+    kinds, block = self._kinds(call, mask_consts, kinds)
+    mods = FlexMods(
+        score=None if p.score_mod is None else p.score_mod.tile_function,
+        score_arrays=() if p.score_mod is None else p.score_mod.kernel_arrays(score_consts),
+        mask=None if p.mask_mod is None else p.mask_mod.tile_function,
+        mask_arrays=() if p.mask_mod is None else p.mask_mod.kernel_arrays(mask_consts),
+        block_kinds=kinds, block=block)
     o, lse = flash_triton_forward(q, k, v, None, None, causal=False, scale=p.scale,
                                   local_window=None, softcap=None, config=call.config,
-                                  interpret=call.interpret, **self._functions(p))
-    return (o, lse), ((q, k, v), o, lse)
+                                  interpret=call.interpret, mods=mods)
+    return (o, lse), ((q, k, v), consts, mods, o, lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v), o, lse = residuals
+    (q, k, v), consts, mods, o, lse = residuals
     p = call.problem
-    return flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
-                                 scale=p.scale, local_window=None, softcap=None,
-                                 config=call.config, interpret=call.interpret,
-                                 **self._functions(p))
+    dq, dk, dv = flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
+                                       scale=p.scale, local_window=None, softcap=None,
+                                       config=call.config, interpret=call.interpret, mods=mods)
+    score_consts, mask_consts = p.split_consts(consts)
+    array_grads = []
+    if score_consts:
+      array_grads = score_array_grads(p, score_consts, mask_consts, q, k, v, o, lse, *cotangents)
+    kinds = (None,) if p.block_mask is not None else ()
+    return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
 
 
 class XlaFlex(XlaImpl):
-  def forward(self, call, q, k, v, *consts):
+  def forward(self, call, q, k, v, *rest):
     p = call.problem
+    consts = rest[:-1] if p.block_mask is not None else rest
     score_consts, mask_consts = p.split_consts(consts)
     score = None if p.score_mod is None else p.score_mod.bind(score_consts)
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
@@ -94,22 +131,41 @@ class FlexAttention(SoftmaxOp):
            return_lse=False):
     check_attention_inputs(q, k, v)
     batch, q_len, q_heads, head_dim = q.shape
+    kinds = ()
     if block_mask is not None:
       mask_mod = _check_block_mask(block_mask, mask_mod, batch, q_heads, q_len, k.shape[1])
+      kinds = (block_mask.kinds,)
     score_fn, score_consts = trace(score_mod, "score_mod")
     mask_fn, mask_consts = trace(mask_mod, "mask_mod")
-    problem = FlexProblem.of(q, k, scale=scale_of(scale, head_dim), score_mod=score_fn,
-                             mask_mod=mask_fn, return_lse=bool(return_lse))
-    return problem, (q, k, v) + score_consts + mask_consts
+    problem = FlexProblem.of(
+        q, k, scale=scale_of(scale, head_dim), score_mod=score_fn, mask_mod=mask_fn,
+        return_lse=bool(return_lse),
+        block_mask=None if block_mask is None else (block_mask.block_q, block_mask.block_kv))
+    return problem, (q, k, v) + score_consts + mask_consts + kinds
 
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o
 
+  def problem(self, example: str | None = None, **keywords):
+    """A problem from keywords; ``example`` names one of ``jattn.flex.examples``,
+    whose functions it then has."""
+    p = super().problem(**keywords)
+    if example is None:
+      return p
+    score_mod, mask_mod = example_mods(example, p.batch, p.q_heads, p.q_len, p.kv_len)
+    return dataclasses.replace(p, score_mod=trace(score_mod, "score_mod")[0],
+                               mask_mod=trace(mask_mod, "mask_mod")[0], example=example)
+
   def example(self, p: FlexProblem, key):
-    if p.score_mod is not None or p.mask_mod is not None:
-      raise ValueError("an example of flex_attention is of a problem without functions")
-    return p.random_qkv(jax.random.split(key, 3))
+    qkv = p.random_qkv(jax.random.split(key, 3))
+    if p.example is None:
+      if p.score_mod is not None or p.mask_mod is not None:
+        raise ValueError("inputs can be drawn for flex_attention problems without functions "
+                         "or with a named example (jattn.flex.examples), not for others")
+      return qkv
+    score_mod, mask_mod = example_mods(p.example, p.batch, p.q_heads, p.q_len, p.kv_len)
+    return qkv + trace(score_mod, "score_mod")[1] + trace(mask_mod, "mask_mod")[1]
 
 
 def _check_block_mask(block_mask, mask_mod, batch, heads, q_len, kv_len):

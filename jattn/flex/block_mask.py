@@ -8,13 +8,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jattn.core.elementwise import elementwise
 from jattn.core.validation import check_positive_int
 from jattn.flex.functions import trace
+from jattn.kernels.common.block_sparsity import EMPTY, FULL, PARTIAL, classify_blocks
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
+__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "create_block_mask"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -82,20 +82,6 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
   check_positive_int("q_len", q_len)
   check_positive_int("kv_len", kv_len)
   block_q, block_kv = _blocks(block)
-  q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
-  b = jnp.arange(batch or 1, dtype=jnp.int32)[:, None, None, None]
-  h = jnp.arange(heads or 1, dtype=jnp.int32)[None, :, None, None]
-  kv = jnp.arange(kv_blocks * block_kv, dtype=jnp.int32)[None, None, None, :]
-
-  def classify(i):
-    q = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None]
-    allowed = elementwise(mask_mod, b, h, q, kv)
-    real = (q < q_len) & (kv < kv_len)  # padding counts as neither allowed nor refused
-    shape = allowed.shape[:2] + (block_q, kv_blocks, block_kv)
-    any_allowed = jnp.any((allowed & real).reshape(shape), axis=(2, 4))
-    all_allowed = jnp.all((allowed | ~real).reshape(shape), axis=(2, 4))
-    return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
-
-  kinds = lax.map(classify, jnp.arange(q_blocks, dtype=jnp.int32))  # [q_blocks, B, H, kv_blocks]
-  return BlockMask(jnp.transpose(kinds, (1, 2, 0, 3)), mask_mod, q_len, kv_len, block_q,
-                   block_kv)
+  kinds = classify_blocks(lambda *index: elementwise(mask_mod, *index), batch or 1, heads or 1,
+                          (q_len, kv_len), (block_q, block_kv))
+  return BlockMask(kinds, mask_mod, q_len, kv_len, block_q, block_kv)

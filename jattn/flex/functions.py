@@ -9,20 +9,25 @@ as an explicit input. So:
   new value never hides behind a cached compilation;
 - two calls with functions of the same trace share one compiled program, even when
   each call builds a fresh lambda;
-- a backend evaluates the function on whatever broadcastable index arrays it has (a
-  dense ``[B, H, Sq, Sk]`` grid, or a kernel tile), elementwise, through ``vmap``.
+- a backend evaluates the function on whatever broadcastable index arrays it has:
+  a dense ``[B, H, Sq, Sk]`` grid elementwise through ``vmap``, or a kernel tile
+  through ``tile_function``, which reads the arrays from the kernel's refs. What
+  depends on the arrays alone (``slopes * 2``, a table's softplus) is computed once,
+  outside the kernels, by ``kernel_arrays``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
 from jattn.core.elementwise import elementwise
+from jattn.kernels.common.element_functions import TileFunction, kernel_array
 
 SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
 MASK_ARGS = "(b, h, q_idx, kv_idx)"
@@ -57,6 +62,59 @@ class ElementFunction:
     """The function on broadcastable ``args`` (score float32, indices int32),
     elementwise, with ``consts`` in place of the arrays it closed over."""
     return elementwise(self.bind(consts), *args)
+
+  def uses(self, index: str) -> bool:
+    """Whether the function reads the index argument ``index`` ("b", "h", "q_idx",
+    "kv_idx")."""
+    names = (("score",) if self.kind == "score_mod" else ()) + ("b", "h", "q_idx", "kv_idx")
+    var = self.jaxpr.invars[names.index(index)]
+    return any(var is v for eqn in self.jaxpr.eqns for v in eqn.invars) or any(
+        var is v for v in self.jaxpr.outvars)
+
+  @functools.cached_property
+  def _split(self) -> tuple[Jaxpr, TileFunction]:
+    """``(jaxpr: the function's arrays -> the arrays the tiles read, the tile
+    function)``: equations that do not depend on the arguments move out of the tiles."""
+    varying, arrays = set(self.jaxpr.invars), set(self.jaxpr.constvars)
+    outer, inner = [], []
+    for eqn in self.jaxpr.eqns:
+      inputs = [v for v in eqn.invars if not isinstance(v, Literal)]
+      if any(v in varying for v in inputs):
+        inner.append(eqn)
+        varying.update(eqn.outvars)
+      elif any(v in arrays for v in inputs):
+        outer.append(eqn)
+        arrays.update(eqn.outvars)
+      else:  # of literals only: wherever it is needed
+        outer.append(eqn)
+        inner.append(eqn)
+    read = [v for eqn in inner for v in eqn.invars] + list(self.jaxpr.outvars)
+    read = list({id(v): v for v in read if not isinstance(v, Literal) and v in arrays}.values())
+    arrays = _jaxpr([], self.jaxpr.constvars, read, outer, f"{self.kind}'s arrays")
+    tiles = _jaxpr(read, self.jaxpr.invars, self.jaxpr.outvars, inner, f"{self.kind} on tiles")
+    return arrays, TileFunction.of(tiles)
+
+  @property
+  def tile_function(self) -> TileFunction:
+    """The function as kernels run it on tiles (see ``kernel_arrays``)."""
+    return self._split[1]
+
+  def kernel_arrays(self, consts) -> tuple:
+    """The arrays ``tile_function`` reads, from the closed-over ``consts``
+    (differentiably)."""
+    arrays = jaxpr_as_fun(ClosedJaxpr(self._split[0], []))(*consts)
+    return tuple(kernel_array(jnp.asarray(a)) for a in arrays)
+
+  @functools.cached_property
+  def kernel_gap(self) -> str | None:
+    """Why kernels cannot evaluate the function (None: they can)."""
+    return self.tile_function.check()
+
+
+def _jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:
+  info = DebugInfo("flex_attention", name, tuple(f"x{i}" for i in range(len(invars))),
+                   tuple(f"y{i}" for i in range(len(outvars))))
+  return Jaxpr(list(constvars), list(invars), list(outvars), eqns, debug_info=info)
 
 
 def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple]:

@@ -10,12 +10,12 @@ Causal attention is the window ``right = 0``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
 
-from jattn.core.elementwise import elementwise
+from jattn.kernels.common.element_functions import TileFunction
+from jattn.kernels.common.softmax import ScoreFunction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,9 @@ class MaskSpec:
     kv_padded: whether keys past ``kv_len`` exist in the padded buffers.
     segments: whether segment ids restrict attention further.
     element_fn: a user mask ``(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
-      ``mask_mod``), called elementwise on each tile; every tile is then masked.
+      ``mask_mod``) evaluated on each tile, reading ``element_arrays`` (refs inside
+      a kernel); every tile is then masked, unless a block-sparse schedule says
+      which tiles it allows wholly.
   """
 
   q_len: int
@@ -38,7 +40,8 @@ class MaskSpec:
   right: int | None = None
   kv_padded: bool = False
   segments: bool = False
-  element_fn: Callable | None = None
+  element_fn: TileFunction | None = None
+  element_arrays: tuple = ()
 
   @property
   def every_tile_masked(self) -> bool:
@@ -75,7 +78,7 @@ def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None):
   if spec.segments:
     mask = conj(mask, q_seg == k_seg)
   if spec.element_fn is not None:
-    mask = conj(mask, elementwise(spec.element_fn, *bh, q_idx, k_idx))
+    mask = conj(mask, spec.element_fn(spec.element_arrays, *bh, q_idx, k_idx))
   return mask
 
 
@@ -153,3 +156,39 @@ def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
   full_lo = _clamp(full_lo, lo, hi)
   full_hi = _clamp(full_hi, full_lo, hi)
   return lo, full_lo, full_hi, hi
+
+
+def range_tiles(lo, full_lo, full_hi, hi):
+  """The loop schedule of a ``kv_block_range`` / ``q_block_range`` result: masked,
+  unmasked, masked runs of consecutive tiles, as ``[(lo, hi, index, masked)]``."""
+  return [(lo, full_lo, None, True), (full_lo, full_hi, None, False), (full_hi, hi, None, True)]
+
+
+def run_tiles(schedule, body, carry):
+  """Runs ``body(masked, tile, carry)`` over a schedule's loops: loop ``t`` in
+  ``[lo, hi)`` visits tile ``index(t)`` (``t`` itself where ``index`` is None)."""
+  for lo, hi, index, masked in schedule:
+    if index is None:
+      step = lambda t, c, masked=masked: body(masked, t, c)
+    else:
+      step = lambda t, c, masked=masked, index=index: body(masked, index(t), c)
+    carry = lax.fori_loop(lo, hi, step, carry)
+  return carry
+
+
+def split_extra_refs(refs, spec: MaskSpec, score, lists: bool):
+  """Inside a kernel, the refs after its fixed inputs: the score function's arrays,
+  the mask function's, then (``lists``) the four block-sparse tile lists, then the
+  outputs. Returns ``(spec, score)`` reading their arrays from those refs, the lists'
+  refs (None without) and the output refs."""
+  refs = list(refs)
+  if isinstance(score, ScoreFunction):
+    n = score.fn.num_arrays
+    score, refs = dataclasses.replace(score, arrays=tuple(refs[:n])), refs[n:]
+  if spec.element_fn is not None:
+    n = spec.element_fn.num_arrays
+    spec, refs = dataclasses.replace(spec, element_arrays=tuple(refs[:n])), refs[n:]
+  tile_lists = None
+  if lists:
+    tile_lists, refs = tuple(refs[:4]), refs[4:]
+  return spec, score, tile_lists, refs

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn.core.elementwise import elementwise
+from jattn.kernels.common.element_functions import TileFunction
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -89,14 +88,15 @@ class Softcap:
 
 @dataclasses.dataclass(frozen=True)
 class ScoreFunction:
-  """A user score function ``f(score, b, h, q_idx, kv_idx)`` applied elementwise to a
-  tile (``index``: broadcastable ``(b, h, q_idx, kv_idx)``), its derivative in the
-  score by forward-mode autodiff."""
+  """A user score function ``f(score, b, h, q_idx, kv_idx)`` evaluated on a tile
+  (``index``: broadcastable ``(b, h, q_idx, kv_idx)``), reading ``arrays`` (refs
+  inside a kernel); its derivative in the score by forward-mode autodiff."""
 
-  fn: Callable
+  fn: TileFunction
+  arrays: tuple = ()
 
   def apply(self, x, index, with_grad: bool):
-    f = lambda x: elementwise(self.fn, x, *index).astype(jnp.float32)
+    f = lambda x: self.fn(self.arrays, x, *index).astype(jnp.float32)
     if not with_grad:
       return f(x), None
     return jax.jvp(f, (x,), (jnp.ones_like(x),))

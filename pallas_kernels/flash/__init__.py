@@ -3,7 +3,9 @@
 
 from jattn.kernels.flash.mosaic import flash_mosaic_backward, flash_mosaic_forward
 from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, default_mosaic_config
-from jattn.kernels.flash.triton import flash_triton_backward, flash_triton_forward
+from jattn.kernels.flash.triton import (FlexMods, flash_triton_backward, flash_triton_forward,
+                                       kernel_tiles)
 
-__all__ = ["MosaicBlockConfig", "default_mosaic_config", "flash_mosaic_backward",
-           "flash_mosaic_forward", "flash_triton_backward", "flash_triton_forward"]
+__all__ = ["FlexMods", "MosaicBlockConfig", "default_mosaic_config", "flash_mosaic_backward",
+           "flash_mosaic_forward", "flash_triton_backward", "flash_triton_forward",
+           "kernel_tiles"]

@@ -5,7 +5,8 @@ Two kernels, no atomics, so gradients are bitwise reproducible:
   tile and loops over the query heads of its group and the query blocks that see
   it, so grouped-query heads are summed in a fixed order.
 - dQ: grid (query blocks, batch, query heads); loops over key blocks.
-Both recompute probabilities from the saved log-sum-exp.
+Both recompute probabilities from the saved log-sum-exp. Given block-sparse tile
+lists (FlexAttention's block masks), each visits only the listed tiles.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import BlockConfig
-from jattn.kernels.common.launch import row_stat_spec, tile_spec, triton_call, whole_sequence_spec
-from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
+from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
+                                         whole_sequence_spec)
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
+                                          range_tiles, run_tiles, split_extra_refs)
 from jattn.kernels.common.softmax import LOG2E, dot, log2_logits, logit_grad
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-                dk_ref, dv_ref, *, spec: MaskSpec, scale: float, score,
-                block_q: int, block_k: int, group: int):
+                *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
+                group: int, lists: bool):
+  spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
   k_start = pl.program_id(0) * block_k
   batch_row, kv_head = pl.program_id(1), pl.program_id(2)
   k = k_ref[...]
@@ -54,13 +59,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     dk = dk + dot(ds_t.astype(q.dtype), q, 1, 0)
     return dk, dv
 
-  lo, full_lo, full_hi, hi = q_block_range(spec, k_start, block_k, block_q)
+  if not lists:
+    ranges = range_tiles(*q_block_range(spec, k_start, block_k, block_q))
+  # Read here: interpret mode has no program ids inside loops.
+  key_tile = pl.program_id(0) if lists else None
 
   def per_head(g, carry):
     head = kv_head * group + g
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, head, True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, head, False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(body, head, True), carry)
+    if lists:  # the lists hold every head's rows, or one row set for all heads
+      schedule = listed_tiles(tile_lists, key_tile,
+                              head if tile_lists[0].shape[0] > 1 else 0)
+    else:
+      schedule = ranges
+    return run_tiles(schedule, functools.partial(body, head), carry)
 
   d = k_ref.shape[-1]
   zeros = jnp.zeros((block_k, d), jnp.float32)
@@ -70,7 +81,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-               dq_ref, *, spec: MaskSpec, scale: float, score, block_q: int, block_k: int):
+               *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
+               lists: bool):
+  spec, score, tile_lists, (dq_ref,) = split_extra_refs(refs, spec, score, lists)
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
@@ -94,16 +107,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     ds = logit_grad(p * (dp - delta[:, None]), g)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
-  lo, full_lo, full_hi, hi = kv_block_range(spec, q_start, block_q, block_k)
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dq = lax.fori_loop(lo, full_lo, functools.partial(body, True), dq)
-  dq = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), dq)
-  dq = lax.fori_loop(full_hi, hi, functools.partial(body, True), dq)
+  if lists:
+    schedule = listed_tiles(tile_lists, pl.program_id(0))
+  else:
+    schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
+  dq = run_tiles(schedule, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
-                   score, config: BlockConfig, blocks, interpret: bool):
+                   score, config: BlockConfig, blocks, interpret: bool, arrays=(),
+                   lists=None):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
@@ -112,6 +126,9 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
       minus any cotangent of the returned log-sum-exp.
     blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``, dividing the
       padded lengths.
+    arrays: the arrays the score function, then the mask function, read.
+    lists: ``(dK/dV lists, dQ lists)``: ``block_sparsity.tile_lists`` at the dK/dV
+      kernel's tiles (transposed: per key tile) and at the dQ kernel's; or None.
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -130,15 +147,18 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   if spec.segments:
     seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),
                  pl.BlockSpec((None, bk_dkv), lambda j, b, h: (b, j))]
+  extra = [whole_array_spec(x) for x in arrays]
+  dkv_lists, dq_lists = lists if lists is not None else ((), ())
   dk, dv = triton_call(
       functools.partial(_dkv_kernel, spec=spec, scale=scale, score=score,
-                        block_q=bq_dkv, block_k=bk_dkv, group=group),
+                        block_q=bq_dkv, block_k=bk_dkv, group=group, lists=bool(dkv_lists)),
       grid=(kv_len_p // bk_dkv, batch, kv_heads),
-      in_specs=[full_q, kv_tile, kv_tile, full_q, full_rows, full_rows, *seg_specs],
+      in_specs=[full_q, kv_tile, kv_tile, full_q, full_rows, full_rows, *seg_specs, *extra,
+                *list_specs(dkv_lists, per_head=False)],
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_flash_bwd_dkv", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg)
+  )(q, k, v, do, lse, delta, q_seg, kv_seg, *arrays, *dkv_lists)
 
   q_tile = tile_spec(bq_dq, d)
   row_tile = row_stat_spec(bq_dq)
@@ -149,11 +169,12 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
   dq = triton_call(
       functools.partial(_dq_kernel, spec=spec, scale=scale, score=score,
-                        block_q=bq_dq, block_k=bk_dq),
+                        block_q=bq_dq, block_k=bk_dq, lists=bool(dq_lists)),
       grid=(q_len_p // bq_dq, batch, q_heads),
-      in_specs=[q_tile, full_kv, full_kv, q_tile, row_tile, row_tile, *seg_specs],
+      in_specs=[q_tile, full_kv, full_kv, q_tile, row_tile, row_tile, *seg_specs, *extra,
+                *list_specs(dq_lists, per_head=True)],
       out_specs=q_tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_flash_bwd_dq", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg)
+  )(q, k, v, do, lse, delta, q_seg, kv_seg, *arrays, *dq_lists)
   return dq, dk, dv

@@ -3,7 +3,9 @@
 Grid: (query blocks, batch, query heads). Each program keeps one query tile in
 registers and streams key/value tiles with an online softmax. Key blocks are
 visited in three runs (masked, unmasked, masked) so that tiles wholly inside
-the attention pattern skip the element mask.
+the attention pattern skip the element mask; or, given block-sparse tile lists
+(FlexAttention's block masks), the listed partial tiles masked and the full ones
+unmasked.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import BlockConfig
-from jattn.kernels.common.launch import row_stat_spec, tile_spec, triton_call, whole_sequence_spec
-from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range
+from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
+from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
+                                         whole_sequence_spec)
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
+                                          run_tiles, split_extra_refs)
 from jattn.kernels.common.softmax import (dot, log2_logits, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *,
-                    spec: MaskSpec, scale: float, score, block_q: int, block_k: int):
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs, spec: MaskSpec,
+                    scale: float, score, block_q: int, block_k: int, lists: bool):
+  spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
@@ -39,18 +45,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, 
       s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg, bh)
     return online_softmax_step(carry, s, c, v_ref[k_slice, :])
 
-  lo, full_lo, full_hi, hi = kv_block_range(spec, q_start, block_q, block_k)
-  carry = online_softmax_init(block_q, q_ref.shape[-1])
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), carry)
-  carry = lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
+  if lists:
+    schedule = listed_tiles(tile_lists, pl.program_id(0))
+  else:
+    schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
+  carry = run_tiles(schedule, body, online_softmax_init(block_q, q_ref.shape[-1]))
   o, lse = online_softmax_finish(carry)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
 
 def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score,
-                  config: BlockConfig, block_q: int, block_k: int, interpret: bool):
+                  config: BlockConfig, block_q: int, block_k: int, interpret: bool,
+                  arrays=(), lists=None):
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -58,6 +65,8 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
     k, v: ``[batch, kv_len_p, kv_heads, d_p]`` with ``kv_len_p % block_k == 0``.
     q_seg, kv_seg: ``[batch, q_len_p]`` / ``[batch, kv_len_p]`` int32, or None.
     score: a score transform (``Softcap``, ``ScoreFunction``) or None.
+    arrays: the arrays the score function, then the mask function, read.
+    lists: ``block_sparsity.tile_lists`` at ``(block_q, block_k)``, or None.
 
   Returns:
     ``o`` like ``q`` and ``lse: [batch, q_heads, q_len_p]`` float32 (natural log).
@@ -72,8 +81,11 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
   else:
     in_specs += [None, None]
+  in_specs += [whole_array_spec(x) for x in arrays]
+  if lists is not None:
+    in_specs += list_specs(lists, per_head=True)
   kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, score=score,
-                             block_q=block_q, block_k=block_k)
+                             block_q=block_q, block_k=block_k, lists=lists is not None)
   return triton_call(
       kernel,
       grid=(q_len_p // block_q, batch, q_heads),
@@ -83,4 +95,4 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
                  jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)],
       name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
       num_stages=config.num_stages,
-  )(q, k, v, q_seg, kv_seg)
+  )(q, k, v, q_seg, kv_seg, *arrays, *(lists or ()))

@@ -1,0 +1,229 @@
+"""Scalar functions (FlexAttention's ``score_mod`` / ``mask_mod``) evaluated on tiles.
+
+A function's scalar jaxpr is interpreted equation by equation on broadcastable tiles
+(query indices ``[bq, 1]``, key indices ``[1, bk]``, program ids as scalars):
+
+- elementwise primitives apply to their operands broadcast to the operands' joint
+  shape only (a ``[bq, 1]`` sum stays ``[bq, 1]``);
+- shape primitives on one-element values (squeeze, reshape, ``broadcast_in_dim`` to
+  ``[1]``) are the identity;
+- reads of the arrays the function closed over (its jaxpr constants: ``x[i]``,
+  ``jnp.take``, ``x.at[i].get(mode=...)``) become loads with per-element indices,
+  clamped or filled as XLA's ``dynamic_slice`` / ``gather`` would.
+
+The arrays are anything indexable by integer arrays: kernel refs (an indexed load
+in the Triton lowering, a gather in interpret mode) or jax arrays. So one evaluator
+serves every kernel tile; what it cannot express (arithmetic on whole arrays mixed
+with indices) is reported before any kernel is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+# Arrays of this dtype are passed to kernels as int32 (then compared with 0).
+_STORED_AS_INT32 = (np.dtype(np.bool_),)
+_SHAPE_PRIMITIVES = {"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p"}
+_SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class UnsupportedFunction(NotImplementedError):
+  """A score or mask function the tile evaluator cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _IndexVector:
+  """Several one-element indices concatenated (a multi-dimensional gather's index)."""
+
+  parts: tuple
+
+
+def kernel_array(x):
+  """How an array a function reads is passed to a kernel: booleans as int32, a
+  scalar as one element."""
+  x = x.astype(jnp.int32) if np.dtype(x.dtype) in _STORED_AS_INT32 else x
+  return x.reshape(1) if x.ndim == 0 else x
+
+
+@dataclasses.dataclass(frozen=True)
+class TileFunction:
+  """A scalar function (its jaxpr, whose constants are the arrays it reads) applied
+  to broadcastable tiles. Compared by the jaxpr's text: it is static kernel
+  configuration."""
+
+  jaxpr: Jaxpr = dataclasses.field(compare=False, repr=False)
+  key: str = ""
+
+  @classmethod
+  def of(cls, jaxpr: Jaxpr) -> "TileFunction":
+    return cls(jaxpr, str(jaxpr))
+
+  @property
+  def num_arrays(self) -> int:
+    return len(self.jaxpr.constvars)
+
+  def __call__(self, arrays, *args):
+    """The function of ``args`` (broadcastable tiles) reading ``arrays`` (refs or
+    arrays, as ``kernel_array`` passes them, one per jaxpr constant)."""
+    if len(arrays) != self.num_arrays:
+      raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
+    consts = [_Array(a, v.aval) for a, v in zip(arrays, self.jaxpr.constvars)]
+    (out,) = _evaluate(self.jaxpr, consts, list(args))
+    # A function constant in some indices still gives a value per element.
+    return jnp.broadcast_to(out, jnp.broadcast_shapes(*(jnp.shape(a) for a in args)))
+
+  def check(self) -> str | None:
+    """Why the evaluator cannot run this function (None: it can), by evaluating it
+    abstractly on small tiles."""
+    import jax
+
+    arrays = [jax.eval_shape(kernel_array, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
+              for v in self.jaxpr.constvars]
+    args = [jax.ShapeDtypeStruct((2, 1) if i % 2 else (1, 2), v.aval.dtype)
+            for i, v in enumerate(self.jaxpr.invars)]
+    try:
+      jax.eval_shape(lambda arrays, args: self(arrays, *args), arrays, args)
+    except UnsupportedFunction as e:
+      return str(e)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Array:
+  """A closed-over array as the evaluator reads it: ``ref`` indexable by integer
+  arrays, ``aval`` its logical shape and dtype."""
+
+  ref: object
+  aval: object
+
+  def load(self, indices):
+    """The elements at integer tiles ``indices`` (one per dimension, in bounds)."""
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in indices))
+    indices = tuple(jnp.broadcast_to(jnp.asarray(i, jnp.int32), shape) for i in indices)
+    x = self.ref[indices] if indices else self.ref[0]  # a scalar is stored as [1]
+    if np.dtype(self.aval.dtype) in _STORED_AS_INT32:
+      x = x != 0
+    return x.astype(self.aval.dtype)
+
+  def scalar(self):
+    if int(np.prod(self.aval.shape)) != 1:
+      raise UnsupportedFunction(
+          f"it computes with a whole closed-over array of shape {list(self.aval.shape)} "
+          "next to the indices (read it by indexing, e.g. x[h] or table[kv_idx - q_idx])")
+    return self.load((0,) * len(self.aval.shape))
+
+
+def _index(i):
+  """An index tile (a closed-over scalar index read as one)."""
+  return i.scalar() if isinstance(i, _Array) else i
+
+
+def _clamp(i, size: int):
+  return jnp.clip(_index(i), 0, size - 1)
+
+
+def _dynamic_slice(array: _Array, starts, slice_sizes):
+  if any(s != 1 for s in slice_sizes):
+    raise UnsupportedFunction("it slices more than one element out of a closed-over array")
+  return array.load(tuple(_clamp(i, n) for i, n in zip(starts, array.aval.shape)))
+
+
+def _gather_fill(dtype, fill_value):
+  if fill_value is not None:
+    return fill_value
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return True
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return np.nan
+  return np.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.signedinteger) else np.iinfo(dtype).max
+
+
+def _gather(array: _Array, indices, *, dimension_numbers, slice_sizes, mode, fill_value,
+            **unused):
+  dn = dimension_numbers
+  if any(s != 1 for s in slice_sizes) or dn.operand_batching_dims:
+    raise UnsupportedFunction("it gathers more than one element of a closed-over array")
+  parts = indices.parts if isinstance(indices, _IndexVector) else (indices,)
+  parts = tuple(_index(i) for i in parts)
+  if len(parts) != len(dn.start_index_map):
+    raise UnsupportedFunction("it gathers with an index of unexpected shape")
+  shape = array.aval.shape
+  starts = [0] * len(shape)
+  for dim, i in zip(dn.start_index_map, parts):
+    starts[dim] = i
+  clamped = tuple(_clamp(i, n) for i, n in zip(starts, shape))
+  x = array.load(clamped)
+  if mode == lax.GatherScatterMode.FILL_OR_DROP:
+    outside = None
+    for dim, i in zip(dn.start_index_map, parts):
+      bad = (i < 0) | (i > shape[dim] - 1)
+      outside = bad if outside is None else outside | bad
+    x = jnp.where(outside, jnp.asarray(_gather_fill(x.dtype, fill_value), x.dtype), x)
+  return x
+
+
+def _sub_jaxpr(params):
+  for name in _SUB_JAXPR_PARAMS:
+    inner = params.get(name)
+    if isinstance(inner, ClosedJaxpr):
+      return inner
+    if isinstance(inner, Jaxpr):
+      return ClosedJaxpr(inner, [])
+  return None
+
+
+def _elementwise(eqn, values):
+  values = [v.scalar() if isinstance(v, _Array) else v for v in values]
+  if any(isinstance(v, _IndexVector) for v in values):
+    raise UnsupportedFunction(f"it computes {eqn.primitive.name} on an index vector")
+  shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in values))
+  values = [jnp.broadcast_to(v, shape) if jnp.shape(v) != shape else v for v in values]
+  out = eqn.primitive.bind(*values, **eqn.params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _evaluate(jaxpr: Jaxpr, consts: list, args: list) -> list:
+  env = {}
+
+  def read(v):
+    if isinstance(v, Literal):
+      return jnp.asarray(v.val, v.aval.dtype)
+    return env[v]
+
+  for var, value in zip(jaxpr.constvars, consts):
+    env[var] = value
+  for var, value in zip(jaxpr.invars, args):
+    env[var] = value
+  for eqn in jaxpr.eqns:
+    values = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    inner = _sub_jaxpr(eqn.params)
+    if inner is not None:
+      if any(np.size(np.shape(c)) and np.prod(np.shape(c)) > 1 for c in inner.consts):
+        raise UnsupportedFunction(f"its inner {name} closes over arrays")
+      n = len(values) - len(inner.jaxpr.invars)  # leading operands bound to constants
+      outs = _evaluate(inner.jaxpr, [jnp.asarray(c) for c in inner.consts], values[n:])
+    elif values and isinstance(values[0], _Array) and name == "dynamic_slice":
+      outs = [_dynamic_slice(values[0], values[1:], eqn.params["slice_sizes"])]
+    elif values and isinstance(values[0], _Array) and name == "gather":
+      outs = [_gather(values[0], values[1], **eqn.params)]
+    elif name in _SHAPE_PRIMITIVES and all(np.prod(v.aval.shape) == 1 for v in eqn.outvars):
+      outs = [values[0].scalar() if isinstance(values[0], _Array) else values[0]]
+    elif name == "concatenate" and all(np.prod(v.aval.shape) == 1 for v in eqn.invars):
+      parts = []
+      for v in values:
+        parts.extend(v.parts if isinstance(v, _IndexVector) else (v,))
+      outs = [_IndexVector(tuple(parts))]
+    elif any(np.prod(v.aval.shape) != 1 for v in eqn.outvars):
+      raise UnsupportedFunction(f"it computes {name} on whole arrays next to the indices")
+    else:
+      outs = _elementwise(eqn, values)
+    for var, value in zip(eqn.outvars, outs):
+      env[var] = value
+  return [read(v) for v in jaxpr.outvars]
