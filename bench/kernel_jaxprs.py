@@ -1,6 +1,8 @@
 """Writes the jaxpr of every Triton-family kernel (flash: plain, causal, window,
 soft-cap, segments; window, dilated, parallel and chunkwise retention; forward and
-backward; fp16 and fp32) to one text file. Two checkouts whose files are equal run
+backward; fp16 and fp32) and of the Hopper flash forward (traced, not compiled: this
+runs on a CPU; the Hopper backward traces only with the GPU image's newer jax) to one
+text file. Two checkouts whose files are equal run
 identical kernels, so a refactor's GPU figures still hold.
 
     JATTN_INTERPRET=1 python bench/kernel_jaxprs.py before.txt   # in each checkout
@@ -14,6 +16,9 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr
 
 import jattn
+from jattn.core.op import Call, run
+from jattn.flash import FLASH
+from jattn.kernels.flash import default_mosaic_config
 
 
 def kernel_jaxprs(jaxpr, out):
@@ -21,6 +26,11 @@ def kernel_jaxprs(jaxpr, out):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       out.append(f"{eqn.params['jaxpr']}\n{eqn.params['grid_mapping'].grid}")
+      continue
+    if "jaxprs" in eqn.params and "meshes" in eqn.params:  # a Mosaic GPU kernel
+      out.append("\n".join(map(str, eqn.params["jaxprs"] + eqn.params["meshes"]))
+                 + f"\n{eqn.params['compiler_params']}")
+      continue
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         if isinstance(sub, ClosedJaxpr):
@@ -60,6 +70,15 @@ def main(path):
     for mode in ("parallel", "chunkwise"):
       out += of_gradient(lambda q, k, v: jattn.retention(
           q, k, v, mode=mode, backend="pallas_triton"), x, x, x)
+  mosaic = FLASH.impl("pallas_mosaic")
+  for causal in (False, True):
+    x = jax.random.normal(keys[0], (1, 1024, 4, 128), jnp.bfloat16)
+
+    def hopper(q, k, v):  # the call "auto" makes on a Hopper GPU
+      problem, arrays = FLASH.bind(q, k, v, causal=causal)
+      return FLASH.finish(problem, run(Call(FLASH, mosaic, problem, default_mosaic_config(128),
+                                            False), arrays))
+    out += kernel_jaxprs(jax.make_jaxpr(hopper)(x, x, x).jaxpr, [])
   with open(path, "w") as f:
     f.write("\n=====\n".join(out))
   print(f"{len(out)} kernels -> {path}")
