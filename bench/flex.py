@@ -23,9 +23,12 @@ import itertools
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# JAX and torch share the GPU here: no preallocation, or torch's backward runs out.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -104,6 +107,10 @@ def run_torch(case, mode, q, k, v, do, docs):
 
   from jattn.interop import to_torch
 
+  # A fresh compile per case: the cases' functions would otherwise pile up as
+  # recompiles of one code object until dynamo gives up and runs unfused.
+  torch._dynamo.reset()
+  torch._dynamo.config.recompile_limit = 64
   qt, kt, vt, dot = (to_torch(x).permute(0, 2, 1, 3) for x in (q, k, v, do))
   qt, kt, vt = (x.detach().requires_grad_(mode != "fwd") for x in (qt, kt, vt))
   score_mod, mask_mod, batch = torch_case(case, q.shape, docs)
@@ -116,8 +123,7 @@ def run_torch(case, mode, q, k, v, do, docs):
 
   seconds, peak = time_torch_qkv(fwd if mode == "fwd" else both,
                                  (qt, kt, vt) + ((dot,) if mode != "fwd" else ()))
-  with torch.no_grad():
-    out = fwd().permute(0, 2, 1, 3).float().cpu().numpy()
+  out = fwd().detach().permute(0, 2, 1, 3).float().cpu().numpy()
   return seconds, peak, out
 
 

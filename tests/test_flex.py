@@ -238,10 +238,18 @@ FLAGS = jnp.array([True, False, True])
     lambda s, b, h, i, j: s + TABLE[-1, -i, j - 9],                       # negative indices
     lambda s, b, h, i, j: jnp.float32(1.5),                               # constant
 ], ids=["slice", "take-clip", "get-fill", "bool-and-outside-math", "negative", "constant"])
-def test_tile_evaluator_equals_vmap(fn):
+@pytest.mark.parametrize("inline_constants", [False, True], ids=["constants", "inlined"])
+def test_tile_evaluator_equals_vmap(fn, inline_constants):
   """What the kernels evaluate on tiles (arrays read by index, math on the arrays
-  alone done outside) equals the function vmapped over the dense grid."""
-  traced, consts = jattn.flex.functions.trace(fn, "score_mod")
+  alone done outside) equals the function vmapped over the dense grid; also where JAX
+  inlines concrete arrays into jaxprs (``jax_use_simplified_jaxpr_constants``, the
+  default of newer JAX)."""
+  from jax._src import config
+  flag = getattr(config, "use_simplified_jaxpr_constants", None)
+  if flag is None:
+    pytest.skip("this JAX has no jax_use_simplified_jaxpr_constants")
+  with flag(inline_constants):
+    traced, consts = jattn.flex.functions.trace(fn, "score_mod")
   assert traced.kernel_gap is None
   s = jax.random.normal(jax.random.PRNGKey(12), (2, 3, 5, 6))
   index = dense_indices(2, 3, 5, 6)

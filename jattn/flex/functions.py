@@ -18,6 +18,7 @@ as an explicit input. So:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -111,6 +112,15 @@ class ElementFunction:
     return self.tile_function.check()
 
 
+def _constants_as_inputs():
+  """A context in which ``make_jaxpr`` gives closed-over arrays as constants (newer JAX
+  may inline them into the equations as literals, where they could not be hoisted)."""
+  from jax._src import config  # no public context manager for this flag
+
+  flag = getattr(config, "use_simplified_jaxpr_constants", None)
+  return flag(False) if flag is not None else contextlib.nullcontext()
+
+
 def _jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:
   info = DebugInfo("flex_attention", name, tuple(f"x{i}" for i in range(len(invars))),
                    tuple(f"y{i}" for i in range(len(outvars))))
@@ -130,7 +140,8 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
   index = jax.ShapeDtypeStruct((), jnp.int32)
   args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
   try:
-    closed = jax.make_jaxpr(fn)(*args)
+    with _constants_as_inputs():
+      closed = jax.make_jaxpr(fn)(*args)
   except TypeError as e:
     raise TypeError(f"{kind} must be a function {signature} of jnp operations, called "
                     f"elementwise; calling it raised: {e}") from e
