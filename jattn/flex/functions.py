@@ -18,7 +18,6 @@ as an explicit input. So:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -91,8 +90,8 @@ class ElementFunction:
         inner.append(eqn)
     read = [v for eqn in inner for v in eqn.invars] + list(self.jaxpr.outvars)
     read = list({id(v): v for v in read if not isinstance(v, Literal) and v in arrays}.values())
-    arrays = _jaxpr([], self.jaxpr.constvars, read, outer, f"{self.kind}'s arrays")
-    tiles = _jaxpr(read, self.jaxpr.invars, self.jaxpr.outvars, inner, f"{self.kind} on tiles")
+    arrays = _jaxpr([], self.jaxpr.constvars, read, outer)
+    tiles = _jaxpr(read, self.jaxpr.invars, self.jaxpr.outvars, inner)
     return arrays, TileFunction.of(tiles)
 
   @property
@@ -112,19 +111,53 @@ class ElementFunction:
     return self.tile_function.check()
 
 
-def _constants_as_inputs():
-  """A context in which ``make_jaxpr`` gives closed-over arrays as constants (newer JAX
-  may inline them into the equations as literals, where they could not be hoisted)."""
-  from jax._src import config  # no public context manager for this flag
-
-  flag = getattr(config, "use_simplified_jaxpr_constants", None)
-  return flag(False) if flag is not None else contextlib.nullcontext()
+def _inlined_arrays(jaxpr: Jaxpr) -> list:
+  """The arrays newer JAX inlines into a jaxpr's equations as literals (concrete
+  closed-over arrays), in order of first use."""
+  return [v for eqn in jaxpr.eqns for v in eqn.invars
+          if isinstance(v, Literal) and jnp.ndim(v.val) > 0]
 
 
-def _jaxpr(constvars, invars, outvars, eqns, name: str) -> Jaxpr:
-  info = DebugInfo("flex_attention", name, tuple(f"x{i}" for i in range(len(invars))),
+def _hoist_inlined_arrays(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
+  """``(jaxpr, its constants)`` with every array closed over as a constant: the
+  literals of ``_inlined_arrays`` are traced again as inputs, so that, like any
+  constant, they reach the op as arguments (a literal would be baked into a compiled
+  program that calls with other values reuse)."""
+  literals = _inlined_arrays(closed.jaxpr)
+  if not literals:
+    return closed.jaxpr, tuple(closed.consts)
+  values = list({id(v.val): v.val for v in literals}.values())  # one input per array
+  index = {id(x): i for i, x in enumerate(values)}
+  position = {id(v): index[id(v.val)] for v in literals}
+
+  def lifted(arrays, *xs):
+    env = dict(zip(closed.jaxpr.constvars, arrays[len(values):]))
+    env.update(zip(closed.jaxpr.invars, xs))
+    read = lambda v: (arrays[position[id(v)]] if id(v) in position
+                      else v.val if isinstance(v, Literal) else env[v])
+    for eqn in closed.jaxpr.eqns:
+      params = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: (subfuns, params))
+      subfuns, params = ([], params) if isinstance(params, dict) else params
+      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+      env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return [read(v) for v in closed.jaxpr.outvars]
+
+  arrays = [jnp.asarray(x) for x in values] + [jnp.asarray(c) for c in closed.consts]
+  retraced = jax.make_jaxpr(lifted)(arrays, *args)
+  n, jaxpr = len(arrays), retraced.jaxpr
+  return (_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars[:n]), jaxpr.invars[n:],
+                 jaxpr.outvars, jaxpr.eqns), tuple(retraced.consts) + tuple(arrays))
+
+
+def _debug_info(invars, outvars) -> DebugInfo:
+  return DebugInfo("flex_attention", "a score or mask function",
+                   tuple(f"x{i}" for i in range(len(invars))),
                    tuple(f"y{i}" for i in range(len(outvars))))
-  return Jaxpr(list(constvars), list(invars), list(outvars), eqns, debug_info=info)
+
+
+def _jaxpr(constvars, invars, outvars, eqns) -> Jaxpr:
+  return Jaxpr(list(constvars), list(invars), list(outvars), list(eqns),
+               debug_info=_debug_info(invars, outvars))
 
 
 def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple]:
@@ -140,8 +173,7 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
   index = jax.ShapeDtypeStruct((), jnp.int32)
   args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
   try:
-    with _constants_as_inputs():
-      closed = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(fn)(*args)
   except TypeError as e:
     raise TypeError(f"{kind} must be a function {signature} of jnp operations, called "
                     f"elementwise; calling it raised: {e}") from e
@@ -154,5 +186,6 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out)
     raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
                     f"got {got}")
-  consts = tuple(jnp.asarray(c) for c in closed.consts)
-  return ElementFunction(closed.jaxpr, kind, f"{kind}:{closed.jaxpr}"), consts
+  jaxpr, consts = _hoist_inlined_arrays(closed, args)
+  consts = tuple(jnp.asarray(c) for c in consts)
+  return ElementFunction(jaxpr, kind, f"{kind}:{jaxpr}"), consts
