@@ -35,11 +35,13 @@ MASK_ARGS = "(b, h, q_idx, kv_idx)"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ElementFunction:
-  """A traced score or mask function: its scalar jaxpr, whose constants are the
-  hoisted arrays (passed back in at each call). Equal, and hashed alike, when the
-  traces are equal: it is part of an op's static problem."""
+  """A traced score or mask function: its scalar jaxpr, whose first ``num_consts``
+  inputs are the hoisted arrays (passed back in at each call), then the function's
+  own arguments. Equal, and hashed alike, when the traces are equal: it is part of
+  an op's static problem."""
 
-  jaxpr: Jaxpr
+  jaxpr: Jaxpr  # no constvars: [arrays..., arguments...] -> [value]
+  num_consts: int
   kind: str  # "score_mod" or "mask_mod"
   _key: str = dataclasses.field(repr=False)
 
@@ -49,14 +51,10 @@ class ElementFunction:
   def __eq__(self, other):
     return isinstance(other, ElementFunction) and self._key == other._key
 
-  @property
-  def num_consts(self) -> int:
-    return len(self.jaxpr.constvars)
-
   def bind(self, consts) -> Callable:
     """The scalar function with ``consts`` in place of the arrays it closed over."""
-    scalar = jaxpr_as_fun(ClosedJaxpr(self.jaxpr, list(consts)))
-    return lambda *xs: scalar(*xs)[0]
+    scalar = jaxpr_as_fun(ClosedJaxpr(self.jaxpr, []))
+    return lambda *xs: scalar(*consts, *xs)[0]
 
   def __call__(self, consts, *args):
     """The function on broadcastable ``args`` (score float32, indices int32),
@@ -67,7 +65,7 @@ class ElementFunction:
     """Whether the function reads the index argument ``index`` ("b", "h", "q_idx",
     "kv_idx")."""
     names = (("score",) if self.kind == "score_mod" else ()) + ("b", "h", "q_idx", "kv_idx")
-    var = self.jaxpr.invars[names.index(index)]
+    var = self.jaxpr.invars[self.num_consts + names.index(index)]
     return any(var is v for eqn in self.jaxpr.eqns for v in eqn.invars) or any(
         var is v for v in self.jaxpr.outvars)
 
@@ -75,7 +73,8 @@ class ElementFunction:
   def _split(self) -> tuple[Jaxpr, TileFunction]:
     """``(jaxpr: the function's arrays -> the arrays the tiles read, the tile
     function)``: equations that do not depend on the arguments move out of the tiles."""
-    varying, arrays = set(self.jaxpr.invars), set(self.jaxpr.constvars)
+    consts, args = self.jaxpr.invars[:self.num_consts], self.jaxpr.invars[self.num_consts:]
+    varying, arrays = set(args), set(consts)
     outer, inner = [], []
     for eqn in self.jaxpr.eqns:
       inputs = [v for v in eqn.invars if not isinstance(v, Literal)]
@@ -90,9 +89,8 @@ class ElementFunction:
         inner.append(eqn)
     read = [v for eqn in inner for v in eqn.invars] + list(self.jaxpr.outvars)
     read = list({id(v): v for v in read if not isinstance(v, Literal) and v in arrays}.values())
-    arrays = _jaxpr([], self.jaxpr.constvars, read, outer)
-    tiles = _jaxpr(read, self.jaxpr.invars, self.jaxpr.outvars, inner)
-    return arrays, TileFunction.of(tiles)
+    tiles = TileFunction.of(_jaxpr(read + list(args), self.jaxpr.outvars, inner), len(read))
+    return _jaxpr(consts, read, outer), tiles
 
   @property
   def tile_function(self) -> TileFunction:
@@ -112,27 +110,28 @@ class ElementFunction:
 
 
 def _inlined_arrays(jaxpr: Jaxpr) -> list:
-  """The arrays newer JAX inlines into a jaxpr's equations as literals (concrete
-  closed-over arrays), in order of first use."""
+  """The arrays newer JAX may inline into a jaxpr's equations as literals (concrete
+  closed-over arrays), in order of use."""
   return [v for eqn in jaxpr.eqns for v in eqn.invars
           if isinstance(v, Literal) and jnp.ndim(v.val) > 0]
 
 
-def _hoist_inlined_arrays(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
-  """``(jaxpr, its constants)`` with every array closed over as a constant: the
-  literals of ``_inlined_arrays`` are traced again as inputs, so that, like any
+def _with_arrays_as_inputs(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
+  """``(jaxpr of [arrays..., args...], the arrays)`` for a traced function: its
+  constants, and any arrays inlined as literals, traced again as inputs. So, like any
   constant, they reach the op as arguments (a literal would be baked into a compiled
-  program that calls with other values reuse)."""
+  program that calls with other values would reuse). Constants are leading inputs, as
+  JAX versions without ``constvars`` keep them too."""
   literals = _inlined_arrays(closed.jaxpr)
-  if not literals:
-    return closed.jaxpr, tuple(closed.consts)
   values = list({id(v.val): v.val for v in literals}.values())  # one input per array
   index = {id(x): i for i, x in enumerate(values)}
   position = {id(v): index[id(v.val)] for v in literals}
+  constvars, invars = list(closed.jaxpr.constvars), list(closed.jaxpr.invars)
+  if not constvars and closed.consts:  # JAX that passes constants as leading inputs
+    constvars, invars = invars[:len(closed.consts)], invars[len(closed.consts):]
 
   def lifted(arrays, *xs):
-    env = dict(zip(closed.jaxpr.constvars, arrays[len(values):]))
-    env.update(zip(closed.jaxpr.invars, xs))
+    env = dict(zip(constvars + invars, list(arrays[len(values):]) + list(xs)))
     read = lambda v: (arrays[position[id(v)]] if id(v) in position
                       else v.val if isinstance(v, Literal) else env[v])
     for eqn in closed.jaxpr.eqns:
@@ -143,10 +142,12 @@ def _hoist_inlined_arrays(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
     return [read(v) for v in closed.jaxpr.outvars]
 
   arrays = [jnp.asarray(x) for x in values] + [jnp.asarray(c) for c in closed.consts]
+  if not literals:
+    return _jaxpr(constvars + invars, closed.jaxpr.outvars, closed.jaxpr.eqns), tuple(arrays)
   retraced = jax.make_jaxpr(lifted)(arrays, *args)
-  n, jaxpr = len(arrays), retraced.jaxpr
-  return (_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars[:n]), jaxpr.invars[n:],
-                 jaxpr.outvars, jaxpr.eqns), tuple(retraced.consts) + tuple(arrays))
+  jaxpr = retraced.jaxpr
+  return (_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.outvars, jaxpr.eqns),
+          tuple(jnp.asarray(c) for c in retraced.consts) + tuple(arrays))
 
 
 def _debug_info(invars, outvars) -> DebugInfo:
@@ -155,8 +156,9 @@ def _debug_info(invars, outvars) -> DebugInfo:
                    tuple(f"y{i}" for i in range(len(outvars))))
 
 
-def _jaxpr(constvars, invars, outvars, eqns) -> Jaxpr:
-  return Jaxpr(list(constvars), list(invars), list(outvars), list(eqns),
+def _jaxpr(invars, outvars, eqns) -> Jaxpr:
+  """A jaxpr without constants (what it reads is among its inputs)."""
+  return Jaxpr([], list(invars), list(outvars), list(eqns),
                debug_info=_debug_info(invars, outvars))
 
 
@@ -186,6 +188,5 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out)
     raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
                     f"got {got}")
-  jaxpr, consts = _hoist_inlined_arrays(closed, args)
-  consts = tuple(jnp.asarray(c) for c in consts)
-  return ElementFunction(jaxpr, kind, f"{kind}:{jaxpr}"), consts
+  jaxpr, consts = _with_arrays_as_inputs(closed, args)
+  return ElementFunction(jaxpr, len(consts), kind, f"{kind}:{jaxpr}"), consts

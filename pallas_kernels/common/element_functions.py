@@ -52,28 +52,29 @@ def kernel_array(x):
 
 @dataclasses.dataclass(frozen=True)
 class TileFunction:
-  """A scalar function (its jaxpr, whose constants are the arrays it reads) applied
-  to broadcastable tiles. Compared by the jaxpr's text: it is static kernel
-  configuration."""
+  """A scalar function applied to broadcastable tiles: its jaxpr, whose first
+  ``num_arrays`` inputs are the arrays it reads, then its arguments. Compared by the
+  jaxpr's text: it is static kernel configuration."""
 
   jaxpr: Jaxpr = dataclasses.field(compare=False, repr=False)
+  num_arrays: int = 0
   key: str = ""
 
   @classmethod
-  def of(cls, jaxpr: Jaxpr) -> "TileFunction":
-    return cls(jaxpr, str(jaxpr))
+  def of(cls, jaxpr: Jaxpr, num_arrays: int) -> "TileFunction":
+    return cls(jaxpr, num_arrays, str(jaxpr))
 
   @property
-  def num_arrays(self) -> int:
-    return len(self.jaxpr.constvars)
+  def _array_vars(self):
+    return self.jaxpr.invars[:self.num_arrays]
 
   def __call__(self, arrays, *args):
     """The function of ``args`` (broadcastable tiles) reading ``arrays`` (refs or
     arrays, as ``kernel_array`` passes them, one per jaxpr constant)."""
     if len(arrays) != self.num_arrays:
       raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
-    consts = [_Array(a, v.aval) for a, v in zip(arrays, self.jaxpr.constvars)]
-    (out,) = _evaluate(self.jaxpr, consts, list(args))
+    values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + list(args)
+    (out,) = _evaluate(self.jaxpr, [], values)
     # A function constant in some indices still gives a value per element.
     return jnp.broadcast_to(out, jnp.broadcast_shapes(*(jnp.shape(a) for a in args)))
 
@@ -83,9 +84,9 @@ class TileFunction:
     import jax
 
     arrays = [jax.eval_shape(kernel_array, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
-              for v in self.jaxpr.constvars]
+              for v in self._array_vars]
     args = [jax.ShapeDtypeStruct((2, 1) if i % 2 else (1, 2), v.aval.dtype)
-            for i, v in enumerate(self.jaxpr.invars)]
+            for i, v in enumerate(self.jaxpr.invars[self.num_arrays:])]
     try:
       jax.eval_shape(lambda arrays, args: self(arrays, *args), arrays, args)
     except UnsupportedFunction as e:
@@ -207,8 +208,11 @@ def _evaluate(jaxpr: Jaxpr, consts: list, args: list) -> list:
     if inner is not None:
       if any(np.size(np.shape(c)) and np.prod(np.shape(c)) > 1 for c in inner.consts):
         raise UnsupportedFunction(f"its inner {name} closes over arrays")
+      consts = [jnp.asarray(c) for c in inner.consts]
+      if not inner.jaxpr.constvars:  # JAX that passes constants as leading inputs
+        values, consts = consts + values, []
       n = len(values) - len(inner.jaxpr.invars)  # leading operands bound to constants
-      outs = _evaluate(inner.jaxpr, [jnp.asarray(c) for c in inner.consts], values[n:])
+      outs = _evaluate(inner.jaxpr, consts, values[n:])
     elif values and isinstance(values[0], _Array) and name == "dynamic_slice":
       outs = [_dynamic_slice(values[0], values[1:], eqn.params["slice_sizes"])]
     elif values and isinstance(values[0], _Array) and name == "gather":
