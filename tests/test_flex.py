@@ -94,6 +94,29 @@ def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name):
   _assert_close(ours, ref, 2e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float16, 5e-3), (jnp.bfloat16, 2e-2)],
+                         ids=["fp16", "bf16"])
+def test_closed_over_array_gradients_in_16_bit_on_the_gpu(dtype, tol):
+  """The kernels with 16-bit q, k, v against the float32 dense reference on the same
+  (rounded) values: every gradient, the closed-over slopes and table included."""
+  sq, hq, hk, d = 512, 8, 4, 64
+  q, k, v, do = (x.astype(dtype) for x in _inputs(13, sq, sq, hq, hk, d=d))
+  slopes = flex.alibi_slopes(hq)
+  table = jax.random.normal(jax.random.PRNGKey(14), (hq, 33)) * 0.1
+  def score(slopes, table):
+    return lambda s, b, h, i, j: (flex.alibi_score(slopes)(s, b, h, i, j)
+                                  + flex.relative_position_score(table)(0.0, b, h, i, j))
+  def run(backend, *arrays):
+    return _out_and_grads(lambda q, k, v, s, t: jattn.flex_attention(
+        q, k, v, score_mod=score(s, t), mask_mod=flex.causal_mask(), return_lse=True,
+        backend=backend), *arrays, slopes, table)
+  ours = run("pallas_triton", q, k, v, do)
+  ref = run("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)))
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    assert rel_err(a, b) < tol
+
+
 def test_window_attention_through_flex():
   """DAT's shifted-window attention: a bias shared by the windows and a mask per window."""
   windows, tokens, heads = 4, 6, 2
