@@ -45,9 +45,12 @@ class _IndexVector:
 
 def kernel_array(x):
   """How an array a function reads is passed to a kernel: booleans as int32, a
-  scalar as one element."""
+  scalar as one element, every dimension zero-padded to a power of two (Triton's
+  blocks are; reads index the logical shape, so the padding is never read)."""
   x = x.astype(jnp.int32) if np.dtype(x.dtype) in _STORED_AS_INT32 else x
-  return x.reshape(1) if x.ndim == 0 else x
+  x = x.reshape(1) if x.ndim == 0 else x
+  pads = [(0, (1 << (n - 1).bit_length()) - n) for n in x.shape]
+  return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
 @dataclasses.dataclass(frozen=True)
