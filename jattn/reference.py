@@ -41,7 +41,9 @@ def masked_softmax(logits, mask):
   """
   row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
   row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+  # Refused logits may be huge (a bias that grows toward masked keys): exp of them
+  # would overflow, and where's gradient would be 0 * inf = NaN.
+  p = jnp.where(mask, jnp.exp(jnp.where(mask, logits, row_max) - row_max), 0.0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   empty = denom == 0.0
   safe = jnp.where(empty, 1.0, denom)

@@ -165,6 +165,18 @@ def test_scores_of_minus_infinity_empty_rows_without_nan():
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+def test_masked_scores_that_overflow_keep_gradients_finite(backend):
+  """A score that grows toward the masked keys (exp overflows there) is refused
+  without NaN in any gradient."""
+  q, k, v, do = _inputs(15, 96, 96, 2, 2)
+  growing = lambda s, b, h, i, j: s + 2.0 * (j - i)
+  (o, _), grads = _out_and_grads(lambda q, k, v: jattn.flex_attention(
+      q, k, v, score_mod=growing, mask_mod=flex.causal_mask(), return_lse=True,
+      backend=backend), q, k, v, do)
+  assert all(np.isfinite(np.asarray(x)).all() for x in (o, *grads))
+
+
 def test_functions_of_one_trace_share_a_problem_and_new_arrays_are_used():
   q, k, v, _ = _inputs(5)
   p1, _ = flex.FLEX.bind(q, k, v, score_mod=lambda s, b, h, i, j: s * 2.0)
