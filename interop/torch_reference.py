@@ -6,6 +6,8 @@ transpose to torch's ``[batch, heads, seq, head_dim]`` internally.
 
 from __future__ import annotations
 
+import warnings
+
 from jattn.flex.examples import CAP, WINDOW, example_arrays
 
 
@@ -220,7 +222,7 @@ def flex_attention_torch(q, k, v, *, example: str, scale=None):
 
   batch, q_len, q_heads, _ = q.shape
   kv_len = k.shape[1]
-  arrays = {name: torch.as_tensor(a, device=q.device)
+  arrays = {name: torch.tensor(a, device=q.device)  # a copy: the numpy arrays are read-only
             for name, a in example_arrays(example, batch, q_heads, q_len, kv_len).items()}
   offset = kv_len - q_len
   score_mod = mask_mod = None
@@ -241,6 +243,8 @@ def flex_attention_torch(q, k, v, *, example: str, scale=None):
       mask_mod, batch, None, q_len, kv_len, device=q.device)
   on_cpu = q.device.type == "cpu"
   heads_first = lambda x: (x.detach() if on_cpu else x).permute(0, 2, 1, 3)
-  o = flex_attention(heads_first(q), heads_first(k), heads_first(v), score_mod=score_mod,
-                     block_mask=block_mask, scale=scale, enable_gqa=True)
+  with warnings.catch_warnings():  # eager FlexAttention warns it is unfused: fine for a reference
+    warnings.simplefilter("ignore")
+    o = flex_attention(heads_first(q), heads_first(k), heads_first(v), score_mod=score_mod,
+                       block_mask=block_mask, scale=scale, enable_gqa=True)
   return o.permute(0, 2, 1, 3)
