@@ -209,8 +209,8 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockM
       from, ``mask_mod``).
     scale: logit scale (> 0), default ``head_dim ** -0.5``.
     return_lse: also return the log-sum-exp of each row.
-    backend: ``"auto"``, ``"pallas_triton"`` (functions that close over no array) or
-      ``"xla"``.
+    backend: ``"auto"``, ``"pallas_triton"`` (functions that read their arrays by
+      index, e.g. ``slopes[h]``; others are its gap) or ``"xla"``.
     config: a ``BlockConfig`` for ``pallas_triton`` (default: the heuristic by head dim).
 
   Returns:

@@ -101,7 +101,7 @@ def tile_lists(kinds, *, transpose: bool = False) -> tuple:
 
 def listed_tiles(refs, row, head=None):
   """The loop schedule over the tiles ``tile_lists`` listed for tile row ``row``:
-  ``[(lo, hi, index, masked)]`` as ``masking.schedule_tiles`` runs it. ``refs``:
+  ``[(lo, hi, index, masked)]`` as ``masking.run_tiles`` runs it. ``refs``:
   the four lists' refs for this batch row (``head`` selects the head when they
   hold every head's)."""
   at = (row,) if head is None else (head, row)

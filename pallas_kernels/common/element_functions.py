@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -84,8 +85,6 @@ class TileFunction:
   def check(self) -> str | None:
     """Why the evaluator cannot run this function (None: it can), by evaluating it
     abstractly on small tiles."""
-    import jax
-
     arrays = [jax.eval_shape(kernel_array, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
               for v in self._array_vars]
     args = [jax.ShapeDtypeStruct((2, 1) if i % 2 else (1, 2), v.aval.dtype)
