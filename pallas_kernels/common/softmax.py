@@ -64,15 +64,23 @@ def online_softmax_finish(carry):
   return acc / l_safe[:, None], jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
 
 
-def merge_partials(o1, lse1, o2, lse2, expand=lambda w: w[:, None]):
-  """Online-softmax merge of two partial results of the same rows: ``o`` float32 and
-  ``lse`` (``EMPTY_ROW_LSE`` where a part saw no key). ``expand`` lays a per-row
-  weight (shaped like ``lse``) out against ``o`` (default: rows first, ``[rows, d]``).
-  Returns the merged ``(o, lse)``."""
+def merge_weights(lse1, lse2):
+  """Weights of two partial results of the same rows in their online-softmax merge,
+  and the merged ``lse`` (``EMPTY_ROW_LSE`` where a part saw no key): ``(w1, w2, lse)``,
+  all shaped like ``lse1``."""
   top = jnp.maximum(lse1, lse2)
   w1, w2 = jnp.exp(lse1 - top), jnp.exp(lse2 - top)
   total = w1 + w2
-  return o1 * expand(w1 / total) + o2 * expand(w2 / total), top + jnp.log(total)
+  return w1 / total, w2 / total, top + jnp.log(total)
+
+
+def merge_partials(o1, lse1, o2, lse2, expand=lambda w: w[:, None]):
+  """Online-softmax merge of two partial results of the same rows: ``o`` float32 and
+  ``lse`` (see ``merge_weights``). ``expand`` lays a per-row weight (shaped like
+  ``lse``) out against ``o`` (default: rows first, ``[rows, d]``). Returns the merged
+  ``(o, lse)``."""
+  w1, w2, lse = merge_weights(lse1, lse2)
+  return o1 * expand(w1) + o2 * expand(w2), lse
 
 
 @dataclasses.dataclass(frozen=True)
