@@ -49,8 +49,22 @@ def _inputs(shape, dtype):
   return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
 
 
+def _window_case(shape, dtype, mode):
+  """Window attention as bench/window.py calls it: a relative-position bias (also
+  differentiated) and a shift mask of four regions."""
+  windows, tokens, heads, _ = shape
+  keys = jax.random.split(jax.random.key(1), 2)
+  bias = jax.random.normal(keys[0], (heads, tokens, tokens), jnp.float32)
+  region = jax.random.randint(keys[1], (windows, tokens), 0, 4)
+  mask = jnp.where(region[:, :, None] == region[:, None, :], 0.0, -100.0)
+  fn = lambda q, k, v, bias: jattn.window_attention(q, k, v, bias, mask=mask,
+                                                   backend="pallas_triton")
+  return ("window", shape, dtype, mode, fn, (bias,))
+
+
 def cases():
-  """(name, shape, dtype, mode, fn(q, k, v))."""
+  """(name, shape, dtype, mode, fn(q, k, v, *extra), extra): ``extra`` arrays are
+  differentiated too."""
   dil = lambda causal: lambda q, k, v: jattn.dilated_attention(
       q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES, causal=causal,
       backend="pallas_triton")
@@ -68,9 +82,17 @@ def cases():
   for backend in ("pallas_mosaic", "pallas_triton"):
     out.append((f"flash {backend[7:]} causal d64", (8, 2048, 16, 64), jnp.float16, "fwd",
                 flash(backend, True)))
+    for causal in (True, False):
+      for m in ("fwd", "fwd+bwd"):
+        out.append((f"flash {backend[7:]} {'causal' if causal else 'noncausal'} d128",
+                    (4, 4096, 16, 128), jnp.float16, m, flash(backend, causal)))
   for mode in ("chunkwise", "parallel"):
     for m in ("fwd", "fwd+bwd"):
       out.append((f"retention {mode}", (8, 2048, 16, 128), jnp.float16, m, ret(mode)))
+  out = [case + ((),) for case in out]
+  for windows in (16, 256):
+    for m in ("fwd", "fwd+bwd"):
+      out.append(_window_case((windows, 256, 3, 30), jnp.float32, m))
   return out
 
 
@@ -112,14 +134,15 @@ def main():
     ap.error("--label is required to time")
   print(f"{args.label}: jattn from {os.path.dirname(jattn.__file__)}", flush=True)
   rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-  for name, shape, dtype, mode, fn in cases():
+  for name, shape, dtype, mode, fn, extra in cases():
     if args.only and not any(name.startswith(p) for p in args.only.split(",")):
       continue
     q, k, v, do = _inputs(shape, dtype)
     if mode == "fwd":
-      f, xs = jax.jit(fn), (q, k, v)
+      f, xs = jax.jit(fn), (q, k, v, *extra)
     else:
-      f, xs = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do)), (q, k, v, do)
+      f = jax.jit(lambda *xs, fn=fn: jax.vjp(fn, *xs[:-1])[1](xs[-1]))  # xs: inputs, do
+      xs = (q, k, v, *extra, do)
     ms = _time(f, *xs) * 1e3
     if args.hlo:
       os.makedirs(args.hlo, exist_ok=True)
