@@ -11,8 +11,8 @@ falls on both alike; the summary gives each label's median over its runs and the
 ratio to the base label.
 
 Only public signatures are used (they are the same in every checkout since the
-core landed), and each case is timed with ``bench.common.time_jax``'s method,
-written out here so the script does not import the checkout's bench package.
+core landed). The script imports ``common`` from its own folder (``time_jax``, which
+needs only jax), never the repository root, so ``jattn`` is the checkout's.
 """
 
 from __future__ import annotations
@@ -21,27 +21,14 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jattn
+from common import time_jax
 
 SEGMENTS, RATES = (2048, 4096, 8192, 16384), (1, 2, 4, 8)
-
-
-def _time(fn, *args, reps=15, inner=5, warmup=3):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner)
-  return statistics.median(samples)
 
 
 def _inputs(shape, dtype):
@@ -143,7 +130,7 @@ def main():
     else:
       f = jax.jit(lambda *xs, fn=fn: jax.vjp(fn, *xs[:-1])[1](xs[-1]))  # xs: inputs, do
       xs = (q, k, v, *extra, do)
-    ms = _time(f, *xs) * 1e3
+    ms = time_jax(f, *xs, reps=15) * 1e3
     if args.hlo:
       os.makedirs(args.hlo, exist_ok=True)
       tag = f"{args.label}_{name}_{shape[1]}_{mode}".replace(" ", "_").replace("+", "")
