@@ -30,7 +30,9 @@ import jattn  # noqa: E402
 from jattn.kernels.common.config import BlockConfig  # noqa: E402
 from jattn.kernels.flash import MosaicBlockConfig  # noqa: E402
 
-SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64)]
+# (batch, seq, q_heads, head_dim[, kv_heads]): the issue's three shapes, head dim 256, GQA.
+SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (4, 4096, 16, 256),
+          (2, 8192, 32, 128, 8)]
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 
@@ -105,10 +107,18 @@ def time_torch_impl(backend_name, causal, mode, q, k, v, do):
   return time_torch_qkv(both, (qt, kt, vt, dot))
 
 
+def shape_inputs(shape, dtype):
+  """q, k, v, dO for a SHAPES entry; a fifth element is the number of KV heads."""
+  q, k, v, do = random_inputs(shape[:4], dtype)
+  if len(shape) == 5:
+    k, v = (x[:, :, :shape[4]] for x in (k, v))
+  return q, k, v, do
+
+
 def run_table(shapes, dtypes, impls, modes, torch_impls):
   rows = []
   for shape, dname, causal, mode in itertools.product(shapes, dtypes, (False, True), modes):
-    q, k, v, do = random_inputs(shape, DTYPES[dname])
+    q, k, v, do = shape_inputs(shape, DTYPES[dname])
     flops = attention_flops(shape[0], shape[1], shape[1], shape[2], shape[3], causal, mode)
     named = {**{n: ("jax", f) for n, f in jax_impls(causal).items() if n in impls},
              **{n: ("torch", n) for n in torch_impls}}

@@ -34,13 +34,15 @@ from jattn.tuning.spaces import BlockTritonImpl
 @dataclasses.dataclass(frozen=True)
 class FlashProblem(AttentionProblem):
   """One flash-attention call, without its arrays. From keywords (``select_backend``,
-  tuning) ``softcap=True`` / ``local_window=True`` stand for "some cap / window"."""
+  tuning) ``softcap=True`` / ``local_window=True`` stand for "some cap / window".
+  ``deterministic``: the gradients must be bitwise repeatable."""
 
   causal: bool = False
   local_window: tuple | None = None
   softcap: float | None = None
   segment_ids: bool = False
   return_lse: bool = False
+  deterministic: bool = True
 
   def __post_init__(self):
     super().__post_init__()
@@ -200,7 +202,10 @@ class CudnnFlash(Impl):
         ("causal with q_len != kv_len (cuDNN aligns causal masks top-left)",
          p.causal and p.q_len != p.kv_len),
         # jax 0.11.2 refused a (1, 1) causal backward: "Unsupported sequence length".
-        ("odd sequence lengths", p.q_len % 2 or p.kv_len % 2)) if used)
+        ("odd sequence lengths", p.q_len % 2 or p.kv_len % 2),
+        # Measured on the H100 (jax 0.11.2): its gradients differ from run to run.
+        ("deterministic=True (its backward is not bitwise repeatable)",
+         p.deterministic)) if used)
 
   def forward(self, call, q, k, v, q_seg, kv_seg):
     p = call.problem
@@ -228,7 +233,6 @@ class FlashAttention(SoftmaxOp):
 
   def bind(self, q, k, v, *, causal=False, scale=None, q_segment_ids=None, kv_segment_ids=None,
            local_window=None, softcap=None, deterministic=True, return_lse=False):
-    del deterministic  # every backward here is deterministic
     check_attention_inputs(q, k, v)
     batch, q_len, q_heads, head_dim = q.shape
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -247,7 +251,8 @@ class FlashAttention(SoftmaxOp):
     problem = FlashProblem.of(
         q, k, causal=bool(causal), scale=scale_of(scale, head_dim), local_window=local_window,
         softcap=None if softcap is None else float(softcap),
-        segment_ids=q_segment_ids is not None, return_lse=bool(return_lse))
+        segment_ids=q_segment_ids is not None, return_lse=bool(return_lse),
+        deterministic=bool(deterministic))
     return problem, (q, k, v, q_segment_ids, kv_segment_ids)
 
   def finish(self, problem, outputs):
@@ -294,12 +299,17 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       ``[a - left, a + right]`` (same alignment as ``causal``); ``None`` on a side
       means unbounded. Combined with ``causal``, ``right`` becomes 0.
     softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
-    deterministic: the Pallas backward never uses atomics, so it is always
-      bitwise reproducible; the flag is accepted for API compatibility.
+    deterministic: gradients bitwise repeatable from run to run (default). The
+      Pallas backward kernels always are (no atomics); cuDNN's backward is not, so
+      ``deterministic=False`` is what lets ``backend="cudnn"`` run, and lets
+      ``"auto"`` take cuDNN where it measured faster.
     return_lse: also return the log-sum-exp of each row.
     backend: ``"auto"``, ``"pallas_mosaic"``, ``"pallas_triton"``, ``"cudnn"`` or
-      ``"xla"``. ``"auto"`` takes the first, in that order, that this device runs
-      and that supports the call (``jattn.gpu.select_backend``; docs/backends.md).
+      ``"xla"``. ``"auto"``: of the backends this device runs that support the
+      call, the measured fastest for it where jattn's shipped table or your cache
+      has times (``jattn.gpu.benchmark_backends(..., save=True)``), else the first
+      in that order (``jattn.gpu.select_backend(..., explain=True)`` says which and
+      why; docs/backends.md).
     config: tiles for the Pallas kernels: a ``BlockConfig`` for ``pallas_triton``,
       a ``MosaicBlockConfig`` for ``pallas_mosaic`` (with ``"auto"``, only the
       backend that takes it is considered). Default: the autotuner's cache

@@ -1,7 +1,7 @@
 """One contract for every public op on every backend this machine runs: it composes with
 ``jit``, ``grad``, ``vmap`` (over an extra leading axis) and ``checkpoint``; runs with
 ``jax_enable_x64`` on; takes single-token sequences; gives zeros, never NaN, for rows
-that see no key; has bitwise-deterministic gradients; and rejects mixed dtypes, wrong
+that see no key; has bitwise-deterministic gradients (but cuDNN's); and rejects mixed dtypes, wrong
 ranks, mismatched shapes and unknown backends with errors that name the argument; the
 rings' block computations give the op's own results.
 
@@ -50,7 +50,9 @@ RETENTION_FORMS = ("parallel", "chunkwise", "recurrent")
 SPECS = [
     Spec("flash_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
-         lambda q, k, v, backend: jattn.flash_attention(q, k, v, causal=True, backend=backend),
+         # cuDNN runs only calls that allow a backward that is not bitwise repeatable
+         lambda q, k, v, backend: jattn.flash_attention(q, k, v, causal=True, backend=backend,
+                                                        deterministic=backend != "cudnn"),
          # causal with q_len > kv_len: the first two queries come before every key
          lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 16)], dtype),
                              np.s_[:, :2])),
@@ -156,6 +158,8 @@ def test_composes_with_jit_grad_vmap_checkpoint_and_repeats_bitwise(spec, backen
   for g, g_ref in zip(ours, ref):
     assert g.shape == g_ref.shape and g.dtype == g_ref.dtype
     assert rel_err(g, g_ref, floor=1e-2) < TOL[dtype]
+  if backend == "cudnn":  # it promises no bitwise repeatable backward
+    return
   # The gradients are bitwise deterministic: a second run gives the same bits.
   for g, again in zip(ours, grad(backend, *stacked)):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(again, np.float32))

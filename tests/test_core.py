@@ -175,6 +175,69 @@ def test_a_corrupt_cache_warns_once_and_counts_as_empty(tmp_path, monkeypatch):
     assert cache.load_cache() == {}
 
 
+def test_auto_takes_the_measured_fastest_backend_that_can_run_the_call(tmp_path, monkeypatch):
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+  h100 = FAKES[("H100", False)]
+  base = dict(dtype=jnp.float16, head_dim=128, q_len=4096, causal=False)
+  key = FLASH.speed_tuning_key(FLASH.problem(**base), h100)
+  assert str(key) == "H100|flash_attention/auto|float16|d128|noncausal|s4096"
+  # Nothing measured: the op's order.
+  assert gpu.select_backend(info=h100, **base) == "pallas_mosaic"
+  cache.save_backend_times(key, {"pallas_mosaic": 4.5, "pallas_triton": 5.1, "cudnn": 3.9},
+                           mode="fwd+bwd")
+  # cuDNN's backward is not bitwise repeatable: only a call that allows that takes it.
+  assert gpu.select_backend(info=h100, **base) == "pallas_mosaic"
+  chosen, why = gpu.select_backend(info=h100, deterministic=False, explain=True, **base)
+  assert chosen == "cudnn" and FLASH.prepare(
+      FLASH.problem(deterministic=False, **base), info=h100).impl.backend.name == "cudnn"
+  assert why.splitlines()[0] == (
+      "cudnn: the fastest measured of those that can run it (fwd+bwd: cudnn 3.900 ms, "
+      "pallas_mosaic 4.500 ms, pallas_triton 5.100 ms; user cache, "
+      "H100|flash_attention/auto|float16|d128|noncausal|s4096)")
+  assert "  xla: can run it" in why.splitlines()
+  # A backend the call rules out is passed over for the next fastest that can run it.
+  assert gpu.select_backend(info=h100, deterministic=False, return_lse=True,
+                            **base) == "pallas_mosaic"
+  cache.save_backend_times(key, {"pallas_mosaic": 4.5, "pallas_triton": 4.0}, mode="fwd+bwd")
+  assert gpu.select_backend(info=h100, **base) == "pallas_triton"
+  # Times that leave out the first backend that can run the call do not override it.
+  cache.save_backend_times(key, {"pallas_triton": 4.0, "xla": 1.0}, mode="fwd+bwd")
+  chosen, why = gpu.select_backend(info=h100, explain=True, **base)
+  assert chosen == "pallas_mosaic" and "first in the op's order" in why
+  # Another length bucket has no times.
+  assert gpu.select_backend(info=h100, **{**base, "q_len": 9000}) == "pallas_mosaic"
+  with pytest.raises(ValueError, match="backend times go under backend 'auto'"):
+    cache.save_backend_times(dataclasses.replace(key, backend="cudnn"), {}, mode="fwd")
+
+
+def test_the_shipped_table_ranks_backends_on_the_gpus_it_measured():
+  h100 = dataclasses.replace(FAKES[("H100", False)], name="NVIDIA H100 80GB HBM3")
+  ranked = [k for k in cache.shipped_entries() if "|flash_attention/auto|" in k]
+  assert ranked and all(k.startswith(h100.name + "|") for k in ranked)
+  for name in ranked:
+    fields = name.split("|")[2:]
+    dtype, head_dim, causal, seq = fields[0], int(fields[1][1:]), fields[2] == "causal", int(
+        fields[3][1:])
+    problem = dict(dtype=jnp.dtype(dtype), head_dim=head_dim, q_len=seq, causal=causal,
+                   deterministic=False)
+    times = cache.shipped_entries()[name]["backend_ms"]
+    assert gpu.select_backend(info=h100, **problem) == min(times, key=times.get)
+
+
+@CPU_ONLY
+def test_benchmark_backends_can_store_the_times_auto_ranks_by(tmp_path, monkeypatch):
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+  monkeypatch.setenv("JATTN_INTERPRET", "1")
+  problem = dict(batch=1, q_len=32, q_heads=2, head_dim=16, dtype=jnp.float32)
+  t4 = FAKES[("T4", True)]  # a GPU whose backends this CPU runs: Triton interpreted, xla
+  with pytest.raises(ValueError, match="save=True stores times for a GPU"):
+    gpu.benchmark_backends(info=FAKES[("cpu", True)], save=True, **problem)
+  rows = gpu.benchmark_backends(info=t4, save=True, reps=2, mode="fwd", **problem)
+  stored, mode, source = cache.backend_times(FLASH.speed_tuning_key(FLASH.problem(**problem), t4))
+  assert stored == {r["backend"]: r["ms"] for r in rows} and (mode, source) == ("fwd", "user cache")
+  assert gpu.select_backend(info=t4, **problem) == rows[0]["backend"]
+
+
 def _primitives(fn, *args):
   jaxpr = jax.make_jaxpr(fn)(*args)
   found = set()

@@ -3,11 +3,13 @@ call takes the same path:
 
 1. ``Op.bind``: validation and normalisation, once, into one hashable *problem*
    (shapes, dtype, flags) and the call's arrays;
-2. ``Op.prepare``: the backend (one ``"auto"`` rule: the first implementation, in
-   the op's order, that this device runs, whose ``gaps`` are empty and, where its
-   resource model is exact, whose config fits the device; one error text that lists
-   every backend and why it was skipped) and the config (explicit, else the user's tuning cache, else the
-   table shipped with jattn, else the implementation's heuristic);
+2. ``Op.prepare``: the backend (one ``"auto"`` rule: of the implementations that
+   this device runs, whose ``gaps`` are empty and, where their resource model is
+   exact, whose config fits the device, the fastest where the user's cache or the
+   shipped table holds measured times for the problem, else the first in the op's
+   order; one error text that lists every backend and why it was skipped) and the
+   config (explicit, else the user's tuning cache, else the table shipped with
+   jattn, else the implementation's heuristic);
 3. ``run``: the implementation's forward, under one ``jax.custom_vjp`` when it
    brings its own backward kernels (autodiff otherwise).
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUInfo,
                                current_device, interpret_mode)
 from jattn.kernels.common.config import MAX_HEAD_DIM
-from jattn.tuning.cache import TuningKey, lookup
+from jattn.tuning.cache import RANKING, TuningKey, backend_times, lookup
 
 OPS: dict[str, "Op"] = {}  # every op, by name: what lists ops iterates this
 
@@ -341,8 +343,8 @@ class Op:
 
   def prepare(self, problem, backend: str = "auto", config=None,
               info: GPUInfo | None = None) -> Call:
-    """The call ``backend`` (``"auto"``: the first implementation that can) makes for
-    ``problem``, with its config; raises ValueError naming why it cannot."""
+    """The call ``backend`` makes for ``problem``, with its config; ``"auto"`` takes
+    the backend ``explain`` describes. Raises ValueError naming why it cannot."""
     info = current_device() if info is None else info
     if backend != "auto":
       impl = self.impl(backend)
@@ -351,12 +353,59 @@ class Op:
       reason, chosen = self._reason(impl, problem, info, config)
       if reason is not None:
         raise self._error(backend, reason, problem, info, config)
-      return Call(self, impl, problem, chosen, impl.backend.interpretable and interpret_mode())
+    else:
+      impl, chosen, _ = self._auto(problem, info, config)
+    return Call(self, impl, problem, chosen, impl.backend.interpretable and interpret_mode())
+
+  def speed_key(self, problem) -> tuple[str, ...] | None:
+    """The problem fields measured backend times are stored under: the first
+    implementation's tuning key (None: none is kept for this problem)."""
+    keys = (impl.cache_key(problem) for impl in self.impls)
+    return next((key for key in keys if key is not None), None)
+
+  def speed_tuning_key(self, problem, info: GPUInfo) -> TuningKey | None:
+    """Where the measured times of every backend on ``problem`` are stored for ``info``."""
+    fields = self.speed_key(problem)
+    return None if fields is None else TuningKey(info.name, self.name, RANKING, fields)
+
+  def _auto(self, problem, info: GPUInfo, config):
+    """``(impl, config, why)`` of the ``"auto"`` choice: of the implementations that
+    can run ``problem`` here, the measured fastest when the user's cache or the shipped
+    table has times for the first of them and another, else that first one."""
+    runnable = []
     for impl in self.impls:
       reason, chosen = self._reason(impl, problem, info, config)
       if reason is None:
-        return Call(self, impl, problem, chosen, impl.backend.interpretable and interpret_mode())
-    raise self._error("auto", "finds no backend that can", problem, info, config)
+        runnable.append((impl, chosen))
+        if not info.is_gpu:  # times are kept for GPUs only
+          break
+    if not runnable:
+      raise self._error("auto", "finds no backend that can", problem, info, config)
+    first = runnable[0]
+    if len(runnable) == 1:
+      return first + ("the only backend that can run it",)
+    key = self.speed_tuning_key(problem, info)
+    stored = None if key is None else backend_times(key)
+    if stored is None or first[0].backend.name not in stored[0]:
+      return first + ("the first in the op's order that can run it; no measured times "
+                      f"for {'this problem' if key is None else key}",)
+    times, mode, source = stored
+    impl, chosen = min((r for r in runnable if r[0].backend.name in times),
+                       key=lambda r: times[r[0].backend.name])
+    listed = ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(times.items(),
+                                                                     key=lambda t: t[1]))
+    return impl, chosen, (f"the fastest measured of those that can run it ({mode}: {listed}; "
+                          f"{source}, {key})")
+
+  def explain(self, problem, info: GPUInfo | None = None, config=None) -> str:
+    """Which backend ``"auto"`` takes for ``problem`` on ``info``'s device and why,
+    then every backend with why it cannot run the problem (or that it can)."""
+    info = current_device() if info is None else info
+    impl, _, why = self._auto(problem, info, config)
+    lines = [f"{impl.backend.name}: {why}"]
+    lines += [f"  {name}: {reason or 'can run it'}"
+              for name, reason in self.choices(problem, info, config)]
+    return "\n".join(lines)
 
   def select(self, problem, info: GPUInfo | None = None) -> str:
     """The backend ``"auto"`` takes for ``problem`` on ``info``'s device."""

@@ -6,6 +6,10 @@ an implementation says its config depends on (``Impl.cache_key``), e.g.
 ``lookup`` answers from the user cache, then from the shipped table
 (``shipped.json``), else None.
 
+Under the backend name ``"auto"`` an entry holds measured times of every backend
+that ran a problem (``{"backend_ms": {backend: ms}, "mode": ...}``): what ``"auto"``
+ranks backends by (``backend_times``, ``save_backend_times``).
+
 User cache file: ``$JATTN_CACHE_DIR/autotune.json``, else
 ``$XDG_CACHE_HOME/jattn/autotune.json``, else ``~/.cache/jattn/autotune.json``:
 ``{"version": 1, "entries": {key: {"config": {...}, "ms": ..., "mode": ...,
@@ -105,13 +109,30 @@ def shipped_entries() -> dict:
   return _parse_entries(text)
 
 
+RANKING = "auto"  # the backend name of the entries that hold every backend's times
+
+
 def save_config(key: TuningKey, config, *, ms: float | None, mode: str,
                 path: str | None = None) -> str:
   """Adds or replaces one entry of the user cache (atomically); returns the file's path."""
+  return _save_entry(key, {"config": dataclasses.asdict(config), "ms": ms, "mode": mode}, path)
+
+
+def save_backend_times(key: TuningKey, times: dict[str, float], *, mode: str,
+                       path: str | None = None) -> str:
+  """Stores measured milliseconds per backend for ``key`` (whose backend is
+  ``RANKING``) in the user cache; returns the file's path."""
+  if key.backend != RANKING:
+    raise ValueError(f"backend times go under backend {RANKING!r}, got {key.backend!r}")
+  return _save_entry(key, {"backend_ms": {name: float(ms) for name, ms in times.items()},
+                           "mode": mode}, path)
+
+
+def _save_entry(key: TuningKey, entry: dict, path: str | None) -> str:
   path = cache_path() if path is None else path
   entries = dict(load_cache(path))
   entries[str(key)] = {
-      "config": dataclasses.asdict(config), "ms": ms, "mode": mode, "jax": jax.__version__,
+      **entry, "jax": jax.__version__,
       "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
   directory = os.path.dirname(path) or "."
   os.makedirs(directory, exist_ok=True)
@@ -149,4 +170,18 @@ def lookup(key: TuningKey, config_cls: type):
       config = config_from_entry(config_cls, entries[name])
       if config is not None:
         return config
+  return None
+
+
+def backend_times(key: TuningKey) -> tuple[dict[str, float], str, str] | None:
+  """``(ms per backend, mode, "user cache" or "shipped table")`` stored under ``key``
+  (backend ``RANKING``), the user cache first; None if neither has a valid entry."""
+  name = str(key)
+  for source, entries in (("user cache", load_cache()), ("shipped table", shipped_entries())):
+    entry = entries.get(name)
+    times = entry.get("backend_ms") if isinstance(entry, dict) else None
+    if isinstance(times, dict) and times and all(
+        isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0
+        for ms in times.values()):
+      return {str(b): float(ms) for b, ms in times.items()}, str(entry.get("mode")), source
   return None
