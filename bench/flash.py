@@ -302,6 +302,46 @@ def breakdown(shapes, dtype=jnp.float16):
   return rows
 
 
+def packed(dtypes, modes, shape=(8, 2048, 16, 128), documents=4):
+  """Packed sequences (``documents`` equal documents per row, segment ids) against the same
+  problem without segment ids, on both our kernel families, causal and not."""
+  rows = []
+  ids = jnp.repeat(jnp.arange(documents, dtype=jnp.int32), shape[1] // documents)
+  seg = jnp.broadcast_to(ids, shape[:2])
+  for dname, causal, mode in itertools.product(dtypes, (False, True), modes):
+    q, k, v, do = random_inputs(shape, DTYPES[dname])
+    flops = attention_flops(*shape[:2], shape[1], *shape[2:], causal, mode)
+    for backend, segments in itertools.product(("pallas_mosaic", "pallas_triton"),
+                                               (False, True)):
+      extra = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
+      fn = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend=backend,
+                                                 **extra)
+      seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
+      row = {"impl": backend, "segments": segments, "shape": list(shape), "dtype": dname,
+             "causal": causal, "mode": mode, "ms": seconds * 1e3,
+             "tflops": flops / seconds / 1e12}  # FLOPs of the unpacked problem
+      print(row, flush=True)
+      rows.append(row)
+  return rows
+
+
+def packed_markdown(rows, env):
+  lines = [f"# Packed sequences (4 documents per row, segment ids), {env['device']} "
+           f"(jax {env['jax']}, {env['time']})", "",
+           "Median ms; ratio = ms without segment ids / ms with them (>= 0.9x is the bar; "
+           "> 1x: the segment ids let the kernels skip blocks).", "",
+           "| backend | shape | dtype | causal | mode | no segments ms | segments ms | ratio |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if r["segments"]:
+      base = next(b for b in rows if not b["segments"] and all(
+          b[f] == r[f] for f in ("impl", "dtype", "causal", "mode")))
+      lines.append(f"| {r['impl']} | {','.join(map(str, r['shape']))} | {r['dtype']} | "
+                   f"{'yes' if r['causal'] else 'no'} | {r['mode']} | {base['ms']:.3f} | "
+                   f"{r['ms']:.3f} | {base['ms'] / r['ms']:.2f}x |")
+  return "\n".join(lines) + "\n"
+
+
 def _best(results, shape, causal, mode, cands, q, k, v, do):
   best = (0.0, None)
   for cand in cands:
@@ -323,6 +363,9 @@ def main():
                       help="time each Hopper kernel of a fwd+bwd step alone")
   parser.add_argument("--sweep-shapes", default="0,2", help="indices into SHAPES to sweep")
   parser.add_argument("--long", action="store_true", help="131072-token causal fwd+bwd at (1,131072,8,128)")
+  parser.add_argument("--packed", action="store_true",
+                      help="packed sequences (8,2048,16,128), 4 documents per row, against "
+                           "no segment ids")
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--impls", default="jattn_mosaic,jattn_triton,cudnn,tokamax_mosaic,"
                       "jax_example_mgpu,jax_example,xla")
@@ -351,6 +394,12 @@ def main():
         + " |\n" for r in rows)
     write_results(args.out, "flash_mosaic_breakdown", {"env": env, "rows": rows},
                   f"# Hopper fwd+bwd breakdown (fp16), {env['device']}\n\n" + md)
+    print(md)
+    return
+  if args.packed:
+    rows = packed(args.dtypes.split(","), modes)
+    md = packed_markdown(rows, env)
+    write_results(args.out, f"{args.stem}_packed", {"env": env, "rows": rows}, md)
     print(md)
     return
   if args.sweep_mosaic:

@@ -157,8 +157,7 @@ class MosaicFlash(MosaicImpl):
   config_cls = MosaicBlockConfig
 
   def gaps(self, p):
-    return super().gaps(p) + tuple(name for name, used in (
-        ("segment ids", p.segment_ids), ("softcap", p.softcap is not None)) if used)
+    return super().gaps(p) + (("softcap",) if p.softcap is not None else ())
 
   def heuristic_config(self, p, info):
     return default_mosaic_config(p.head_dim)
@@ -176,14 +175,15 @@ class MosaicFlash(MosaicImpl):
 
   def forward(self, call, q, k, v, q_seg, kv_seg):
     p = call.problem
-    o, lse = flash_mosaic_forward(q, k, v, causal=p.causal, scale=p.scale,
+    o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, config=call.config)
     return (o, lse), ((q, k, v, q_seg, kv_seg), o, lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v, _, _), o, lse = residuals
+    (q, k, v, q_seg, kv_seg), o, lse = residuals
     p = call.problem
-    dq, dk, dv = flash_mosaic_backward(q, k, v, o, lse, *cotangents, causal=p.causal,
+    dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
+                                       causal=p.causal,
                                        scale=p.scale, local_window=p.local_window,
                                        config=call.config)
     return dq, dk, dv, None, None

@@ -146,7 +146,15 @@ GPU_CASES = [
     dict(shape=(1, 256, 4, 4, 64), kv_len=1000, local_window=(2, 1)),
     dict(shape=(2, 100, 4, 4, 64), kv_len=50),  # one key block: a one-slot Hopper ring
     dict(shape=(2, 192, 4, 2, 64), softcap=5.0, causal=True),
-    dict(shape=(2, 160, 4, 4, 64), segments=True, causal=True),
+    dict(shape=(2, 160, 4, 4, 64), segments="packed", causal=True),
+    # Hopper packed sequences: key blocks skipped by segment range, GQA, lengths off the
+    # tiles, q_len != kv_len, ids unsorted, rows whose segment has no key, head dim 256
+    # (its backward is the Triton one).
+    dict(shape=(2, 1000, 8, 2, 128), segments="packed"),
+    dict(shape=(1, 700, 4, 4, 64), kv_len=900, segments="packed", causal=True),
+    dict(shape=(1, 600, 4, 2, 64), segments="unsorted"),
+    dict(shape=(2, 640, 4, 4, 128), segments="no keys for segment 2", local_window=(200, 30)),
+    dict(shape=(1, 384, 2, 2, 256), segments="packed", causal=True),
 ]
 
 
@@ -155,9 +163,15 @@ def _gpu_inputs(case, dtype, seed=0):
   q, k, v, do = make_inputs(jax.random.PRNGKey(seed), b, s, case.get("kv_len", s), hq, hk, d,
                             dtype)
   kwargs = {n: case[n] for n in ("causal", "local_window", "softcap") if n in case}
-  if case.get("segments"):
-    seg = packed_segments(jax.random.PRNGKey(seed + 1), b, s, 4)
-    kwargs.update(q_segment_ids=seg, kv_segment_ids=seg)
+  if "segments" in case:
+    kq, kk = jax.random.split(jax.random.PRNGKey(seed + 1))
+    q_seg, kv_seg = (packed_segments(key, b, n, 4) for key, n in ((kq, s), (kk, k.shape[1])))
+    if case["segments"] == "unsorted":
+      q_seg, kv_seg = (jax.random.randint(key, x.shape, 0, 4) for key, x in
+                       ((kq, q_seg), (kk, kv_seg)))
+    elif case["segments"] == "no keys for segment 2":
+      kv_seg = q_seg + (q_seg == 2)
+    kwargs.update(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   return (q, k, v, do), kwargs
 
 

@@ -1,7 +1,10 @@
 """Host-side tiling of the Hopper kernels (the kernels themselves run with ``-m gpu``)."""
 
+import jax.numpy as jnp
+import numpy as np
 from hypothesis import given, settings, strategies as st
 
+from jattn.kernels.common.masking import segment_block_ranges
 from jattn.kernels.flash import MosaicBlockConfig
 from jattn.kernels.flash.mosaic import mosaic_layout
 
@@ -29,3 +32,36 @@ def test_padding_fits_every_tile(q_len, kv_len, head_dim, bq, bkv, bq_dq, bkv_dq
   assert spec.kv_padded == (kv_len_p != kv_len)
   assert (spec.q_len, spec.kv_len) == (q_len, kv_len)
   assert spec.right == (0 if causal else None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 300), row_block=st.sampled_from([16, 64]),
+       col_block=st.sampled_from([16, 128]), n_ids=st.integers(1, 6), sorted_ids=st.booleans(),
+       seed=st.integers(0, 99))
+def test_segment_block_ranges_cover_every_block_that_shares_a_segment(
+    rows, cols, row_block, col_block, n_ids, sorted_ids, seed):
+  rng = np.random.default_rng(seed)
+  rows_p, cols_p = -(-rows // row_block) * row_block, -(-cols // col_block) * col_block
+  row_seg = rng.integers(0, n_ids, (2, rows_p)).astype(np.int32)
+  col_seg = rng.integers(0, n_ids, (2, cols_p)).astype(np.int32)
+  if sorted_ids:
+    row_seg.sort(axis=1)
+    col_seg.sort(axis=1)
+  row_seg[:, rows:] = 99  # padding is ignored
+  ranges = np.asarray(segment_block_ranges(jnp.asarray(row_seg), jnp.asarray(col_seg), rows,
+                                           cols, row_block, col_block))
+  n_col_blocks = cols_p // col_block
+  for b in range(2):
+    for i in range(rows_p // row_block):
+      r = row_seg[b, i * row_block:min((i + 1) * row_block, rows)]
+      shares = [j for j in range(n_col_blocks)
+                if np.isin(col_seg[b, j * col_block:min((j + 1) * col_block, cols)], r).any()]
+      first, end = ranges[b, i]
+      if shares:  # every block that shares a segment is visited
+        assert first <= shares[0] and shares[-1] < end, (b, i)
+      # ... and for sorted ids none whose id range misses the row block's
+      lo, hi = r.min(), r.max()
+      for j in range(first, end) if sorted_ids else ():
+        c = col_seg[b, j * col_block:min((j + 1) * col_block, cols)]
+        assert c.size and c.min() <= hi and lo <= c.max(), (b, i, j)
+      assert 0 <= first and end <= n_col_blocks

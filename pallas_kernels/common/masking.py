@@ -192,3 +192,32 @@ def split_extra_refs(refs, spec: MaskSpec, score, lists: bool):
   if lists:
     tile_lists, refs = tuple(refs[:4]), refs[4:]
   return spec, score, tile_lists, refs
+
+
+def segment_block_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block: int,
+                         col_block: int):
+  """Per row block, the column blocks whose segment ids can meet its own (host side).
+
+  ``row_seg: [batch, rows_p]``, ``col_seg: [batch, cols_p]`` int32 (padded; ids past
+  ``row_len`` / ``col_len`` are ignored). A column block is visited when its id range
+  ``[min, max]`` overlaps the row block's: every block that shares a segment, and for
+  sorted ids (packed sequences) few others; the kernels still apply the element
+  mask. Returns ``[batch, n_row_blocks, 2]`` int32
+  ``(first, last + 1)``; ``(n_col_blocks, 0)`` where none can meet, so that the union
+  of several rows' ranges is ``(min firsts, max ends)``. Symmetric: swap the
+  arguments for the column blocks each row block reaches.
+  """
+  def block_min_max(seg, length, block):
+    valid = jnp.arange(seg.shape[1]) < length
+    big = jnp.iinfo(jnp.int32).max
+    lo = jnp.where(valid, seg, big).reshape(seg.shape[0], -1, block).min(axis=2)
+    hi = jnp.where(valid, seg, -big).reshape(seg.shape[0], -1, block).max(axis=2)
+    return lo, hi
+
+  r_lo, r_hi = block_min_max(row_seg, row_len, row_block)
+  c_lo, c_hi = block_min_max(col_seg, col_len, col_block)
+  meets = (r_lo[:, :, None] <= c_hi[:, None, :]) & (c_lo[:, None, :] <= r_hi[:, :, None])
+  cols = jnp.arange(meets.shape[2], dtype=jnp.int32)
+  first = jnp.min(jnp.where(meets, cols, meets.shape[2]), axis=2)
+  end = jnp.max(jnp.where(meets, cols + 1, 0), axis=2)
+  return jnp.stack([first, end], axis=2).astype(jnp.int32)

@@ -20,7 +20,7 @@ from jattn.kernels.flash.triton import flash_triton_backward
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
-                  causal: bool, local_window):
+                  causal: bool, local_window, segments: bool = False):
   """``(q_len_p, kv_len_p, d_p, spec)``: padded lengths every tile divides (a CTA
   covers ``CONSUMERS`` per-warpgroup blocks; blocks are multiples of 64 but not
   always powers of two, hence the lcm), the padded head dim and the mask."""
@@ -30,48 +30,58 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
   _, kv_len_p = tile_axis(kv_len, (c.block_kv, c.block_kv_dq, CONSUMERS * c.block_kv_dkv),
                           clamp=False)
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
-                        kv_padded=kv_len_p != kv_len, segments=False)
+                        kv_padded=kv_len_p != kv_len, segments=segments)
   return q_len_p, kv_len_p, mosaic_head_dim(head_dim), spec
 
 
-def flash_mosaic_forward(q, k, v, *, causal: bool, scale: float, local_window,
+def _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p):
+  return None if q_seg is None else (pad_to(q_seg, q_len_p), pad_to(kv_seg, kv_len_p))
+
+
+def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          config: MosaicBlockConfig):
   """Flash attention forward on Hopper.
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
       float16 or bfloat16, ``head_dim <= 256``, ``scale > 0``.
+    q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32 segment ids, or None.
 
   Returns:
     ``(o, lse)``: ``o`` like ``q``; ``lse: [batch, q_heads, q_len]`` float32.
   """
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
-                                               local_window=local_window)
+                                               local_window=local_window,
+                                               segments=q_seg is not None)
   o, lse = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
-                          pad_to(v, kv_len_p, d_p), spec=spec, scale=scale,
-                          block_q=config.block_q, block_kv=config.block_kv, stages=config.stages)
+                          pad_to(v, kv_len_p, d_p),
+                          _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec,
+                          scale=scale, block_q=config.block_q, block_kv=config.block_kv,
+                          stages=config.stages)
   return o[:, :q_len, :, :head_dim], lse[:, :, :q_len]
 
 
-def flash_mosaic_backward(q, k, v, o, lse, do, dlse, *, causal: bool, scale: float,
-                          local_window, config: MosaicBlockConfig):
+def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
+                          scale: float, local_window, config: MosaicBlockConfig):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
   ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``."""
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   do = do.astype(q.dtype)
   if mosaic_head_dim(head_dim) > MOSAIC_MAX_BWD_HEAD_DIM:
-    return flash_triton_backward(q, k, v, None, None, o, lse, do, dlse, causal=causal,
+    return flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal=causal,
                                  scale=scale, local_window=local_window, softcap=None,
                                  config=default_block_config(head_dim, q.dtype.itemsize),
                                  interpret=False)
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
-                                               local_window=local_window)
+                                               local_window=local_window,
+                                               segments=q_seg is not None)
   c = config
   dq, dk, dv = mosaic_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
       pad_to(do, q_len_p, d_p), pad_rows(lse * LOG2E, q_len_p),
-      pad_rows(backward_delta(o, do, dlse), q_len_p), spec=spec, scale=scale,
+      pad_rows(backward_delta(o, do, dlse), q_len_p),
+      _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
       stages=c.bwd_stages)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],

@@ -21,7 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range, q_block_range
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
+                                          segment_block_ranges)
 from jattn.kernels.common.softmax import LOG2E
 from jattn.kernels.flash import mosaic_pipeline as mp
 
@@ -39,17 +40,25 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-               rows_ready, k_ready, v_ready, k_free, v_free, *,
-               spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
+def _dq_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
                group: int):
+  if spec.segments:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, seg_ranges, dq_ref,
+     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, rows_ready, k_ready, v_ready,
+     k_free, v_free, q_seg_smem, kv_seg_smem) = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem,
+     delta_smem, k_smem, v_smem, rows_ready, k_ready, v_ready, k_free, v_free) = refs
   batch = lax.axis_index("batch")
   head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  cta_q = lax.axis_index("q_tiles") * (mp.CONSUMERS * block_q)
-  c_lo, _, _, c_hi = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
-  c_lo, c_hi = mp.clamp_range(c_lo, c_hi, k_ref.shape[1] // block_kv)
+  tile = lax.axis_index("q_tiles")
+  cta_q = tile * (mp.CONSUMERS * block_q)
+  cta_range = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
+  if spec.segments:
+    cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
+                                                      mp.CONSUMERS))
+  c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], k_ref.shape[1] // block_kv)
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
 
@@ -65,9 +74,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     plgpu.copy_gmem_to_smem(do_ref.at[rows], my(do_smem), ready)
     plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], my(lse_smem), ready)
     plgpu.copy_gmem_to_smem(delta_ref.at[row_stats], my(delta_smem), ready)
+    if spec.segments:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_start, block_q)], my(q_seg_smem),
+                              ready)
     plgpu.barrier_wait(ready)
     lse = plgpu.load(my(lse_smem), layout=mp.ROW)
     delta = plgpu.load(my(delta_smem), layout=mp.ROW)
+    q_seg = plgpu.load(my(q_seg_smem), layout=mp.ROW) if spec.segments else None
     c = scale * LOG2E
     shape = (block_q, block_kv)
 
@@ -79,8 +92,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                           _zeros(shape), my(do_smem), v_smem.at[slot].transpose((1, 0)))
       plgpu.barrier_arrive(v_free.at[slot])
       if masked:
+        segments = mp.tile_segments(q_seg, kv_seg_smem.at[slot], shape) if spec.segments else ()
         s = apply_mask(s, -jnp.inf, spec, mp.iota(shape, 0, q_start),
-                       mp.iota(shape, 1, j * block_kv))
+                       mp.iota(shape, 1, j * block_kv), *segments)
       p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
       ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
 
@@ -99,6 +113,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
       plgpu.barrier_arrive(k_free.at[slot])
 
     own = kv_block_range(spec, q_start, block_q, block_kv)
+    if spec.segments:
+      own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
     dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)))
     my(q_smem)[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
@@ -109,20 +125,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   def _producer():
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo,
-                  n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages)
+                  n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
+                  kv_seg=(kv_seg_ref, kv_seg_smem) if spec.segments else None)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                kv_ready, q_ready, q_free, *,
-                spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
+def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
                 group: int):
+  if spec.segments:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, seg_ranges, dk_ref,
+     dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, q_free,
+     kv_seg_smem, q_seg_smem) = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem,
+     do_smem, lse_smem, delta_smem, kv_ready, q_ready, q_free) = refs
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  cta_k = lax.axis_index("kv_tiles") * (mp.CONSUMERS * block_kv)
-  c_lo, _, _, c_hi = q_block_range(spec, cta_k, mp.CONSUMERS * block_kv, block_q)
-  c_lo, c_hi = mp.clamp_range(c_lo, c_hi, q_ref.shape[1] // block_q)
+  tile = lax.axis_index("kv_tiles")
+  cta_k = tile * (mp.CONSUMERS * block_kv)
+  cta_range = q_block_range(spec, cta_k, mp.CONSUMERS * block_kv, block_q)
+  if spec.segments:  # only the query blocks whose segment ids can meet the CTA's keys
+    cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
+                                                      mp.CONSUMERS))
+  c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], q_ref.shape[1] // block_q)
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -135,10 +160,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     my = lambda ref: ref.at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[keys], my(k_smem), kv_ready.at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[keys], my(v_smem), kv_ready.at[wg])
+    if spec.segments:
+      plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(k_start, block_kv)], my(kv_seg_smem),
+                              kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
+    kv_seg = plgpu.load(my(kv_seg_smem), layout=mp.ROW) if spec.segments else None
     c = scale * LOG2E
     shape = (block_kv, block_q)  # transposed scores: keys on rows
     own = q_block_range(spec, k_start, block_kv, block_q)
+    if spec.segments:
+      own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
 
     def over_head(g, carry):
       first = g * n_blocks - c_lo  # stream position of block j is first + j
@@ -150,8 +181,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         s_t, dp_t = _wgmma_pair(_zeros(shape), my(k_smem), q_smem.at[slot].transpose((1, 0)),
                                 _zeros(shape), my(v_smem), do_smem.at[slot].transpose((1, 0)))
         if masked:
+          segments = ()
+          if spec.segments:
+            k_ids, q_ids = mp.tile_segments(kv_seg, q_seg_smem.at[slot], shape)
+            segments = (q_ids, k_ids)
           s_t = apply_mask(s_t, -jnp.inf, spec, mp.iota(shape, 1, j * block_q),
-                           mp.iota(shape, 0, k_start))
+                           mp.iota(shape, 0, k_start), *segments)
         lse = plgpu.load(lse_smem.at[slot], layout=mp.COL)
         delta = plgpu.load(delta_smem.at[slot], layout=mp.COL)
         p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
@@ -190,6 +225,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], barrier)
+      if spec.segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(start, block_q)], q_seg_smem.at[slot],
+                                barrier)
 
     mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
 
@@ -202,11 +240,15 @@ def _barrier(n, arrivals=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
-def mosaic_dq(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float, block_q: int,
-              block_kv: int, stages: int):
-  """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq`` like ``q``."""
+def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
+              block_q: int, block_kv: int, stages: int):
+  """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq`` like ``q``.
+  ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_q`` query block."""
   batch, q_len_p, q_heads, d = q.shape
   stages = max(1, min(stages, k.shape[1] // block_kv))
+  copies = 2 if spec.segments else 1  # a K tile and its segment ids
+  seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_q), jnp.int32),
+              plgpu.SMEM((stages, block_kv), jnp.int32)) if spec.segments else ()
   return plgpu.kernel(
       functools.partial(_dq_kernel, spec=spec, scale=scale, block_q=block_q, block_kv=block_kv,
                         stages=stages, group=q_heads // k.shape[2]),
@@ -218,22 +260,27 @@ def mosaic_dq(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float, block_q
           plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
           mp.tile_smem((stages, block_kv, d), q.dtype),
           mp.tile_smem((stages, block_kv, d), q.dtype),
-          _barrier(mp.CONSUMERS, 4), _barrier(stages), _barrier(stages),
+          _barrier(mp.CONSUMERS, 3 + copies), _barrier(stages, copies), _barrier(stages),
           _barrier(stages, mp.CONSUMERS), _barrier(stages, mp.CONSUMERS),
+          *seg_smem,
       ),
       grid=(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
       **_launch(),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *(segments or ()))
 
 
-def mosaic_dkv(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float, block_q: int,
-               block_kv: int, stages: int):
-  """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``."""
+def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
+               block_q: int, block_kv: int, stages: int):
+  """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``.
+  ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_kv`` key block."""
   batch, q_len_p, q_heads, d = q.shape
   kv_len_p, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
   stages = max(1, min(stages, group * (q_len_p // block_q)))
+  copies = 1 if spec.segments else 0  # the segment ids beside K/V and each Q tile
+  seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_kv), jnp.int32),
+              plgpu.SMEM((stages, block_q), jnp.int32)) if spec.segments else ()
   return plgpu.kernel(
       functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q,
                         block_kv=block_kv, stages=stages, group=group),
@@ -245,15 +292,17 @@ def mosaic_dkv(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float, block_
           mp.tile_smem((stages, block_q, d), q.dtype),
           plgpu.SMEM((stages, block_q), jnp.float32),
           plgpu.SMEM((stages, block_q), jnp.float32),
-          _barrier(mp.CONSUMERS, 2), _barrier(stages, 4), _barrier(stages, mp.CONSUMERS),
+          _barrier(mp.CONSUMERS, 2 + copies), _barrier(stages, 4 + copies),
+          _barrier(stages, mp.CONSUMERS),
+          *seg_smem,
       ),
       grid=(kv_len_p // (mp.CONSUMERS * block_kv), kv_heads, batch),
       grid_names=("kv_tiles", "heads", "batch"),
       **_launch(),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *(segments or ()))
 
 
-def mosaic_backward(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float,
+def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
                     blocks: tuple[int, int, int, int], stages: int):
   """Runs the Hopper dQ and dK/dV kernels on padded inputs.
 
@@ -264,13 +313,23 @@ def mosaic_backward(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float,
     blocks: ``(block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv)``; lengths are
       padded so that ``2 * block_q_dq`` and ``block_q_dkv`` divide ``q_len_p``, and
       ``block_kv_dq`` and ``2 * block_kv_dkv`` divide ``kv_len_p``.
+    segments: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
+      kv_len_p])`` int32.
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``q, k, v``.
   """
   bq_dq, bkv_dq, bq_dkv, bkv_dkv = blocks
   args = (q, k, v, do, lse2, delta)
-  dq = mosaic_dq(*args, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq, stages=stages)
-  dk, dv = mosaic_dkv(*args, spec=spec, scale=scale, block_q=bq_dkv, block_kv=bkv_dkv,
-                      stages=stages)
+  dq_segments = dkv_segments = None
+  if spec.segments:
+    q_seg, kv_seg = segments
+    dq_segments = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
+                                                       bq_dq, bkv_dq))
+    dkv_segments = (q_seg, kv_seg, segment_block_ranges(kv_seg, q_seg, spec.kv_len, spec.q_len,
+                                                        bkv_dkv, bq_dkv))
+  dq = mosaic_dq(*args, dq_segments, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
+                 stages=stages)
+  dk, dv = mosaic_dkv(*args, dkv_segments, spec=spec, scale=scale, block_q=bq_dkv,
+                      block_kv=bkv_dkv, stages=stages)
   return dq, dk, dv

@@ -18,15 +18,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from jattn.kernels.common.masking import MaskSpec, apply_mask, kv_block_range
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range,
+                                          segment_block_ranges)
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
 from jattn.kernels.flash import mosaic_pipeline as mp
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem,
-            q_ready, k_ready, v_ready, k_free, v_free, schedule, *,
-            spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
+def _kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
             group: int, n_q_tiles: int):
+  if spec.segments:
+    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, seg_ranges, o_ref, lse_ref, qo_smem, k_smem,
+     v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, schedule, q_seg_smem,
+     kv_seg_smem) = refs
+  else:
+    (q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready,
+     v_ready, k_free, v_free, schedule) = refs
   batch = lax.axis_index("batch")
   head = lax.axis_index("heads")
   tile = lax.axis_index("q_tiles")
@@ -35,8 +41,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_sm
   wg = lax.axis_index("wg")
   cta_q = tile * (mp.CONSUMERS * block_q)
   n_kv_blocks = k_ref.shape[1] // block_kv
-  c_lo, _, _, c_hi = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
-  c_lo, c_hi = mp.clamp_range(c_lo, c_hi, n_kv_blocks)
+  cta_range = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
+  if spec.segments:  # only the key blocks whose segment ids can meet the CTA's rows
+    cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
+                                                      mp.CONSUMERS))
+  c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks)
   n_steps = c_hi - c_lo
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -52,7 +61,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_sm
     q_start = cta_q + wg * block_q
     rows = (batch, pl.ds(q_start, block_q), head)
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_ready.at[wg])
+    if spec.segments:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_start, block_q)],
+                              q_seg_smem.at[wg], q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
+    q_seg = plgpu.load(q_seg_smem.at[wg], layout=mp.ROW) if spec.segments else None
 
     @pl.when(n_steps > 0)
     def _():
@@ -77,11 +90,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_sm
         return acc_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+      if masked:
+        segments = mp.tile_segments(q_seg, kv_seg_smem.at[slot], s.shape) if spec.segments else ()
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        shape = (block_q, block_kv)
-        s = apply_mask(s, -jnp.inf, spec, mp.iota(shape, 0, q_start),
-                       mp.iota(shape, 1, j * block_kv))
+        s = apply_mask(s, -jnp.inf, spec, mp.iota(s.shape, 0, q_start),
+                       mp.iota(s.shape, 1, j * block_kv), *segments)
       m_next = jnp.maximum(m, s.max(axis=1) * c)
       alpha = jnp.exp2(m - m_next)
       p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -119,6 +133,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_sm
              plgpu.layout_cast(jnp.full((block_q,), EMPTY_ROW_LSE, jnp.float32), mp.ROW),
              plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), mp.ROW))
     own = kv_block_range(spec, q_start, block_q, block_kv)
+    if spec.segments:
+      own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
     acc, m, l = mp.visit_blocks((c_lo, c_hi), own, step, skip, carry)
     pl.when(wg == 0)(take_turn)
 
@@ -138,16 +154,19 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_sm
   def _producer():
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo, n_steps=n_steps,
-                  block_kv=block_kv, stages=stages)
+                  block_kv=block_kv, stages=stages,
+                  kv_seg=(kv_seg_ref, kv_seg_smem) if spec.segments else None)
 
 
-def mosaic_forward(q, k, v, *, spec: MaskSpec, scale: float, block_q: int, block_kv: int,
-                   stages: int):
+def mosaic_forward(q, k, v, segments=None, *, spec: MaskSpec, scale: float, block_q: int,
+                   block_kv: int, stages: int):
   """Runs the Hopper forward kernel on padded inputs.
 
   Args:
     q: ``[batch, q_len_p, q_heads, d_p]``, ``q_len_p % (2 * block_q) == 0``, ``d_p % 64 == 0``.
     k, v: ``[batch, kv_len_p, kv_heads, d_p]`` with ``kv_len_p % block_kv == 0``.
+    segments: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
+      kv_len_p])`` int32.
 
   Returns:
     ``o`` like ``q`` and ``lse: [batch, q_heads, q_len_p]`` float32 (natural log).
@@ -160,6 +179,13 @@ def mosaic_forward(q, k, v, *, spec: MaskSpec, scale: float, block_q: int, block
                              block_kv=block_kv, stages=stages, group=q_heads // kv_heads,
                              n_q_tiles=n_q_tiles)
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  copies = 2 if spec.segments else 1  # a Q or K tile, and its segment ids
+  seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_q), jnp.int32),
+              plgpu.SMEM((stages, block_kv), jnp.int32)) if spec.segments else ()
+  if spec.segments:  # the key blocks each consumer's query block can meet
+    q_seg, kv_seg = segments
+    segments = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
+                                                    block_q, block_kv))
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -169,13 +195,14 @@ def mosaic_forward(q, k, v, *, spec: MaskSpec, scale: float, block_q: int, block
           mp.tile_smem((stages, block_kv, d), q.dtype),
           mp.tile_smem((stages, block_kv, d), q.dtype),
           plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-          barrier(mp.CONSUMERS), barrier(stages), barrier(stages),
+          barrier(mp.CONSUMERS, copies), barrier(stages, copies), barrier(stages),
           barrier(stages, mp.CONSUMERS), barrier(stages, mp.CONSUMERS),
           plgpu.Barrier(num_arrivals=mp.CONSUMERS),
+          *seg_smem,
       ),
       grid=(n_q_tiles, q_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
       num_threads=mp.CONSUMERS + 1,
       thread_name="wg",
       compiler_params=mp.compiler_params(),
-  )(q, k, v)
+  )(q, k, v, *(segments or ()))
