@@ -34,7 +34,7 @@ SHIPPED = os.path.join(os.path.dirname(__file__), "..", "jattn", "tuning", "ship
 def backend_times(runs, mode: str) -> dict[str, dict]:
   """Shipped-table entries from ``bench/flash.py`` result payloads."""
   times = collections.defaultdict(lambda: collections.defaultdict(list))
-  jax_versions = {}
+  measured = {}  # key -> (jax version, time of the run)
   for run in runs:
     gpu = run["env"]["device"]
     for row in run["rows"]:
@@ -47,9 +47,9 @@ def backend_times(runs, mode: str) -> dict[str, dict]:
                               causal=row["causal"])
       key = str(TuningKey(gpu, FLASH.name, RANKING, FLASH.speed_key(problem)))
       times[key][BACKENDS[row["impl"]]].append(row["ms"])
-      jax_versions[key] = run["env"]["jax"]
+      measured[key] = (run["env"]["jax"], run["env"]["time"])
   return {key: {"backend_ms": {b: round(statistics.median(ms), 4) for b, ms in per.items()},
-                "mode": mode, "jax": jax_versions[key], "tuned_at": None}
+                "mode": mode, "jax": measured[key][0], "tuned_at": measured[key][1]}
           for key, per in times.items() if len(per) >= 2}
 
 
