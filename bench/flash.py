@@ -13,6 +13,7 @@ Writes flash.json / flash.md / flash.png under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -28,7 +29,7 @@ from bench.common import (attention_flops, bar_chart, environment,  # noqa: E402
                           time_torch_qkv, write_results)
 import jattn  # noqa: E402
 from jattn.kernels.common.config import BlockConfig  # noqa: E402
-from jattn.kernels.flash import MosaicBlockConfig  # noqa: E402
+from jattn.kernels.flash import MosaicBlockConfig, default_mosaic_config  # noqa: E402
 
 # (batch, seq, q_heads, head_dim[, kv_heads]): the three shapes, head dim 256, GQA.
 SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (8, 2048, 16, 64), (4, 4096, 16, 256),
@@ -38,6 +39,7 @@ DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 # (ours, peer) pairs the markdown table reports as ratios, where both were run.
 RATIOS = [("jattn_triton", "jax_example"), ("jattn_triton", "cudnn"), ("jattn_mosaic", "cudnn"),
+          ("jattn_mosaic_fused_dq", "cudnn"), ("jattn_mosaic_fused_dq", "jattn_mosaic"),
           ("jattn_mosaic", "tokamax_mosaic"), ("jattn_mosaic", "jax_example_mgpu")]
 
 
@@ -52,6 +54,12 @@ def jax_impls(causal, config=None, mosaic_config=None):
   def ours_mosaic(q, k, v):
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
                                  config=mosaic_config)
+
+  def ours_mosaic_fused_dq(q, k, v):  # deterministic=False: dQ atomics in the dK/dV kernel
+    config = dataclasses.replace(mosaic_config or default_mosaic_config(q.shape[-1]),
+                                 fused_dq=True)
+    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
+                                 config=config, deterministic=False)
 
   def tokamax_mosaic(q, k, v):
     import tokamax
@@ -76,7 +84,8 @@ def jax_impls(causal, config=None, mosaic_config=None):
   def example(q, k, v):
     return jax_example.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
 
-  return {"jattn_triton": ours, "jattn_mosaic": ours_mosaic, "cudnn": cudnn, "xla": xla,
+  return {"jattn_triton": ours, "jattn_mosaic": ours_mosaic,
+          "jattn_mosaic_fused_dq": ours_mosaic_fused_dq, "cudnn": cudnn, "xla": xla,
           "jax_example": example, "jax_example_mgpu": example_mgpu,
           "tokamax_mosaic": tokamax_mosaic}
 

@@ -22,6 +22,7 @@ from jattn.kernels.common.config import (BlockConfig, default_block_config,
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward)
+from jattn.kernels.flash.mosaic_bwd import fused_dq_columns
 from jattn.kernels.flash.mosaic_config import MOSAIC_MAX_BWD_HEAD_DIM, mosaic_head_dim
 from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
 from jattn.reference import flash_attention_reference
@@ -114,24 +115,39 @@ def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int) -> dict[str, tuple[i
   """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread
   (``W`` consumer warpgroups of 128 threads, each owning ``block`` rows)."""
   w, o = CONSUMERS, _MOSAIC_SMEM_OVERHEAD
+  dkv_smem = ((2 * w * c.block_kv_dkv * d + c.bwd_stages * 2 * c.block_q_dkv * d) * nbytes
+              + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
+  dq_cols = fused_dq_columns(d)
   return {
       "forward": ((w * c.block_q * d + c.stages * 2 * c.block_kv * d) * nbytes + o,
                   (c.block_q * d + c.block_q * c.block_kv) / 128),
       "dQ": ((2 * w * c.block_q_dq * d + c.bwd_stages * 2 * c.block_kv_dq * d) * nbytes + o,
              (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / 128),
-      "dK/dV": ((2 * w * c.block_kv_dkv * d + c.bwd_stages * 2 * c.block_q_dkv * d) * nbytes
-                + c.bwd_stages * 2 * c.block_q_dkv * 4 + o,
-                (2 * c.block_kv_dkv * d + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
+      "dK/dV": (dkv_smem, (2 * c.block_kv_dkv * d + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
+      # deterministic=False: dS tiles (double-buffered) and an fp32 dQ tile per consumer;
+      # the dQ accumulator is live once S and dP are spent.
+      "dK/dV+dQ": (dkv_smem + (2 * w * c.block_kv_dkv * c.block_q_dkv * nbytes
+                               + w * c.block_q_dkv * dq_cols * 4),
+                   (2 * c.block_kv_dkv * d + max(2 * c.block_q_dkv * c.block_kv_dkv,
+                                                 c.block_q_dkv * (dq_cols + c.block_kv_dkv)))
+                   / 128),
   }
 
 
+def _fuses_dq(c: MosaicBlockConfig, p: FlashProblem) -> bool:
+  """Deterministic calls never run the fused dQ (its atomic adds vary the sum order)."""
+  return c.fused_dq and not p.deterministic
+
+
 def mosaic_fits(*kernels: str):
-  """The Hopper cost model restricted to ``kernels`` (all three when none are named)."""
+  """The Hopper cost model restricted to ``kernels`` (when none are named: the kernels
+  the config runs)."""
 
   def fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
     limit = shared_memory_limit(info)
     costs = mosaic_costs(c, mosaic_head_dim(p.head_dim), p.dtype.itemsize)
-    for name in kernels or tuple(costs):
+    backward = ("dK/dV+dQ",) if _fuses_dq(c, p) else ("dQ", "dK/dV")
+    for name in kernels or ("forward", *backward):
       smem, per_thread = costs[name]
       if smem > limit:
         return f"{name} shared memory: {smem // 1024} KiB > {limit // 1024} KiB"
@@ -142,6 +158,12 @@ def mosaic_fits(*kernels: str):
   return fits
 
 
+def _fused_dq_fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
+  if c.fused_dq and p.deterministic:
+    return "deterministic calls never fuse dQ"
+  return mosaic_fits()(c, p, info)
+
+
 MOSAIC_STAGES = (
     SearchStage("forward", "fwd", {"block_q": (64, 128), "block_kv": (64, 128, 192, 256),
                                    "stages": (2, 3, 4)}, mosaic_fits("forward")),
@@ -150,6 +172,8 @@ MOSAIC_STAGES = (
                                   "bwd_stages": (2, 3)}, mosaic_fits("dQ", "dK/dV")),
     SearchStage("dK/dV", "fwd+bwd", {"block_q_dkv": (64, 128), "block_kv_dkv": (64, 128)},
                 mosaic_fits("dK/dV")),
+    # deterministic=False calls: whether dQ fused into the dK/dV kernel is faster.
+    SearchStage("fused dQ", "fwd+bwd", {"fused_dq": (False, True)}, _fused_dq_fits),
 )
 
 
@@ -182,10 +206,10 @@ class MosaicFlash(MosaicImpl):
   def backward(self, call, residuals, cotangents):
     (q, k, v, q_seg, kv_seg), o, lse = residuals
     p = call.problem
+    config = dataclasses.replace(call.config, fused_dq=_fuses_dq(call.config, p))
     dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
-                                       causal=p.causal,
-                                       scale=p.scale, local_window=p.local_window,
-                                       config=call.config)
+                                       causal=p.causal, scale=p.scale,
+                                       local_window=p.local_window, config=config)
     return dq, dk, dv, None, None
 
 
@@ -300,9 +324,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       means unbounded. Combined with ``causal``, ``right`` becomes 0.
     softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
     deterministic: gradients bitwise repeatable from run to run (default). The
-      Pallas backward kernels always are (no atomics); cuDNN's backward is not, so
-      ``deterministic=False`` is what lets ``backend="cudnn"`` run, and lets
-      ``"auto"`` take cuDNN where it measured faster.
+      Pallas backward kernels are, unless a ``MosaicBlockConfig(fused_dq=True)``
+      (atomic dQ adds) is chosen; cuDNN's backward is not. ``deterministic=False``
+      is what lets ``backend="cudnn"`` and ``fused_dq`` run, and lets ``"auto"``
+      take cuDNN where it measured faster.
     return_lse: also return the log-sum-exp of each row.
     backend: ``"auto"``, ``"pallas_mosaic"``, ``"pallas_triton"``, ``"cudnn"`` or
       ``"xla"``. ``"auto"``: of the backends this device runs that support the

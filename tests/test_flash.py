@@ -4,6 +4,8 @@ head dims and lengths. On CPU the Triton-lowered kernels run in interpret mode o
 small tiles; on a GPU the same cases run compiled, plus larger ones for both kernel
 families (``gpu``)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 import jattn
 from conftest import ON_GPU, rel_err
+from jattn.kernels.flash.mosaic_config import default_mosaic_config
 from jattn.reference import flash_attention_reference
 
 
@@ -48,7 +51,9 @@ def check_against_reference(q, k, v, do, *, config=SMALL, backend="pallas_triton
 
   def ref(q, k, v):
     f32 = lambda x: x.astype(jnp.float32)
-    return flash_attention_reference(f32(q), f32(k), f32(v), **kwargs)
+    return flash_attention_reference(f32(q), f32(k), f32(v), **ref_kwargs)
+
+  ref_kwargs = {n: x for n, x in kwargs.items() if n != "deterministic"}
 
   # jitted: eagerly every op of the kernel (and of the reference) compiles on its own.
   (o, lse), pull = jax.vjp(jax.jit(ours), q, k, v)
@@ -216,12 +221,43 @@ def test_hopper_kernels_with_other_tiles(config):
   check_against_reference(*arrays, config=config, backend="pallas_mosaic", **kwargs)
 
 
+FUSED_DQ_CASES = [dict(shape=(2, 512, 4, 4, 128)), dict(shape=(1, 1000, 8, 2, 128), causal=True),
+                  dict(shape=(1, 777, 4, 2, 64), causal=True),
+                  dict(shape=(1, 160, 4, 4, 64), kv_len=900, causal=True),
+                  dict(shape=(1, 640, 4, 2, 128), local_window=(130, 17)),
+                  dict(shape=(2, 1000, 8, 2, 128), segments="packed")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FUSED_DQ_CASES,
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_hopper_fused_dq_backward(case):
+  """deterministic=False with fused_dq: dQ added atomically inside the dK/dV kernel
+  (both consumers share a dQ tile at head dim 128, each its own at 64); also under vmap."""
+  arrays, kwargs = _gpu_inputs(case, jnp.bfloat16)
+  config = dataclasses.replace(default_mosaic_config(case["shape"][-1]), fused_dq=True)
+  kwargs.update(deterministic=False)
+  _skip_unless_runnable("pallas_mosaic", *arrays, **kwargs)
+  check_against_reference(*arrays, config=config, backend="pallas_mosaic", **kwargs)
+  if case is FUSED_DQ_CASES[0]:
+    q, k, v, do = arrays
+    attend = lambda q, k, v: jattn.flash_attention(q, k, v, backend="pallas_mosaic",
+                                                   config=config, **kwargs)
+    grads = lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do)
+    mapped = jax.jit(jax.vmap(grads))(*(x[:, None] for x in (q, k, v, do)))
+    for g_map, g in zip(mapped, jax.jit(grads)(q, k, v, do)):
+      assert rel_err(g_map[:, 0], g) < 1e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
 def test_backward_is_bitwise_deterministic_at_gpu_sizes(backend):
   (q, k, v, do), _ = _gpu_inputs(dict(shape=(2, 1024, 8, 2, 128)), jnp.bfloat16)
   _skip_unless_runnable(backend, q, k, v, causal=True)
-  attend = lambda *a: jattn.flash_attention(*a, causal=True, backend=backend)
+  # A config asking for the fused (atomic) dQ does not apply to a deterministic call.
+  config = dataclasses.replace(default_mosaic_config(128), fused_dq=True) if (
+      backend == "pallas_mosaic") else None
+  attend = lambda *a: jattn.flash_attention(*a, causal=True, backend=backend, config=config)
   f = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
   for x, y in zip(f(q, k, v), f(q, k, v)):
     assert np.array_equal(np.asarray(x), np.asarray(y))

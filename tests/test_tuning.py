@@ -113,6 +113,21 @@ def test_mosaic_cost_model_matches_what_failed_or_spilled_on_the_h100():
   assert "dK/dV registers" in fits(MosaicBlockConfig(block_q_dkv=128, block_kv_dkv=64), p128)
 
 
+def test_fused_dq_is_costed_and_tuned_only_for_calls_that_allow_any_order():
+  """fused_dq adds dS and fp32 dQ tiles to the dK/dV kernel; deterministic calls never run
+  it, so neither its cost nor a fused candidate applies to them."""
+  det = problem(dtype=jnp.float16, causal=False)
+  any_order = dataclasses.replace(det, deterministic=False)
+  fused = dataclasses.replace(default_mosaic_config(128), fused_dq=True, bwd_stages=3,
+                              block_kv_dq=64)
+  assert mosaic_fits()(fused, det, FAKE_H100) is None  # runs the two kernels
+  assert "dK/dV+dQ shared memory" in mosaic_fits()(fused, any_order, FAKE_H100)
+  for p, expected in ((det, {False}), (any_order, {False, True})):
+    cands = _stage(search.plan("flash_attention", "pallas_mosaic", p, info=FAKE_H100),
+                   "fused dQ")
+    assert {c.config.fused_dq for c in cands if c.reason is None} == expected
+
+
 # ------------------------------------------------------------------------ candidates
 
 def _stage(cands, name):

@@ -65,7 +65,8 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
                           scale: float, local_window, config: MosaicBlockConfig):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
-  ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``."""
+  ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``. ``config.fused_dq`` computes dQ
+  inside the dK/dV kernel (atomic adds: not bitwise repeatable)."""
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   do = do.astype(q.dtype)
   if mosaic_head_dim(head_dim) > MOSAIC_MAX_BWD_HEAD_DIM:
@@ -83,6 +84,6 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
       pad_rows(backward_delta(o, do, dlse), q_len_p),
       _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
-      stages=c.bwd_stages)
+      stages=c.bwd_stages, fused_dq=c.fused_dq)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
           dv[:, :kv_len, :, :head_dim])

@@ -1,11 +1,15 @@
 """Backward flash attention for Hopper, in Pallas Mosaic GPU.
 
-Two kernels, neither with atomics, so gradients are bitwise reproducible:
+By default two kernels, neither with atomics, so gradients are bitwise reproducible:
 - dQ: one CTA per (query tile, query head, batch); consumers own query rows and
   stream K and V tiles, as in the forward pass.
 - dK/dV: one CTA per (key tile, KV head, batch); consumers own key rows and
   stream Q, dO, lse and delta tiles of every query head of the group, so GQA
   sums over heads inside the kernel.
+With ``fused_dq`` (allowed for ``deterministic=False`` calls) the dK/dV kernel also computes each block pair's dQ
+tile (``dS K``, dS through shared memory) and adds it into an fp32 buffer in global
+memory with a TMA reduce-add: 5 matmuls per block pair instead of 7, in an order
+that varies from run to run (FlashAttention-3's scheme).
 Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels).
@@ -25,6 +29,7 @@ from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, 
                                           segment_block_ranges)
 from jattn.kernels.common.softmax import LOG2E
 from jattn.kernels.flash import mosaic_pipeline as mp
+from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):
@@ -129,15 +134,23 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int,
                   kv_seg=(kv_seg_ref, kv_seg_smem) if spec.segments else None)
 
 
+def fused_dq_columns(head_dim: int) -> int:
+  """Head-dim columns of the fused dQ tile each consumer computes: with head dims that
+  split into whole 64-wide tiles, the consumers share one dQ tile (each summing both
+  consumers' dS over its half of the columns); else each its own, over all columns."""
+  half = head_dim // mp.CONSUMERS
+  return half if half % MOSAIC_BLOCK == 0 else head_dim
+
+
 def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
-                group: int):
-  if spec.segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, seg_ranges, dk_ref,
-     dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, q_free,
-     kv_seg_smem, q_seg_smem) = refs
-  else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem,
-     do_smem, lse_smem, delta_smem, kv_ready, q_ready, q_free) = refs
+                group: int, fuse_dq: bool, **smem):
+  n_in = 6 + 3 * spec.segments + fuse_dq
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
+      refs[:n_in], refs[n_in:])
+  q_seg_ref, kv_seg_ref, seg_ranges = extra[:3] if spec.segments else (None,) * 3
+  dq_ref = extra[-1] if fuse_dq else None
+  k_smem, v_smem, q_smem, do_smem = smem["k"], smem["v"], smem["q"], smem["do"]
+  q_ready, q_free = smem["q_ready"], smem["q_free"]
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -151,6 +164,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
+  dq_cols = fused_dq_columns(head_dim)
+  shared_dq = fuse_dq and dq_cols < head_dim
 
   @pl.when(wg < mp.CONSUMERS)
   def _consumer():
@@ -158,21 +173,55 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
     k_start = cta_k + wg * block_kv
     keys = (batch, pl.ds(k_start, block_kv), kv_head)
     my = lambda ref: ref.at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[keys], my(k_smem), kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[keys], my(v_smem), kv_ready.at[wg])
+    kv_ready = smem["kv_ready"].at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[keys], my(k_smem), kv_ready)
+    plgpu.copy_gmem_to_smem(v_ref.at[keys], my(v_smem), kv_ready)
     if spec.segments:
-      plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(k_start, block_kv)], my(kv_seg_smem),
-                              kv_ready.at[wg])
-    plgpu.barrier_wait(kv_ready.at[wg])
-    kv_seg = plgpu.load(my(kv_seg_smem), layout=mp.ROW) if spec.segments else None
+      plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(k_start, block_kv)],
+                              my(smem["kv_seg"]), kv_ready)
+    plgpu.barrier_wait(kv_ready)
+    kv_seg = plgpu.load(my(smem["kv_seg"]), layout=mp.ROW) if spec.segments else None
     c = scale * LOG2E
     shape = (block_kv, block_q)  # transposed scores: keys on rows
     own = q_block_range(spec, k_start, block_kv, block_q)
     if spec.segments:
       own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
 
+    def exchange_ds(pos, ds):
+      """Puts this consumer's dSᵀ tile where the dQ wgmma reads it (double-buffered by
+      stream position: a buffer is rewritten only after both passed the next exchange)."""
+      buf = lax.rem(pos, jnp.int32(2))
+      smem["ds"].at[buf, wg][...] = ds
+      plgpu.commit_smem()
+      if shared_dq:
+        plgpu.barrier_arrive(smem["ds_ready"])
+      return buf
+
+    def issue_dq(acc_ref, buf):
+      """dQ tile of the block: ``dS K`` over this consumer's keys, or (shared) over both
+      consumers' keys for this consumer's half of the columns."""
+      if shared_dq:
+        plgpu.barrier_wait(smem["ds_ready"])
+        cols = pl.ds(wg * dq_cols, dq_cols)
+        for i in range(mp.CONSUMERS):
+          plgpu.wgmma(acc_ref, smem["ds"].at[buf, i].transpose((1, 0)),
+                      k_smem.at[i, :, cols])
+      else:
+        plgpu.wgmma(acc_ref, smem["ds"].at[buf, wg].transpose((1, 0)), my(k_smem))
+
+    def add_dq(dq, j, q_head):
+      """TMA reduce-add of a dQ tile into the fp32 accumulator in global memory."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile was read
+      my(smem["dq"])[...] = dq
+      plgpu.commit_smem()
+      cols = pl.ds(wg * dq_cols if shared_dq else 0, dq_cols)
+      plgpu.copy_smem_to_gmem(my(smem["dq"]),
+                              dq_ref.at[batch, pl.ds(j * block_q, block_q), q_head, cols],
+                              reduction_op="add")
+
     def over_head(g, carry):
       first = g * n_blocks - c_lo  # stream position of block j is first + j
+      q_head = kv_head * group + g
 
       def step(j, carry, masked):
         dk, dv = carry
@@ -183,28 +232,55 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
         if masked:
           segments = ()
           if spec.segments:
-            k_ids, q_ids = mp.tile_segments(kv_seg, q_seg_smem.at[slot], shape)
+            k_ids, q_ids = mp.tile_segments(kv_seg, smem["q_seg"].at[slot], shape)
             segments = (q_ids, k_ids)
           s_t = apply_mask(s_t, -jnp.inf, spec, mp.iota(shape, 1, j * block_q),
                            mp.iota(shape, 0, k_start), *segments)
-        lse = plgpu.load(lse_smem.at[slot], layout=mp.COL)
-        delta = plgpu.load(delta_smem.at[slot], layout=mp.COL)
+        lse = plgpu.load(smem["lse"].at[slot], layout=mp.COL)
+        delta = plgpu.load(smem["delta"].at[slot], layout=mp.COL)
         p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-        dv, dk = _wgmma_pair(dv, p_t.astype(dtype), do_smem.at[slot],
-                             dk, ds_t.astype(dtype), q_smem.at[slot])
+        p_lo, ds_lo = p_t.astype(dtype), ds_t.astype(dtype)
+        if not fuse_dq:
+          dv, dk = _wgmma_pair(dv, p_lo, do_smem.at[slot], dk, ds_lo, q_smem.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+          return dk, dv
+        buf = exchange_ds(first + j, ds_lo)
+
+        def run(refs):
+          dv_ref, dk_ref, dq_ref_ = refs
+          plgpu.wgmma(dv_ref, p_lo, do_smem.at[slot])
+          plgpu.wgmma(dk_ref, ds_lo, q_smem.at[slot])
+          issue_dq(dq_ref_, buf)
+
+        dv, dk, dq = pl.run_state(run)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                        plgpu.ACC.init(_zeros((block_q, dq_cols)))))
         plgpu.barrier_arrive(q_free.at[slot])
+        add_dq(dq, j, q_head)
         return dk, dv
 
       def skip(j):
         slot = lax.rem(first + j, jnp.int32(stages))
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
+        if shared_dq:  # the other consumer may need the block: a zero dS keeps in step
+          buf = exchange_ds(first + j, plgpu.layout_cast(jnp.zeros(shape, dtype),
+                                                         plgpu.Layout.WGMMA))
+
+          def dq_of_block(acc_ref):
+            issue_dq(acc_ref, buf)
+            return acc_ref[...]
+
+          add_dq(pl.run_scoped(dq_of_block, plgpu.ACC((block_q, dq_cols), jnp.float32)),
+                 j, q_head)
 
       return mp.visit_blocks((c_lo, c_hi), own, step, skip, carry)
 
     acc = _zeros((block_kv, head_dim))
     dk, dv = lax.fori_loop(0, group, over_head, (acc, acc))
+    if shared_dq:  # the other consumer's last dQ wgmma reads this one's K tile
+      plgpu.barrier_arrive(smem["ds_ready"])
+      plgpu.barrier_wait(smem["ds_ready"])
     my(k_smem)[...] = (dk * scale).astype(dtype)
     my(v_smem)[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -223,11 +299,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
       rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], barrier)
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
+      plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
       if spec.segments:
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(start, block_q)], q_seg_smem.at[slot],
-                                barrier)
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(start, block_q)],
+                                smem["q_seg"].at[slot], barrier)
 
     mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
 
@@ -270,41 +346,68 @@ def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale:
   )(q, k, v, do, lse2, delta, *(segments or ()))
 
 
-def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
-               block_q: int, block_kv: int, stages: int):
+def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: MaskSpec,
+               scale: float, block_q: int, block_kv: int, stages: int):
   """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``.
-  ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_kv`` key block."""
+  ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_kv`` key block.
+  ``dq_acc``: a zeroed float32 ``Ref`` shaped like ``q``: the kernel also adds each
+  block's ``dS K`` into it (TMA reduce-add, so the sum order varies run to run)."""
   batch, q_len_p, q_heads, d = q.shape
   kv_len_p, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
   stages = max(1, min(stages, group * (q_len_p // block_q)))
+  fuse_dq = dq_acc is not None
   copies = 1 if spec.segments else 0  # the segment ids beside K/V and each Q tile
-  seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_kv), jnp.int32),
-              plgpu.SMEM((stages, block_q), jnp.int32)) if spec.segments else ()
-  return plgpu.kernel(
-      functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q,
-                        block_kv=block_kv, stages=stages, group=group),
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      scratch_types=(
-          mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
-          mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
-          mp.tile_smem((stages, block_q, d), q.dtype),
-          mp.tile_smem((stages, block_q, d), q.dtype),
-          plgpu.SMEM((stages, block_q), jnp.float32),
-          plgpu.SMEM((stages, block_q), jnp.float32),
-          _barrier(mp.CONSUMERS, 2 + copies), _barrier(stages, 4 + copies),
-          _barrier(stages, mp.CONSUMERS),
-          *seg_smem,
-      ),
-      grid=(kv_len_p // (mp.CONSUMERS * block_kv), kv_heads, batch),
-      grid_names=("kv_tiles", "heads", "batch"),
-      **_launch(),
-  )(q, k, v, do, lse2, delta, *(segments or ()))
+  smem = dict(
+      k=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
+      v=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
+      q=mp.tile_smem((stages, block_q, d), q.dtype),
+      do=mp.tile_smem((stages, block_q, d), q.dtype),
+      lse=plgpu.SMEM((stages, block_q), jnp.float32),
+      delta=plgpu.SMEM((stages, block_q), jnp.float32),
+      kv_ready=_barrier(mp.CONSUMERS, 2 + copies), q_ready=_barrier(stages, 4 + copies),
+      q_free=_barrier(stages, mp.CONSUMERS))
+  if spec.segments:
+    smem.update(kv_seg=plgpu.SMEM((mp.CONSUMERS, block_kv), jnp.int32),
+                q_seg=plgpu.SMEM((stages, block_q), jnp.int32))
+  if fuse_dq:
+    f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
+                dq=plgpu.SMEM((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32,
+                              transforms=f32_tiles),
+                ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
+  body = functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q,
+                           block_kv=block_kv, stages=stages, group=group, fuse_dq=fuse_dq)
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  grid = dict(grid=(kv_len_p // (mp.CONSUMERS * block_kv), kv_heads, batch),
+              grid_names=("kv_tiles", "heads", "batch"))
+  args = (q, k, v, do, lse2, delta, *(segments or ()))
+  if fuse_dq:
+    return mp.kernel_writing_ref(body, out_type=out_type, scratch_types=smem, **grid)(
+        *args, dq_acc)
+  return plgpu.kernel(body, out_type=out_type, scratch_types=smem, **grid, **_launch())(*args)
+
+
+def _fold_vmap_into_batch(fn):
+  """``fn(*arrays)`` whose arrays all lead with the batch axis, made ``vmap``-able by
+  folding the mapped axis into that batch axis (batch rows are independent). The
+  fused kernel writes through a ``Ref``, which ``plgpu.kernel``'s own rule does not map."""
+  fn = jax.custom_batching.custom_vmap(fn)
+
+  @fn.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, mapped in zip(args, in_batched)]
+    outs = fn(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+    return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
+            (True,) * len(outs))
+
+  return fn
 
 
 def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
-                    blocks: tuple[int, int, int, int], stages: int):
-  """Runs the Hopper dQ and dK/dV kernels on padded inputs.
+                    blocks: tuple[int, int, int, int], stages: int, fused_dq: bool = False):
+  """Runs the Hopper backward kernels on padded inputs.
 
   Args:
     q, do: ``[batch, q_len_p, q_heads, d_p]``; k, v: ``[batch, kv_len_p, kv_heads, d_p]``.
@@ -315,6 +418,9 @@ def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, 
       ``block_kv_dq`` and ``2 * block_kv_dkv`` divide ``kv_len_p``.
     segments: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
       kv_len_p])`` int32.
+    fused_dq: False: a dQ kernel and a dK/dV kernel, bitwise repeatable. True: the
+      dK/dV kernel alone, adding each block's dQ into an fp32 buffer (5 matmuls per
+      block pair instead of 7; the sum order varies run to run).
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``q, k, v``.
@@ -328,8 +434,17 @@ def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, 
                                                        bq_dq, bkv_dq))
     dkv_segments = (q_seg, kv_seg, segment_block_ranges(kv_seg, q_seg, spec.kv_len, spec.q_len,
                                                         bkv_dkv, bq_dkv))
+  dkv = functools.partial(mosaic_dkv, spec=spec, scale=scale, block_q=bq_dkv,
+                          block_kv=bkv_dkv, stages=stages)
+  if fused_dq:
+    @_fold_vmap_into_batch
+    def fused(*arrays):
+      dq_acc = jax.new_ref(jnp.zeros(arrays[0].shape, jnp.float32))
+      dk, dv = dkv(*arrays[:6], arrays[6:] or None, dq_acc)
+      return (dq_acc[...] * scale).astype(arrays[0].dtype), dk, dv
+
+    return tuple(fused(*args, *(dkv_segments or ())))
   dq = mosaic_dq(*args, dq_segments, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
                  stages=stages)
-  dk, dv = mosaic_dkv(*args, dkv_segments, spec=spec, scale=scale, block_q=bq_dkv,
-                      block_kv=bkv_dkv, stages=stages)
+  dk, dv = dkv(*args, dkv_segments)
   return dq, dk, dv

@@ -16,6 +16,12 @@ class MosaicBlockConfig:
   covers twice as many rows. Every block is a multiple of 64. ``stages`` is the
   depth of the shared-memory ring the producer warpgroup fills: at least 2 (a
   one-slot ring gave wrong dQ on the H100; the cause was not found).
+
+  ``fused_dq``: the backward computes dQ inside the dK/dV kernel and adds it into an
+  fp32 buffer with TMA reduce-adds (5 matmuls per block pair instead of 7, but the
+  sum order varies from run to run: ``deterministic=True`` calls, the default, run the
+  two kernels whatever this says; head dims up to 128). Off by default: on the H100 the reduce-adds made it slower at most
+  shapes (bench/results/flash_fused_dq.md); the autotuner tries it.
   """
 
   block_q: int = 64
@@ -26,6 +32,7 @@ class MosaicBlockConfig:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   bwd_stages: int = 2
+  fused_dq: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",

@@ -138,6 +138,21 @@ def clamp_range(lo, hi, n_blocks: int):
   return jnp.minimum(lo, hi), hi
 
 
+def kernel_writing_ref(body, *, out_type, scratch_types: dict, grid, grid_names):
+  """A consumer/producer kernel like ``plgpu.kernel``'s, for a body that also writes
+  into a mutable ``jax.Ref`` operand: ``plgpu.kernel`` wraps its launch in a vmap
+  rule that loses a Ref's write effect, so this launches through ``pl.kernel``. Not
+  ``vmap``-able itself."""
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=CONSUMERS + 1,
+                    thread_name="wg")
+
+  def with_scratch(*refs):
+    pl.run_scoped(functools.partial(body, *refs), collective_axes="wg", **scratch_types)
+
+  return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
+                   compiler_params=compiler_params())
+
+
 def compiler_params():
   # approx_math: exp2 and reciprocals on the MUFU fast path, as the softmax needs.
   return plgpu.CompilerParams(approx_math=True)
