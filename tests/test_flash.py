@@ -49,11 +49,11 @@ def check_against_reference(q, k, v, do, *, config=SMALL, backend="pallas_triton
     return jattn.flash_attention(q, k, v, backend=backend, return_lse=True, config=config,
                                  **kwargs)
 
+  ref_kwargs = {n: x for n, x in kwargs.items() if n != "deterministic"}
+
   def ref(q, k, v):
     f32 = lambda x: x.astype(jnp.float32)
     return flash_attention_reference(f32(q), f32(k), f32(v), **ref_kwargs)
-
-  ref_kwargs = {n: x for n, x in kwargs.items() if n != "deterministic"}
 
   # jitted: eagerly every op of the kernel (and of the reference) compiles on its own.
   (o, lse), pull = jax.vjp(jax.jit(ours), q, k, v)

@@ -6,10 +6,10 @@ By default two kernels, neither with atomics, so gradients are bitwise reproduci
 - dK/dV: one CTA per (key tile, KV head, batch); consumers own key rows and
   stream Q, dO, lse and delta tiles of every query head of the group, so GQA
   sums over heads inside the kernel.
-With ``fused_dq`` (allowed for ``deterministic=False`` calls) the dK/dV kernel also computes each block pair's dQ
-tile (``dS K``, dS through shared memory) and adds it into an fp32 buffer in global
-memory with a TMA reduce-add: 5 matmuls per block pair instead of 7, in an order
-that varies from run to run (FlashAttention-3's scheme).
+With ``fused_dq`` (only for ``deterministic=False`` calls) the dK/dV kernel also
+computes each block pair's dQ tile (``dS K``, dS through shared memory) and adds it
+into an fp32 buffer in global memory with a TMA reduce-add: 5 matmuls per block pair
+instead of 7, in an order that varies from run to run (FlashAttention-3's scheme).
 Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels).
