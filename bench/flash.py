@@ -40,7 +40,11 @@ DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 # (ours, peer) pairs the markdown table reports as ratios, where both were run.
 RATIOS = [("jattn_triton", "jax_example"), ("jattn_triton", "cudnn"), ("jattn_mosaic", "cudnn"),
           ("jattn_mosaic_fused_dq", "cudnn"), ("jattn_mosaic_fused_dq", "jattn_mosaic"),
-          ("jattn_mosaic", "tokamax_mosaic"), ("jattn_mosaic", "jax_example_mgpu")]
+          ("jattn_mosaic", "tokamax_mosaic"), ("jattn_mosaic", "jax_example_mgpu"),
+          ("jattn_mosaic_softcap", "jattn_triton_softcap"),
+          ("jattn_mosaic_softcap", "jattn_mosaic"),
+          ("jattn_mosaic_persistent", "jattn_mosaic"), ("jattn_mosaic_persistent", "cudnn")]
+SOFTCAP = 30.0  # the *_softcap impls' cap (Gemma 2's attention cap is 50)
 
 
 def jax_impls(causal, config=None, mosaic_config=None):
@@ -55,11 +59,20 @@ def jax_impls(causal, config=None, mosaic_config=None):
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
                                  config=mosaic_config)
 
+  def ours_mosaic_persistent(q, k, v):  # the forward on one CTA per SM
+    config = dataclasses.replace(mosaic_config or default_mosaic_config(q.shape[-1]),
+                                 persistent=True)
+    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic", config=config)
+
   def ours_mosaic_fused_dq(q, k, v):  # deterministic=False: dQ atomics in the dK/dV kernel
     config = dataclasses.replace(mosaic_config or default_mosaic_config(q.shape[-1]),
                                  fused_dq=True)
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
                                  config=config, deterministic=False)
+
+  def softcapped(backend):
+    return lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, softcap=SOFTCAP,
+                                                 backend=backend)
 
   def tokamax_mosaic(q, k, v):
     import tokamax
@@ -85,7 +98,10 @@ def jax_impls(causal, config=None, mosaic_config=None):
     return jax_example.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
 
   return {"jattn_triton": ours, "jattn_mosaic": ours_mosaic,
-          "jattn_mosaic_fused_dq": ours_mosaic_fused_dq, "cudnn": cudnn, "xla": xla,
+          "jattn_mosaic_fused_dq": ours_mosaic_fused_dq,
+          "jattn_mosaic_persistent": ours_mosaic_persistent,
+          "jattn_mosaic_softcap": softcapped("pallas_mosaic"),
+          "jattn_triton_softcap": softcapped("pallas_triton"), "cudnn": cudnn, "xla": xla,
           "jax_example": example, "jax_example_mgpu": example_mgpu,
           "tokamax_mosaic": tokamax_mosaic}
 

@@ -3,7 +3,7 @@ flash-linear-attention's ``chunk_retention`` / ``parallel_retention`` (torch + T
 and our parallel form against our own flash attention, in one run.
 
     python bench/retention.py --dtypes fp16 --stem retention_fp16   # the table
-    python bench/retention.py --parallel-bar       # parallel fwd vs our flash fwd
+    python bench/retention.py --parallel-bar       # parallel fwd (Hopper and Triton) vs our flash fwd
     python bench/retention.py --long               # 65536-token chunkwise fwd+bwd
     python bench/retention.py --crossover --dtypes fp16   # parallel vs chunkwise by length
     python bench/retention.py --sweep parallel     # parallel-kernel tile sweep
@@ -45,7 +45,10 @@ DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
 # (ours, peer): the table's ratios are peer time / our time (> 1: ours is faster).
 RATIOS = [("jattn_chunkwise", "jattn_parallel"), ("jattn_chunkwise", "fla_chunk"), ("jattn_parallel", "fla_parallel"),
           ("jattn_parallel", "fla_chunk"), ("jattn_parallel", "jattn_flash_causal"),
-          ("jattn_parallel", "jattn_flash_causal_triton")]
+          ("jattn_parallel", "jattn_flash_causal_triton"),
+          ("jattn_parallel_mosaic", "jattn_flash_causal"),
+          ("jattn_parallel_mosaic_abs_sum", "jattn_flash_causal"),
+          ("jattn_parallel_mosaic", "jattn_parallel"), ("jattn_parallel_mosaic", "fla_parallel")]
 
 
 def jax_impls(chunk=None, chunkwise_config=None, parallel_config=None):
@@ -66,6 +69,10 @@ def jax_impls(chunk=None, chunkwise_config=None, parallel_config=None):
     return RETENTION_PARALLEL(q, k, v, decay=default_decay(q.shape[2]), backend="pallas_triton",
                               config=parallel_config)
 
+  def parallel_mosaic(q, k, v, normalize=None):
+    return jattn.retention(q, k, v, mode="parallel", normalize=normalize,
+                           backend="pallas_mosaic")
+
   def xla_chunkwise(q, k, v):
     return jattn.retention(q, k, v, mode="chunkwise", backend="xla")
 
@@ -75,7 +82,10 @@ def jax_impls(chunk=None, chunkwise_config=None, parallel_config=None):
   def flash_causal_triton(q, k, v):
     return jattn.flash_attention(q, k, v, causal=True, backend="pallas_triton")
 
-  return {"jattn_chunkwise": chunkwise, "jattn_parallel": parallel, "xla_chunkwise": xla_chunkwise,
+  return {"jattn_chunkwise": chunkwise, "jattn_parallel": parallel,
+          "jattn_parallel_mosaic": parallel_mosaic,
+          "jattn_parallel_mosaic_abs_sum": lambda q, k, v: parallel_mosaic(q, k, v, "abs_sum"),
+          "xla_chunkwise": xla_chunkwise,
           "jattn_flash_causal": flash_causal, "jattn_flash_causal_triton": flash_causal_triton}
 
 
@@ -279,8 +289,11 @@ def main():
                   markdown(rows, env, "Retention, 65536 tokens, chunkwise fwd+bwd"))
     return
   # The bar for the parallel form: its forward against our causal flash forward.
+  mosaic = ["jattn_parallel_mosaic", "jattn_parallel_mosaic_abs_sum"] if (
+      jattn.gpu.gpu_info().architecture == "hopper") else []
   bar = run_table([PARALLEL_SHAPE], args.dtypes.split(","),
-                  ["jattn_parallel", "jattn_flash_causal", "jattn_flash_causal_triton"], ["fwd"], [])
+                  [*mosaic, "jattn_parallel", "jattn_flash_causal", "jattn_flash_causal_triton"],
+                  ["fwd"], [])
   if args.parallel_bar:
     write_results(args.out, args.stem or "retention_parallel_bar", {"env": env, "rows": bar},
                   markdown(bar, env, "Retention parallel forward vs our causal flash forward"))

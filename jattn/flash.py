@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn.core.device import CUDNN, GPUInfo, shared_memory_limit
+from jattn.core.device import CUDNN, GPUInfo
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, check_integer_array, scale_of
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
@@ -28,7 +28,9 @@ from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
 from jattn.reference import flash_attention_reference
 from jattn.tuning.cache import bucket
 from jattn.tuning.search import SearchStage
-from jattn.tuning.spaces import BlockTritonImpl
+from jattn.tuning.spaces import (MOSAIC_FORWARD_GRID, MOSAIC_PERSISTENT_GRID,
+                                 MOSAIC_SMEM_OVERHEAD, BlockTritonImpl,
+                                 mosaic_forward_cost, within_mosaic_budget)
 
 
 
@@ -104,23 +106,15 @@ class TritonFlash(AttentionTritonImpl):
     return dq, dk, dv, None, None
 
 
-# Consumer warpgroups hold 232 registers; ~30 go to addresses and row statistics.
-# Measured on the H100 sweep (bench/results/flash_sweep_mosaic.json): 192 fp32 per
-# thread ran at full speed, 256 spilled (d128 128x128 tiles: 270 vs 527 TFLOP/s).
-MOSAIC_REGISTER_BUDGET = 200
-_MOSAIC_SMEM_OVERHEAD = 4 * 1024  # barriers and alignment
-
-
 def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int) -> dict[str, tuple[int, float]]:
   """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread
   (``W`` consumer warpgroups of 128 threads, each owning ``block`` rows)."""
-  w, o = CONSUMERS, _MOSAIC_SMEM_OVERHEAD
+  w, o = CONSUMERS, MOSAIC_SMEM_OVERHEAD
   dkv_smem = ((2 * w * c.block_kv_dkv * d + c.bwd_stages * 2 * c.block_q_dkv * d) * nbytes
               + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
   dq_cols = fused_dq_columns(d)
   return {
-      "forward": ((w * c.block_q * d + c.stages * 2 * c.block_kv * d) * nbytes + o,
-                  (c.block_q * d + c.block_q * c.block_kv) / 128),
+      "forward": mosaic_forward_cost(c, d, d, nbytes),
       "dQ": ((2 * w * c.block_q_dq * d + c.bwd_stages * 2 * c.block_kv_dq * d) * nbytes + o,
              (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / 128),
       "dK/dV": (dkv_smem, (2 * c.block_kv_dkv * d + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
@@ -144,15 +138,12 @@ def mosaic_fits(*kernels: str):
   the config runs)."""
 
   def fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
-    limit = shared_memory_limit(info)
     costs = mosaic_costs(c, mosaic_head_dim(p.head_dim), p.dtype.itemsize)
     backward = ("dK/dV+dQ",) if _fuses_dq(c, p) else ("dQ", "dK/dV")
     for name in kernels or ("forward", *backward):
-      smem, per_thread = costs[name]
-      if smem > limit:
-        return f"{name} shared memory: {smem // 1024} KiB > {limit // 1024} KiB"
-      if per_thread > MOSAIC_REGISTER_BUDGET:
-        return f"{name} registers: {per_thread:.0f} fp32/thread > {MOSAIC_REGISTER_BUDGET}"
+      reason = within_mosaic_budget(name, costs[name], info)
+      if reason is not None:
+        return reason
     return None
 
   return fits
@@ -165,8 +156,8 @@ def _fused_dq_fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str 
 
 
 MOSAIC_STAGES = (
-    SearchStage("forward", "fwd", {"block_q": (64, 128), "block_kv": (64, 128, 192, 256),
-                                   "stages": (2, 3, 4)}, mosaic_fits("forward")),
+    SearchStage("forward", "fwd", MOSAIC_FORWARD_GRID, mosaic_fits("forward")),
+    SearchStage("persistent", "fwd", MOSAIC_PERSISTENT_GRID, mosaic_fits("forward")),
     # The dK/dV kernel shares the backward ring depth.
     SearchStage("dQ", "fwd+bwd", {"block_q_dq": (64, 128), "block_kv_dq": (64, 128),
                                   "bwd_stages": (2, 3)}, mosaic_fits("dQ", "dK/dV")),
@@ -179,9 +170,6 @@ MOSAIC_STAGES = (
 
 class MosaicFlash(MosaicImpl):
   config_cls = MosaicBlockConfig
-
-  def gaps(self, p):
-    return super().gaps(p) + (("softcap",) if p.softcap is not None else ())
 
   def heuristic_config(self, p, info):
     return default_mosaic_config(p.head_dim)
@@ -200,7 +188,8 @@ class MosaicFlash(MosaicImpl):
   def forward(self, call, q, k, v, q_seg, kv_seg):
     p = call.problem
     o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
-                                  local_window=p.local_window, config=call.config)
+                                  local_window=p.local_window, softcap=p.softcap,
+                                  config=call.config)
     return (o, lse), ((q, k, v, q_seg, kv_seg), o, lse)
 
   def backward(self, call, residuals, cotangents):
@@ -209,7 +198,8 @@ class MosaicFlash(MosaicImpl):
     config = dataclasses.replace(call.config, fused_dq=_fuses_dq(call.config, p))
     dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
                                        causal=p.causal, scale=p.scale,
-                                       local_window=p.local_window, config=config)
+                                       local_window=p.local_window, softcap=p.softcap,
+                                       config=config)
     return dq, dk, dv, None, None
 
 

@@ -10,9 +10,11 @@ Semantics (Sun et al. 2023, "Retentive Network"), per head with decay ``γ``:
 Each form is an op of its own (``retention_parallel``, ``retention_chunkwise``,
 ``retention_recurrent``, ``retention_step``) sharing one problem class and one
 validation; ``retention`` picks the form (``mode``). Implementations:
-``pallas_triton`` (``jattn.kernels.retention``: a flash-style parallel kernel, the
-chunk-state and per-chunk kernels, the decoding step) and ``xla`` (pure jnp, all
-forms; the only one of the recurrent form over a whole sequence).
+``pallas_mosaic`` (the parallel form's forward on Hopper, on the flash forward's
+pipeline; its backward runs the Triton kernels), ``pallas_triton``
+(``jattn.kernels.retention``: a flash-style parallel kernel, the chunk-state and
+per-chunk kernels, the decoding step) and ``xla`` (pure jnp, all forms; the only one
+of the recurrent form over a whole sequence).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.device import shared_memory_limit
-from jattn.core.op import Op, Problem, TritonImpl, XlaImpl, run
+from jattn.core.op import MosaicImpl, Op, Problem, TritonImpl, XlaImpl, run
 from jattn.core.validation import (check_array, check_choice, check_positive_int,
                                    check_same_dtype, check_shape, scale_of)
 from jattn.kernels.common.config import padded_head_dim
@@ -34,11 +36,15 @@ from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwi
                                      retention_chunkwise_backward, retention_chunkwise_forward,
                                      retention_parallel_backward, retention_parallel_forward,
                                      retention_step_backward, retention_step_forward)
+from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, default_mosaic_config,
+                                               mosaic_head_dim)
 from jattn.kernels.retention.chunkwise import grad_kernel_bytes
+from jattn.kernels.retention.mosaic import retention_mosaic_forward
 from jattn.reference import default_decay, retention_decay_mask, retention_reference
 from jattn.tuning.cache import bucket
 from jattn.tuning.search import SearchStage
-from jattn.tuning.spaces import BlockTritonImpl
+from jattn.tuning.spaces import (MOSAIC_FORWARD_GRID, MOSAIC_PERSISTENT_GRID, BlockTritonImpl,
+                                 mosaic_forward_cost, within_mosaic_budget)
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
@@ -180,6 +186,46 @@ class TritonParallel(BlockTritonImpl):
     dq, dk, dv = retention_parallel_backward(q, k, v, log2_decay, den, do,
                                              scale=call.problem.scale, config=call.config,
                                              interpret=call.interpret)
+    return dq, dk, dv, None, None
+
+
+def _retention_mosaic_fits(c: MosaicBlockConfig, p: RetentionProblem, info) -> str | None:
+  cost = mosaic_forward_cost(c, mosaic_head_dim(p.dk), mosaic_head_dim(p.dv), p.dtype.itemsize)
+  return within_mosaic_budget("forward", cost, info)
+
+
+class MosaicParallel(MosaicImpl):
+  """The Hopper forward (``jattn.kernels.retention.mosaic``); the backward runs the
+  Triton kernels on its row denominators."""
+
+  config_cls = MosaicBlockConfig
+
+  def heuristic_config(self, p, info):
+    return default_mosaic_config(max(p.dk, p.dv))
+
+  def cache_key(self, p):
+    return _cache_fields(p) + (str(p.normalize),)
+
+  def tuning_stages(self):
+    return (SearchStage("forward", "fwd", MOSAIC_FORWARD_GRID, _retention_mosaic_fits),
+            SearchStage("persistent", "fwd", MOSAIC_PERSISTENT_GRID, _retention_mosaic_fits))
+
+  def fits(self, config, p, info):
+    return _retention_mosaic_fits(config, p, info)
+
+  def forward(self, call, q, k, v, decay, state):
+    p = call.problem
+    log2_decay = jnp.log2(decay)
+    o, den = retention_mosaic_forward(q, k, v, log2_decay, scale=p.scale,
+                                      normalize=p.normalize == "abs_sum", config=call.config)
+    return o, (q, k, v, log2_decay, den)
+
+  def backward(self, call, residuals, do):
+    q, k, v, log2_decay, den = residuals
+    p = call.problem
+    dq, dk, dv = retention_parallel_backward(
+        q, k, v, log2_decay, den, do, scale=p.scale,
+        config=default_parallel_config(max(p.dk, p.dv), p.dtype.itemsize), interpret=False)
     return dq, dk, dv, None, None
 
 
@@ -408,7 +454,7 @@ class RetentionStep(Op):
     return q[:, 0], k[:, 0], v[:, 0], state, decay
 
 
-RETENTION_PARALLEL = RetentionParallel(TritonParallel(), XlaParallel())
+RETENTION_PARALLEL = RetentionParallel(MosaicParallel(), TritonParallel(), XlaParallel())
 RETENTION_CHUNKWISE = RetentionChunkwise(TritonChunkwise(), XlaChunkwise())
 RETENTION_RECURRENT = RetentionRecurrent(XlaRecurrent())
 RETENTION_STEP = RetentionStep(TritonStep(), XlaStep())
@@ -440,7 +486,8 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
       >= 16 and lower it where their tiles would not fit the GPU's shared memory (e.g.
       to 32 for float32 with dk = dv = 128 on an H100).
     backend: ``"auto"`` (the Pallas kernels where usable, else jnp),
-      ``"pallas_triton"`` (parallel and chunkwise) or ``"xla"`` (pure jnp).
+      ``"pallas_mosaic"`` (parallel, Hopper, 16-bit inputs), ``"pallas_triton"``
+      (parallel and chunkwise) or ``"xla"`` (pure jnp).
 
   Returns:
     ``o: [batch, q_len, heads, dv]`` in q's dtype, and with ``return_state`` the final

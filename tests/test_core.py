@@ -110,7 +110,7 @@ def test_what_cudnn_and_the_hopper_kernels_cannot_do():
     why = dict(gpu.backend_choices(info=h100, **{**base, **extra}))["cudnn"]
     assert why is not None and cudnn_gap in why, extra
   assert gpu.select_backend(info=h100, **{**base, "segment_ids": True}) == "pallas_mosaic"
-  assert gpu.select_backend(info=h100, **{**base, "softcap": True}) == "pallas_triton"
+  assert gpu.select_backend(info=h100, **{**base, "softcap": True}) == "pallas_mosaic"
   assert gpu.select_backend(info=h100, **{**base, "dtype": jnp.float32}) == "pallas_triton"
   # Head dims above 256 only the reference takes.
   assert gpu.select_backend(info=FAKES[("A100", False)], **{**base, "head_dim": 320}) == "xla"

@@ -6,6 +6,7 @@ families (``gpu``)."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +152,8 @@ GPU_CASES = [
     dict(shape=(1, 256, 4, 4, 64), kv_len=1000, local_window=(2, 1)),
     dict(shape=(2, 100, 4, 4, 64), kv_len=50),  # one key block: a one-slot Hopper ring
     dict(shape=(2, 192, 4, 2, 64), softcap=5.0, causal=True),
+    dict(shape=(1, 1000, 8, 2, 128), softcap=8.0, segments="packed"),
+    dict(shape=(1, 256, 2, 2, 256), softcap=6.0),
     dict(shape=(2, 160, 4, 4, 64), segments="packed", causal=True),
     # Hopper packed sequences: key blocks skipped by segment range, GQA, lengths off the
     # tiles, q_len != kv_len, ids unsorted, rows whose segment has no key, head dim 256
@@ -168,6 +171,8 @@ def _gpu_inputs(case, dtype, seed=0):
   q, k, v, do = make_inputs(jax.random.PRNGKey(seed), b, s, case.get("kv_len", s), hq, hk, d,
                             dtype)
   kwargs = {n: case[n] for n in ("causal", "local_window", "softcap") if n in case}
+  if "softcap" in case:
+    q = q * 3.0  # large logits, so that the cap matters
   if "segments" in case:
     kq, kk = jax.random.split(jax.random.PRNGKey(seed + 1))
     q_seg, kv_seg = (packed_segments(key, b, n, 4) for key, n in ((kq, s), (kk, k.shape[1])))
@@ -219,6 +224,36 @@ def test_hopper_kernels_with_other_tiles(config):
   arrays, kwargs = _gpu_inputs(dict(shape=(1, 1100, 4, 2, 64), causal=True), jnp.bfloat16)
   _skip_unless_runnable("pallas_mosaic", *arrays, **kwargs)
   check_against_reference(*arrays, config=config, backend="pallas_mosaic", **kwargs)
+
+
+# More work items than an H100 has SMs, so that each persistent CTA walks several:
+# GQA, segments, head dim 256 and a 3-deep ring (one Q buffer), a causal tail.
+PERSISTENT_CASES = [
+    (dict(shape=(4, 1100, 16, 4, 64), causal=True), None),
+    (dict(shape=(2, 2048, 16, 4, 128), segments="packed"), None),
+    (dict(shape=(2, 1024, 32, 8, 256), causal=True), None),
+    (dict(shape=(2, 2048, 16, 16, 128)), jattn.MosaicBlockConfig(block_kv=64, stages=3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,config", PERSISTENT_CASES,
+                         ids=["d64-causal-gqa", "d128-packed", "d256-causal", "d128-kv64-3-stages"])
+def test_hopper_persistent_forward(case, config):
+  """The persistent forward (and the default, one CTA per work item) equals the
+  reference; the two grids agree bitwise."""
+  (q, k, v, _), kwargs = _gpu_inputs(case, jnp.bfloat16)
+  config = dataclasses.replace(config or default_mosaic_config(case["shape"][-1]),
+                               persistent=True)
+  _skip_unless_runnable("pallas_mosaic", q, k, v, **kwargs)
+  outs = [jax.jit(lambda q, k, v, c=c: jattn.flash_attention(
+      q, k, v, backend="pallas_mosaic", config=c, return_lse=True, **kwargs))(q, k, v)
+          for c in (config, dataclasses.replace(config, persistent=False))]
+  chex.assert_trees_all_equal(*outs)
+  f32 = lambda x: x.astype(jnp.float32)
+  o_ref, _ = jax.jit(lambda q, k, v: flash_attention_reference(q, k, v, **kwargs))(
+      f32(q), f32(k), f32(v))
+  assert rel_err(outs[0][0], o_ref) < TOL[jnp.dtype(jnp.bfloat16)]
 
 
 FUSED_DQ_CASES = [dict(shape=(2, 512, 4, 4, 128)), dict(shape=(1, 1000, 8, 2, 128), causal=True),

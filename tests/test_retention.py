@@ -152,13 +152,14 @@ def test_auto_mode_choice():
 
 # --- the kernels against the references ------------------------------------------------
 
-def check_parallel(shape, normalize, dtype, tol, scale=None, config=None):
+def check_parallel(shape, normalize, dtype, tol, scale=None, config=None,
+                   backend="pallas_triton"):
   b, sq, sk, h, dk, dv = shape
   q, k, v, _, decay = _inputs(b, sq, sk, h, dk, dv, dtype=dtype, seed=sq)
   do = jax.random.normal(jax.random.PRNGKey(9), q.shape[:3] + (dv,), jnp.float32)
   kw = dict(decay=decay, scale=scale, normalize=normalize)
   o, pull = jax.vjp(jax.jit(lambda q, k, v: RETENTION_PARALLEL(
-      q, k, v, backend="pallas_triton", config=config, **kw)), q, k, v)
+      q, k, v, backend=backend, config=config, **kw)), q, k, v)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   o_ref, pull_ref = jax.vjp(jax.jit(lambda q, k, v: retention_reference(q, k, v, **kw)), *f32)
   assert o.dtype == dtype and rel_err(o, o_ref) < tol
@@ -225,6 +226,26 @@ def test_chunkwise_kernel_with_tiled_state():
 ], ids=["q700-kv1000-d128-fp16", "d96-dv40-abs_sum-fp32", "d256-bf16"])
 def test_parallel_kernel_at_gpu_sizes(shape, normalize, dtype, tol):
   check_parallel(shape, normalize, dtype, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,normalize,dtype,tol,config", [
+    ((1, 700, 1000, 2, 128, 128), None, jnp.float16, 4e-3, None),
+    ((2, 333, 333, 2, 96, 40), "abs_sum", jnp.bfloat16, 3e-2, None),
+    ((1, 257, 257, 2, 256, 256), None, jnp.bfloat16, 3e-2, None),
+    # Many key blocks per consumer (factored and diagonal decay), dv > dk, small tiles.
+    ((2, 1100, 1100, 3, 64, 128), "abs_sum", jnp.float16, 4e-3,
+     jattn.MosaicBlockConfig(block_q=64, block_kv=64, stages=3)),
+    # More work items than SMs: each persistent CTA walks several.
+    ((4, 1024, 1024, 40, 64, 64), "abs_sum", jnp.bfloat16, 3e-2, None),
+    # One query, at the last key, which ends a key block: no diagonal block to visit.
+    ((2, 1, 1024, 2, 128, 64), None, jnp.bfloat16, 3e-2, None),
+], ids=["q700-kv1000-d128-fp16", "d96-dv40-abs_sum-bf16", "d256-bf16",
+        "s1100-dv128-abs_sum-small-tiles", "persistent-1280-items", "q1-kv1024"])
+def test_hopper_parallel_forward(shape, normalize, dtype, tol, config):
+  if RETENTION_PARALLEL.choices(RetentionProblem(dtype=dtype))[0][1] is not None:
+    pytest.skip("needs a Hopper GPU")
+  check_parallel(shape, normalize, dtype, tol, config=config, backend="pallas_mosaic")
 
 
 @pytest.mark.gpu

@@ -160,12 +160,13 @@ def test_plan_starts_from_the_heuristic_and_prunes_with_reasons():
   assert all(TRITON.fits(c.config, problem(), FAKE_H100) is None for c in cands if not c.reason)
 
 
-def test_every_triton_implementation_and_the_hopper_one_are_tunable():
+def test_every_triton_implementation_and_the_hopper_ones_are_tunable():
   tunable = {(op.name, impl.backend.name) for op in OPS.values() for impl in op.impls
              if impl.tuning_stages()}
   assert tunable == {("flash_attention", "pallas_triton"), ("flash_attention", "pallas_mosaic"),
                      ("window_attention", "pallas_triton"), ("dilated_attention", "pallas_triton"),
                      ("retention_parallel", "pallas_triton"),
+                     ("retention_parallel", "pallas_mosaic"),
                      ("retention_chunkwise", "pallas_triton")}
   assert FLASH.impl("pallas_mosaic").tuning_stages() is MOSAIC_STAGES
   for op_name, backend in tunable:  # every one plans on the H100 from its own heuristic

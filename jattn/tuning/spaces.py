@@ -1,6 +1,7 @@
 """The search space and cost model of a ``BlockConfig`` (the Triton-lowered forward,
 dK/dV and dQ kernels of flash, window, dilated and parallel-retention attention), and
-``BlockTritonImpl``, the implementation base those four share.
+``BlockTritonImpl``, the implementation base those four share; the cost model of the
+Hopper forward kernel (flash and parallel retention) and its search grid.
 
 Cost model (prunes candidates before anything is compiled; ``d`` is the padded head
 dim, ``bytes`` the element size, ``S`` the software-pipelining stages):
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jattn.core.device import GPUInfo, shared_memory_limit
 from jattn.core.op import TritonImpl
 from jattn.kernels.common.config import BlockConfig, clamp_block, padded_head_dim
+from jattn.kernels.flash.mosaic_config import forward_smem_bytes
 from jattn.tuning.search import SearchStage
 
 BLOCKS, WARPS, PIPELINE = (32, 64, 128), (4, 8), (1, 2, 3, 4)
@@ -68,6 +70,36 @@ def block_fits(*kernels: str):
     return None
 
   return fits
+
+
+# Hopper (Mosaic GPU) kernels: consumer warpgroups hold 232 registers; ~30 go to
+# addresses and row statistics. Measured on the H100 sweep (bench/results/
+# flash_sweep_mosaic.json): 192 fp32 per thread ran at full speed, 256 spilled (d128
+# 128x128 tiles: 270 vs 527 TFLOP/s).
+MOSAIC_REGISTER_BUDGET = 200
+MOSAIC_SMEM_OVERHEAD = 4 * 1024  # barriers and alignment
+MOSAIC_FORWARD_GRID = {"block_q": (64, 128), "block_kv": (64, 128, 192, 256), "stages": (2, 3, 4)}
+MOSAIC_PERSISTENT_GRID = {"persistent": (True, False)}  # tried on the forward's winner
+
+
+def mosaic_forward_cost(c, dk: int, dv: int, nbytes: int) -> tuple[int, float]:
+  """The Hopper forward kernel's shared-memory bytes and fp32 accumulators per
+  consumer thread (two consumer warpgroups of 128 threads, ``block_q`` rows each):
+  ``forward_smem_bytes`` with one Q buffer (the kernel takes a second where it fits)."""
+  smem = forward_smem_bytes(c.block_q, c.block_kv, c.stages, dk, dv, nbytes, 1)
+  return smem + MOSAIC_SMEM_OVERHEAD, (c.block_q * dv + c.block_q * c.block_kv) / 128
+
+
+def within_mosaic_budget(name: str, cost: tuple[int, float], info: GPUInfo) -> str | None:
+  """Why a Hopper kernel of ``cost = (shared-memory bytes, fp32 per thread)`` does not
+  fit ``info``'s device (None: it fits)."""
+  smem, per_thread = cost
+  limit = shared_memory_limit(info)
+  if smem > limit:
+    return f"{name} shared memory: {smem // 1024} KiB > {limit // 1024} KiB"
+  if per_thread > MOSAIC_REGISTER_BUDGET:
+    return f"{name} registers: {per_thread:.0f} fp32/thread > {MOSAIC_REGISTER_BUDGET}"
+  return None
 
 
 # Three small grids (72 + 72 + 9) instead of one of all ten fields.

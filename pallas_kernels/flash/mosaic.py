@@ -39,13 +39,14 @@ def _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p):
 
 
 def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
-                         config: MosaicBlockConfig):
+                         softcap: float | None, config: MosaicBlockConfig):
   """Flash attention forward on Hopper.
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
       float16 or bfloat16, ``head_dim <= 256``, ``scale > 0``.
     q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32 segment ids, or None.
+    softcap: logits become ``softcap * tanh(logits / softcap)``, or None.
 
   Returns:
     ``(o, lse)``: ``o`` like ``q``; ``lse: [batch, q_heads, q_len]`` float32.
@@ -58,12 +59,14 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
                           pad_to(v, kv_len_p, d_p),
                           _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec,
                           scale=scale, block_q=config.block_q, block_kv=config.block_kv,
-                          stages=config.stages)
+                          stages=config.stages, softcap=softcap,
+                          persistent=config.persistent)
   return o[:, :q_len, :, :head_dim], lse[:, :, :q_len]
 
 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
-                          scale: float, local_window, config: MosaicBlockConfig):
+                          scale: float, local_window, softcap: float | None,
+                          config: MosaicBlockConfig):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
   ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``. ``config.fused_dq`` computes dQ
   inside the dK/dV kernel (atomic adds: not bitwise repeatable)."""
@@ -71,7 +74,7 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   do = do.astype(q.dtype)
   if mosaic_head_dim(head_dim) > MOSAIC_MAX_BWD_HEAD_DIM:
     return flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal=causal,
-                                 scale=scale, local_window=local_window, softcap=None,
+                                 scale=scale, local_window=local_window, softcap=softcap,
                                  config=default_block_config(head_dim, q.dtype.itemsize),
                                  interpret=False)
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
@@ -84,6 +87,6 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
       pad_rows(backward_delta(o, do, dlse), q_len_p),
       _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
-      stages=c.bwd_stages, fused_dq=c.fused_dq)
+      stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
           dv[:, :kv_len, :, :head_dim])

@@ -27,7 +27,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
                                           segment_block_ranges)
-from jattn.kernels.common.softmax import LOG2E
+from jattn.kernels.common.softmax import Softcap, log2_logits, logit_grad
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK
 
@@ -45,8 +45,8 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _dq_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
-               group: int):
+def _dq_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block_kv: int,
+               stages: int, group: int):
   if spec.segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, seg_ranges, dq_ref,
      q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, rows_ready, k_ready, v_ready,
@@ -86,7 +86,6 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int,
     lse = plgpu.load(my(lse_smem), layout=mp.ROW)
     delta = plgpu.load(my(delta_smem), layout=mp.ROW)
     q_seg = plgpu.load(my(q_seg_smem), layout=mp.ROW) if spec.segments else None
-    c = scale * LOG2E
     shape = (block_q, block_kv)
 
     def step(j, dq, masked):
@@ -96,12 +95,13 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int,
       s, dp = _wgmma_pair(_zeros(shape), my(q_smem), k_smem.at[slot].transpose((1, 0)),
                           _zeros(shape), my(do_smem), v_smem.at[slot].transpose((1, 0)))
       plgpu.barrier_arrive(v_free.at[slot])
+      s, c, g = log2_logits(s, scale, Softcap.of(softcap), with_grad=True)
       if masked:
         segments = mp.tile_segments(q_seg, kv_seg_smem.at[slot], shape) if spec.segments else ()
         s = apply_mask(s, -jnp.inf, spec, mp.iota(shape, 0, q_start),
                        mp.iota(shape, 1, j * block_kv), *segments)
       p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
-      ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+      ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), g)
 
       def acc_dq(acc_ref):
         plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -128,6 +128,7 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int,
 
   @pl.when(wg == mp.PRODUCER)
   def _producer():
+    plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo,
                   n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
@@ -142,8 +143,8 @@ def fused_dq_columns(head_dim: int) -> int:
   return half if half % MOSAIC_BLOCK == 0 else head_dim
 
 
-def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
-                group: int, fuse_dq: bool, **smem):
+def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block_kv: int,
+                stages: int, group: int, fuse_dq: bool, **smem):
   n_in = 6 + 3 * spec.segments + fuse_dq
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
       refs[:n_in], refs[n_in:])
@@ -181,7 +182,6 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
                               my(smem["kv_seg"]), kv_ready)
     plgpu.barrier_wait(kv_ready)
     kv_seg = plgpu.load(my(smem["kv_seg"]), layout=mp.ROW) if spec.segments else None
-    c = scale * LOG2E
     shape = (block_kv, block_q)  # transposed scores: keys on rows
     own = q_block_range(spec, k_start, block_kv, block_q)
     if spec.segments:
@@ -229,6 +229,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
         plgpu.barrier_wait(q_ready.at[slot])
         s_t, dp_t = _wgmma_pair(_zeros(shape), my(k_smem), q_smem.at[slot].transpose((1, 0)),
                                 _zeros(shape), my(v_smem), do_smem.at[slot].transpose((1, 0)))
+        s_t, c, g_t = log2_logits(s_t, scale, Softcap.of(softcap), with_grad=True)
         if masked:
           segments = ()
           if spec.segments:
@@ -239,7 +240,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int
         lse = plgpu.load(smem["lse"].at[slot], layout=mp.COL)
         delta = plgpu.load(smem["delta"].at[slot], layout=mp.COL)
         p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
-        ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+        ds_t = logit_grad(p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1])), g_t)
         p_lo, ds_lo = p_t.astype(dtype), ds_t.astype(dtype)
         if not fuse_dq:
           dv, dk = _wgmma_pair(dv, p_lo, do_smem.at[slot], dk, ds_lo, q_smem.at[slot])
@@ -317,7 +318,7 @@ def _barrier(n, arrivals=1):
 
 
 def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
-              block_q: int, block_kv: int, stages: int):
+              block_q: int, block_kv: int, stages: int, softcap: float | None = None):
   """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq`` like ``q``.
   ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_q`` query block."""
   batch, q_len_p, q_heads, d = q.shape
@@ -326,8 +327,8 @@ def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale:
   seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_q), jnp.int32),
               plgpu.SMEM((stages, block_kv), jnp.int32)) if spec.segments else ()
   return plgpu.kernel(
-      functools.partial(_dq_kernel, spec=spec, scale=scale, block_q=block_q, block_kv=block_kv,
-                        stages=stages, group=q_heads // k.shape[2]),
+      functools.partial(_dq_kernel, spec=spec, scale=scale, softcap=softcap, block_q=block_q,
+                        block_kv=block_kv, stages=stages, group=q_heads // k.shape[2]),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=(
           mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
@@ -347,7 +348,8 @@ def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale:
 
 
 def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: MaskSpec,
-               scale: float, block_q: int, block_kv: int, stages: int):
+               scale: float, block_q: int, block_kv: int, stages: int,
+               softcap: float | None = None):
   """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``.
   ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_kv`` key block.
   ``dq_acc``: a zeroed float32 ``Ref`` shaped like ``q``: the kernel also adds each
@@ -376,8 +378,9 @@ def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: Ma
                 dq=plgpu.SMEM((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32,
                               transforms=f32_tiles),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
-  body = functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q,
-                           block_kv=block_kv, stages=stages, group=group, fuse_dq=fuse_dq)
+  body = functools.partial(_dkv_kernel, spec=spec, scale=scale, softcap=softcap,
+                           block_q=block_q, block_kv=block_kv, stages=stages, group=group,
+                           fuse_dq=fuse_dq)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   grid = dict(grid=(kv_len_p // (mp.CONSUMERS * block_kv), kv_heads, batch),
               grid_names=("kv_tiles", "heads", "batch"))
@@ -406,7 +409,8 @@ def _fold_vmap_into_batch(fn):
 
 
 def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
-                    blocks: tuple[int, int, int, int], stages: int, fused_dq: bool = False):
+                    blocks: tuple[int, int, int, int], stages: int, fused_dq: bool = False,
+                    softcap: float | None = None):
   """Runs the Hopper backward kernels on padded inputs.
 
   Args:
@@ -418,6 +422,7 @@ def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, 
       ``block_kv_dq`` and ``2 * block_kv_dkv`` divide ``kv_len_p``.
     segments: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
       kv_len_p])`` int32.
+    softcap: the forward's soft-cap of the scaled logits, or None.
     fused_dq: False: a dQ kernel and a dK/dV kernel, bitwise repeatable. True: the
       dK/dV kernel alone, adding each block's dQ into an fp32 buffer (5 matmuls per
       block pair instead of 7; the sum order varies run to run).
@@ -435,7 +440,7 @@ def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, 
     dkv_segments = (q_seg, kv_seg, segment_block_ranges(kv_seg, q_seg, spec.kv_len, spec.q_len,
                                                         bkv_dkv, bq_dkv))
   dkv = functools.partial(mosaic_dkv, spec=spec, scale=scale, block_q=bq_dkv,
-                          block_kv=bkv_dkv, stages=stages)
+                          block_kv=bkv_dkv, stages=stages, softcap=softcap)
   if fused_dq:
     @_fold_vmap_into_batch
     def fused(*arrays):
@@ -445,6 +450,6 @@ def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, 
 
     return tuple(fused(*args, *(dkv_segments or ())))
   dq = mosaic_dq(*args, dq_segments, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
-                 stages=stages)
+                 stages=stages, softcap=softcap)
   dk, dv = dkv(*args, dkv_segments)
   return dq, dk, dv

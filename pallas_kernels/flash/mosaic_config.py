@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
+
 MOSAIC_BLOCK = 64  # a wgmma instruction covers 64 rows per warpgroup
 MOSAIC_MAX_BWD_HEAD_DIM = 128  # dK and dV accumulators of wider heads overflow registers
 
@@ -22,6 +24,16 @@ class MosaicBlockConfig:
   sum order varies from run to run: ``deterministic=True`` calls, the default, run the
   two kernels whatever this says; head dims up to 128). Off by default: on the H100 the reduce-adds made it slower at most
   shapes (bench/results/flash_fused_dq.md); the autotuner tries it.
+
+  ``persistent``: the forward runs one CTA per SM, each walking its share of the
+  (query tile, head, batch) work items, with K/V streaming on across items and the
+  next item's Q tile loaded during the current one (where two Q buffers fit the
+  shared memory). False: one CTA per work item. None (default): persistent exactly
+  when every item has the same work (no causal mask, window or segment ids). On the
+  H100 it measured 2-3% faster than one CTA per item without a mask, and up to 30%
+  slower with causal masks, whose uneven items the hardware's dynamic CTA scheduling
+  balances better than its static split (bench/results/flash_issue16_persistent.md).
+  The autotuner tries both.
   """
 
   block_q: int = 64
@@ -33,6 +45,7 @@ class MosaicBlockConfig:
   block_kv_dkv: int = 64
   bwd_stages: int = 2
   fused_dq: bool = False
+  persistent: bool | None = None
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
@@ -44,6 +57,26 @@ class MosaicBlockConfig:
     for field in ("stages", "bwd_stages"):
       if getattr(self, field) < 2:
         raise ValueError(f"MosaicBlockConfig.{field} must be >= 2, got {getattr(self, field)}")
+
+
+# Opt-in shared memory per CTA on sm_90, less what barriers and alignment take.
+HOPPER_SMEM_BYTES = 232448 - 4 * 1024
+
+
+def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
+                       nbytes: int, q_buffers: int) -> int:
+  """Shared memory of the Hopper forward kernel's tiles: ``q_buffers`` Q tiles per
+  consumer (and an output tile when ``dv != dk``, else the Q tile takes the output),
+  ``stages`` K and V slots."""
+  out = CONSUMERS * block_q * dv if dv != dk else 0
+  return (q_buffers * CONSUMERS * block_q * dk + out + stages * block_kv * (dk + dv)) * nbytes
+
+
+def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
+                      nbytes: int) -> int:
+  """2 (the next work item's Q prefetched) where that fits the shared memory, else 1."""
+  double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2)
+  return 2 if double <= HOPPER_SMEM_BYTES else 1
 
 
 def mosaic_head_dim(head_dim: int) -> int:

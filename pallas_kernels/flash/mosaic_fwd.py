@@ -1,16 +1,36 @@
-"""Forward flash attention for Hopper, in Pallas Mosaic GPU.
+"""Forward pass of the Hopper attention kernels, in Pallas Mosaic GPU.
 
-One CTA per (query tile of ``2 * block_q`` rows, query head, batch). Each of the
-two consumer warpgroups owns ``block_q`` rows: QKᵀ and PV on wgmma from shared
-memory, the online softmax in registers. The producer warpgroup streams K and V
-tiles by TMA through ``stages`` slots. A shared *schedule* barrier makes the
-consumers take turns on the tensor cores, so that one's softmax overlaps the
-other's matmuls (the ping-pong schedule of FlashAttention-3).
+A work item is a query tile of ``2 * block_q`` rows of one head and batch row. Each
+of the two consumer warpgroups owns ``block_q`` rows: QKᵀ and PV on wgmma from
+shared memory, the row arithmetic in registers. The producer warpgroup streams K
+and V tiles by TMA through ``stages`` slots. A shared *schedule* barrier makes the
+consumers take turns on the tensor cores, so that one's row arithmetic overlaps
+the other's matmuls (the ping-pong schedule of FlashAttention-3).
+
+The grid is one-dimensional, query tiles varying fastest, so that the CTAs running
+at once work on few heads and share their K and V tiles in L2 (on the H100, 15%
+faster at (4, 4096, 16, 128) than a grid whose batch and head varied fastest).
+
+One CTA runs one item, or, persistent (``MosaicBlockConfig.persistent``; by default
+where all items have the same work), one CTA per SM walks its share of the items.
+The K/V ring then runs on from item to item, so the producer streams the next
+item's first tiles while the consumers finish the last one, and each consumer
+loads its next Q tile into a second buffer during the current item (where two fit
+the shared memory).
+
+The row arithmetic is a *row rule*: how a consumer turns each score tile into the
+tile it multiplies with V, and how it finishes its rows. A rule is a hashable object
+with ``n_inputs`` (extra kernel inputs it reads) and ``bind(inputs, ConsumerRows) ->
+Rows``. Flash attention's is the online softmax (``SoftmaxRows``); parallel
+retention's is its decay (``jattn.kernels.retention.mosaic.DecayRows``). The pipeline
+is the same for both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,35 +40,128 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range,
                                           segment_block_ranges)
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, Softcap, log2_logits
 from jattn.kernels.flash import mosaic_pipeline as mp
+from jattn.kernels.flash.mosaic_config import forward_q_buffers
 
 
-def _kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, stages: int,
-            group: int, n_q_tiles: int):
-  if spec.segments:
-    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, seg_ranges, o_ref, lse_ref, qo_smem, k_smem,
-     v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, schedule, q_seg_smem,
-     kv_seg_smem) = refs
-  else:
-    (q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready,
-     v_ready, k_free, v_free, schedule) = refs
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
-  tile = lax.axis_index("q_tiles")
-  if spec.right is not None:  # heavy (late) tiles first: better tail balance
-    tile = n_q_tiles - 1 - tile
+@dataclasses.dataclass(frozen=True)
+class ConsumerRows:
+  """What a consumer warpgroup's row rule may know of its rows: ``q_start`` (first
+  row, in query coordinates), ``own = (lo, full_lo, full_hi, hi)`` (its key-block
+  range, clamped to the CTA's, as ``visit_blocks`` walks it)."""
+
+  batch: Any
+  head: Any
+  q_start: Any
+  own: tuple
+  block_q: int
+  block_kv: int
+  dtype: Any
+
+
+class Rows(NamedTuple):
+  """A row rule bound to one consumer's rows.
+
+  ``init``: the row statistics before the first key block. ``update(s, stats, j,
+  masked, segments) -> (p, acc_scale, stats, late)``: ``s`` the fp32 ``q kᵀ`` tile of
+  key block ``j`` (``masked``: it needs the element mask; ``segments``: the tile's
+  segment ids, if any), ``p`` the 16-bit tile multiplied with V, ``acc_scale`` a
+  per-row factor for the accumulator (or None), ``late`` None or a function of the
+  statistics that may run after the consumer's turn on the tensor cores. ``finish(acc,
+  stats) -> (o, row_stat)``: the rows' fp32 output and the ``[block_q]`` float32
+  statistic the kernel saves.
+  """
+
+  init: tuple
+  update: Callable
+  finish: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxRows:
+  """Flash attention's row rule: the online softmax in base-2 units, with the mask
+  (and an optional soft-cap) applied to the logits; saves the log-sum-exp (natural
+  log; ``EMPTY_ROW_LSE`` for rows that see no key, whose output is zeros)."""
+
+  spec: MaskSpec
+  scale: float
+  softcap: float | None = None
+  n_inputs = 0  # kernel inputs the rule reads
+
+  def bind(self, inputs, t: ConsumerRows) -> Rows:
+    del inputs
+    score = Softcap.of(self.softcap)
+
+    def update(s, stats, j, masked, segments):
+      m, l = stats
+      s, c, _ = log2_logits(s, self.scale, score)
+      if masked:
+        s = apply_mask(s, -jnp.inf, self.spec, mp.iota(s.shape, 0, t.q_start),
+                       mp.iota(s.shape, 1, j * t.block_kv), *segments)
+      m_next = jnp.maximum(m, s.max(axis=1) * c)
+      alpha = jnp.exp2(m - m_next)
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0]))
+
+      def late(stats):
+        m, l = stats
+        return m, l * alpha + p.sum(axis=1)
+
+      return p.astype(t.dtype), alpha, (m_next, l), late
+
+    def finish(acc, stats):
+      m, l = stats
+      empty = l == 0.0
+      l_safe = jnp.where(empty, 1.0, l)
+      o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      return o, jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
+
+    init = (plgpu.layout_cast(jnp.full((t.block_q,), EMPTY_ROW_LSE, jnp.float32), mp.ROW),
+            plgpu.layout_cast(jnp.zeros((t.block_q,), jnp.float32), mp.ROW))
+    return Rows(init, update, finish)
+
+
+class _Item(NamedTuple):
+  """One work item: a query tile of ``CONSUMERS * block_q`` rows of one head and batch
+  row, and the key blocks ``[c_lo, c_hi)`` its rows reach."""
+
+  batch: Any
+  head: Any
+  tile: Any
+  c_lo: Any
+  c_hi: Any
+
+
+def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: int, group: int,
+            items: tuple[int, int, int], persistent: bool, q_buffers: int, **smem):
+  n_in = 3 + 3 * spec.segments + rule.n_inputs
+  (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
+  q_seg_ref, kv_seg_ref, seg_ranges = extra[:3] if spec.segments else (None,) * 3
+  rule_inputs = extra[3 * spec.segments:]
+  n_q_tiles, n_heads, n_batch = (jnp.int32(n) for n in items)
+  cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
+  # This CTA's work items are cta, cta + n_ctas, ...; query tiles vary fastest, so the
+  # CTAs running together share K and V in L2.
+  n_local = lax.div(n_q_tiles * n_heads * n_batch - cta + n_ctas - 1, n_ctas)
   wg = lax.axis_index("wg")
-  cta_q = tile * (mp.CONSUMERS * block_q)
   n_kv_blocks = k_ref.shape[1] // block_kv
-  cta_range = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
-  if spec.segments:  # only the key blocks whose segment ids can meet the CTA's rows
-    cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
-                                                      mp.CONSUMERS))
-  c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks)
-  n_steps = c_hi - c_lo
   dtype = q_ref.dtype
-  head_dim = q_ref.shape[-1]
+  width = v_ref.shape[-1]  # the output's head dim
+  schedule, k_ready, v_ready = smem["schedule"], smem["k_ready"], smem["v_ready"]
+  k_free, v_free, k_smem, v_smem = smem["k_free"], smem["v_free"], smem["k"], smem["v"]
+
+  def item(t) -> _Item:
+    w = t * n_ctas + cta
+    tile, rest = lax.rem(w, n_q_tiles), lax.div(w, n_q_tiles)
+    head, batch = lax.rem(rest, n_heads), lax.div(rest, n_heads)
+    if spec.right is not None:  # heavy (late) tiles first: better tail balance
+      tile = n_q_tiles - 1 - tile
+    cta_range = kv_block_range(spec, tile * (mp.CONSUMERS * block_q), mp.CONSUMERS * block_q,
+                               block_kv)
+    if spec.segments:  # only the key blocks whose segment ids can meet the tile's rows
+      cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
+                                                        mp.CONSUMERS))
+    return _Item(batch, head, tile, *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
 
   def take_turn():
     plgpu.barrier_arrive(schedule)
@@ -57,152 +170,218 @@ def _kernel(*refs, spec: MaskSpec, scale: float, block_q: int, block_kv: int, st
   @pl.when(wg < mp.CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
-    q_smem = qo_smem.at[wg]
-    q_start = cta_q + wg * block_q
-    rows = (batch, pl.ds(q_start, block_q), head)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_ready.at[wg])
-    if spec.segments:
-      plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_start, block_q)],
-                              q_seg_smem.at[wg], q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
-    q_seg = plgpu.load(q_seg_smem.at[wg], layout=mp.ROW) if spec.segments else None
 
-    @pl.when(n_steps > 0)
-    def _():
-      plgpu.barrier_wait(k_ready.at[0])
+    def rows_of(it: _Item):
+      q_start = (it.tile * mp.CONSUMERS + wg) * block_q
+      return q_start, (it.batch, pl.ds(q_start, block_q), it.head)
 
-    pl.when(wg == 1)(take_turn)  # consumer 1 starts half a step behind consumer 0
-    c = scale * LOG2E  # logits in base-2 units
+    def load_q(t, buf):
+      it = item(t)
+      q_start, rows = rows_of(it)
+      ready = smem["q_ready"].at[buf * mp.CONSUMERS + wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], smem["q"].at[buf, wg], ready)
+      if spec.segments:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[it.batch, pl.ds(q_start, block_q)],
+                                smem["q_seg"].at[buf, wg], ready)
 
-    def wait_next_k(j):
-      nxt = j + 1 - c_lo
-      @pl.when(j + 1 < c_hi)
+    def load_next_q(t, buf):
+      @pl.when(t + 1 < n_local)
       def _():
-        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+        # The buffer's last output tile must have been read out first.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        load_q(t + 1, buf)
 
-    def step(j, carry, masked):
-      acc, m, l = carry
-      slot = lax.rem(j - c_lo, jnp.int32(stages))
+    def work(t, first_use):
+      """Work item ``t``; ``first_use``: the K/V ring's steps so far."""
+      it = item(t)
+      c_lo, c_hi = it.c_lo, it.c_hi
+      buf = lax.rem(t, jnp.int32(q_buffers)) if persistent else 0
+      q_smem = smem["q"].at[buf, wg]
+      q_start, rows = rows_of(it)
+      plgpu.barrier_wait(smem["q_ready"].at[buf * mp.CONSUMERS + wg])
+      q_seg = plgpu.load(smem["q_seg"].at[buf, wg], layout=mp.ROW) if spec.segments else None
+      if persistent and q_buffers == 2:
+        load_next_q(t, 1 - buf)
+      own = kv_block_range(spec, q_start, block_q, block_kv)
+      if spec.segments:
+        own = mp.narrow(own, mp.segment_range(seg_ranges, it.batch,
+                                              it.tile * mp.CONSUMERS + wg, 1))
+      own = mp.clamp_own(own, c_lo, c_hi)
+      row_rule = rule.bind(rule_inputs, ConsumerRows(it.batch, it.head, q_start, own, block_q,
+                                                     block_kv, dtype))
+      slot_of = lambda j: lax.rem(first_use + j - c_lo, jnp.int32(stages))
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+      @pl.when(c_hi > c_lo)
+      def _():
+        plgpu.barrier_wait(k_ready.at[slot_of(c_lo)])
+
+      pl.when(wg == 1)(take_turn)  # consumer 1 starts half a step behind consumer 0
+
+      def wait_next_k(j):
+        @pl.when(j + 1 < c_hi)
+        def _():
+          plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+
+      def step(j, carry, masked):
+        acc, stats = carry
+        slot = slot_of(j)
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          take_turn()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        segments = ()
+        if masked and spec.segments:  # read before the slot is released
+          segments = mp.tile_segments(q_seg, smem["kv_seg"].at[slot], s.shape)
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, acc_scale, stats, late = row_rule.update(s, stats, j, masked, segments)
+        if acc_scale is not None:
+          acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
+        # Finishing the row statistics before the turn change measured faster for d <= 128.
+        if width <= 128:
+          if late is not None:
+            stats = late(stats)
+          acc, stats, p = lax.optimization_barrier((acc, stats, p))
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(schedule)
+        if width > 128 and late is not None:
+          stats = late(stats)
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          wait_next_k(j)
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, stats
+
+      def skip(j):
+        slot = slot_of(j)
         take_turn()
-        return acc_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-      if masked:
-        segments = mp.tile_segments(q_seg, kv_seg_smem.at[slot], s.shape) if spec.segments else ()
-      plgpu.barrier_arrive(k_free.at[slot])
-      if masked:
-        s = apply_mask(s, -jnp.inf, spec, mp.iota(s.shape, 0, q_start),
-                       mp.iota(s.shape, 1, j * block_kv), *segments)
-      m_next = jnp.maximum(m, s.max(axis=1) * c)
-      alpha = jnp.exp2(m - m_next)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p_lo = p.astype(dtype)
-      # Ordering the row sum before the turn change measured faster for d <= 128.
-      if head_dim <= 128:
-        l = l * alpha + p.sum(axis=1)
-        acc, l, m_next, p_lo = lax.optimization_barrier((acc, l, m_next, p_lo))
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(schedule)
-      if head_dim > 128:
-        l = l * alpha + p.sum(axis=1)
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(schedule)
         wait_next_k(j)
+        plgpu.barrier_arrive(v_free.at[slot])
 
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_next, l
+      acc = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32), plgpu.Layout.WGMMA)
+      acc, stats = mp.visit_blocks((c_lo, c_hi), own, step, skip, (acc, row_rule.init))
+      pl.when(wg == 0)(take_turn)
 
-    def skip(j):
-      slot = lax.rem(j - c_lo, jnp.int32(stages))
-      take_turn()
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(schedule)
-      wait_next_k(j)
-      plgpu.barrier_arrive(v_free.at[slot])
+      o, row_stat = row_rule.finish(acc, stats)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
+      o_smem = smem["o"].at[wg] if "o" in smem else q_smem
+      o_smem[...] = o.astype(dtype)
+      smem["stat"].at[wg][...] = row_stat
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows], commit_group=False)
+      plgpu.copy_smem_to_gmem(smem["stat"].at[wg],
+                              stat_ref.at[it.batch, it.head, pl.ds(q_start, block_q)],
+                              commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      if persistent and q_buffers == 1:
+        load_next_q(t, buf)
+      return first_use + (c_hi - c_lo)
 
-    carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((block_q,), EMPTY_ROW_LSE, jnp.float32), mp.ROW),
-             plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), mp.ROW))
-    own = kv_block_range(spec, q_start, block_q, block_kv)
-    if spec.segments:
-      own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
-    acc, m, l = mp.visit_blocks((c_lo, c_hi), own, step, skip, carry)
-    pl.when(wg == 0)(take_turn)
-
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-    q_smem[...] = acc.astype(dtype)
-    lse_smem.at[wg][...] = jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[rows], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)],
-                            commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
+    if persistent:
+      pl.when(n_local > 0)(lambda: load_q(jnp.int32(0), 0))
+      lax.fori_loop(jnp.int32(0), n_local, work, jnp.int32(0))
+    else:  # one item, outside any loop: the registers of the larger tiles stay unspilled
+      load_q(0, 0)
+      work(0, 0)  # (Python ints: constants captured by the wgmma scopes fail to lower)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == mp.PRODUCER)
   def _producer():
-    mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
-                  batch=batch, head=head, group=group, first_block=c_lo, n_steps=n_steps,
-                  block_kv=block_kv, stages=stages,
-                  kv_seg=(kv_seg_ref, kv_seg_smem) if spec.segments else None)
+    plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
+
+    def work(t, first_use):
+      it = item(t)
+      mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
+                    batch=it.batch, head=it.head, group=group, first_block=it.c_lo,
+                    n_steps=it.c_hi - it.c_lo, block_kv=block_kv, stages=stages,
+                    kv_seg=(kv_seg_ref, smem["kv_seg"]) if spec.segments else None,
+                    first_slot_use=first_use)
+      return first_use + (it.c_hi - it.c_lo)
+
+    if persistent:
+      lax.fori_loop(jnp.int32(0), n_local, work, jnp.int32(0))
+    else:
+      work(0, 0)
 
 
-def mosaic_forward(q, k, v, segments=None, *, spec: MaskSpec, scale: float, block_q: int,
-                   block_kv: int, stages: int):
-  """Runs the Hopper forward kernel on padded inputs.
+def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, block_kv: int,
+                 stages: int, persistent: bool | None = None):
+  """Runs the Hopper forward kernel with row rule ``rule`` on padded inputs.
 
   Args:
-    q: ``[batch, q_len_p, q_heads, d_p]``, ``q_len_p % (2 * block_q) == 0``, ``d_p % 64 == 0``.
-    k, v: ``[batch, kv_len_p, kv_heads, d_p]`` with ``kv_len_p % block_kv == 0``.
-    segments: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
-      kv_len_p])`` int32.
+    q: ``[batch, q_len_p, q_heads, dk_p]``, ``q_len_p % (2 * block_q) == 0``; k:
+      ``[batch, kv_len_p, kv_heads, dk_p]``, v: ``[batch, kv_len_p, kv_heads, dv_p]``,
+      ``kv_len_p % block_kv == 0``; head dims multiples of 64.
+    inputs: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
+      kv_len_p])`` int32; then the ``rule.n_inputs`` arrays the rule reads.
+    persistent: one CTA per SM walking the work items, or one CTA per item; None:
+      persistent where every item has the same work (no mask but padding).
 
   Returns:
-    ``o`` like ``q`` and ``lse: [batch, q_heads, q_len_p]`` float32 (natural log).
+    ``o: [batch, q_len_p, q_heads, dv_p]`` in q's dtype and the rule's row statistic
+    ``[batch, q_heads, q_len_p]`` float32.
   """
-  batch, q_len_p, q_heads, d = q.shape
-  kv_heads = k.shape[2]
+  batch, q_len_p, q_heads, dk = q.shape
+  dv = v.shape[-1]
+  if persistent is None:
+    persistent = spec.left is None and spec.right is None and not spec.every_tile_masked
   n_q_tiles = q_len_p // (mp.CONSUMERS * block_q)
+  n_items = n_q_tiles * q_heads * batch
   stages = max(1, min(stages, k.shape[1] // block_kv))
-  kernel = functools.partial(_kernel, spec=spec, scale=scale, block_q=block_q,
-                             block_kv=block_kv, stages=stages, group=q_heads // kv_heads,
-                             n_q_tiles=n_q_tiles)
+  q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize) if (
+      persistent) else 1
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
   copies = 2 if spec.segments else 1  # a Q or K tile, and its segment ids
-  seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_q), jnp.int32),
-              plgpu.SMEM((stages, block_kv), jnp.int32)) if spec.segments else ()
-  if spec.segments:  # the key blocks each consumer's query block can meet
-    q_seg, kv_seg = segments
-    segments = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
-                                                    block_q, block_kv))
+  smem = dict(
+      q=mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype),
+      k=mp.tile_smem((stages, block_kv, dk), q.dtype),
+      v=mp.tile_smem((stages, block_kv, dv), q.dtype),
+      stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
+      q_ready=barrier(q_buffers * mp.CONSUMERS, copies), k_ready=barrier(stages, copies),
+      v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
+      v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
+  if dv != dk:  # the output tile cannot reuse the Q tile
+    smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), q.dtype)
+  if spec.segments:
+    smem.update(q_seg=plgpu.SMEM((q_buffers, mp.CONSUMERS, block_q), jnp.int32),
+                kv_seg=plgpu.SMEM((stages, block_kv), jnp.int32))
+    q_seg, kv_seg = inputs[:2]
+    # the key blocks each consumer's query block can meet
+    inputs = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
+                                                  block_q, block_kv), *inputs[2:])
+  kernel = functools.partial(_kernel, rule=rule, spec=spec, block_q=block_q, block_kv=block_kv,
+                             stages=stages, group=q_heads // k.shape[2],
+                             items=(n_q_tiles, q_heads, batch), persistent=persistent,
+                             q_buffers=q_buffers)
   return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_type=(jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
                 jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)),
-      scratch_types=(
-          mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
-          mp.tile_smem((stages, block_kv, d), q.dtype),
-          mp.tile_smem((stages, block_kv, d), q.dtype),
-          plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-          barrier(mp.CONSUMERS, copies), barrier(stages, copies), barrier(stages),
-          barrier(stages, mp.CONSUMERS), barrier(stages, mp.CONSUMERS),
-          plgpu.Barrier(num_arrivals=mp.CONSUMERS),
-          *seg_smem,
-      ),
-      grid=(n_q_tiles, q_heads, batch),
-      grid_names=("q_tiles", "heads", "batch"),
+      scratch_types=smem,
+      grid=(min(n_items, mp.num_sms()) if persistent else n_items,),
+      grid_names=("cta",),
       num_threads=mp.CONSUMERS + 1,
       thread_name="wg",
       compiler_params=mp.compiler_params(),
-  )(q, k, v, *(segments or ()))
+  )(q, k, v, *inputs)
+
+
+def mosaic_forward(q, k, v, segments=None, *, spec: MaskSpec, scale: float, block_q: int,
+                   block_kv: int, stages: int, softcap: float | None = None,
+                   persistent: bool | None = None):
+  """Flash attention's Hopper forward kernel on padded inputs (see ``rows_forward``):
+  ``(o, lse)``, ``lse: [batch, q_heads, q_len_p]`` float32 in natural log.
+  ``segments``: with ``spec.segments``, ``(q_seg, kv_seg)``."""
+  return rows_forward(q, k, v, segments or (), rule=SoftmaxRows(spec, scale, softcap),
+                      spec=spec, block_q=block_q, block_kv=block_kv, stages=stages,
+                      persistent=persistent)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -38,36 +39,38 @@ def iota(shape, dim, offset):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + offset
 
 
-def produce(n_steps, stages: int, streams):
-  """Producer warpgroup: issues step ``i``'s copies into slot ``i % stages``.
+def produce(n_steps, stages: int, streams, first_slot_use=0):
+  """Producer warpgroup: issues step ``i``'s copies into slot ``(first_slot_use + i) %
+  stages``.
 
   ``streams`` is a list of ``(copy, ready, free)``: ``copy(i, slot, barrier)``
   issues the TMA copies of step ``i`` (0-based) completing on ``barrier``; a slot
   is refilled only after the consumers arrived on its ``free`` barrier.
+  ``first_slot_use``: how many steps the ring already carried (a persistent kernel's
+  earlier work items), so that slots and barrier phases run on.
   """
-  for i in range(stages):
-    @pl.when(i < n_steps)
-    def _prologue():
-      for copy, ready, _ in streams:
-        copy(jnp.int32(i), i, ready.at[i])
 
-  def refill(i, carry):
-    slot = lax.rem(i, jnp.int32(stages))
+  def fill(i, carry):
+    use = first_slot_use + i
+    slot = lax.rem(use, jnp.int32(stages))
     for copy, ready, free in streams:
-      plgpu.barrier_wait(free.at[slot])
-      copy(i + stages, slot, ready.at[slot])
+      @pl.when(use >= stages)  # the slot's earlier contents were consumed
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      copy(i, slot, ready.at[slot])
     return carry
 
-  lax.fori_loop(jnp.int32(0), n_steps - stages, refill, None)
+  lax.fori_loop(jnp.int32(0), n_steps, fill, None)
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,
-               first_block, n_steps, block_kv: int, stages: int, kv_seg=None):
+               first_block, n_steps, block_kv: int, stages: int, kv_seg=None,
+               first_slot_use=0):
   """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
   blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``.
   ``kv_seg = (ref [batch, kv_len_p], smem [stages, block_kv])``: the keys' segment
-  ids, copied with each K tile (its ready barrier then counts two copies)."""
-  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  ids, copied with each K tile (its ready barrier then counts two copies).
+  ``first_slot_use`` as ``produce``. The caller lowers the warpgroup's registers."""
   kv_head = lax.div(head, jnp.int32(group))
   k_ready, v_ready, k_free, v_free = barriers
 
@@ -80,7 +83,7 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
     return copy
 
   produce(n_steps, stages, [(copy_from(k_ref, k_smem, kv_seg is not None), k_ready, k_free),
-                            (copy_from(v_ref, v_smem), v_ready, v_free)])
+                            (copy_from(v_ref, v_smem), v_ready, v_free)], first_slot_use)
 
 
 def segment_range(ranges_ref, batch, first_block, n_blocks: int):
@@ -119,7 +122,7 @@ def visit_blocks(cta_range, own_range, step, skip, carry):
   ``skip(j)`` keeps the barriers in step for a block this consumer does not need.
   """
   c_lo, c_hi = cta_range
-  lo, full_lo, full_hi, hi = (jnp.minimum(jnp.maximum(x, c_lo), c_hi) for x in own_range)
+  lo, full_lo, full_hi, hi = clamp_own(own_range, c_lo, c_hi)
 
   def skipped(j, carry):
     skip(j)
@@ -130,6 +133,12 @@ def visit_blocks(cta_range, own_range, step, skip, carry):
   carry = lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, c, False), carry)
   carry = lax.fori_loop(full_hi, hi, lambda j, c: step(j, c, True), carry)
   return lax.fori_loop(hi, c_hi, skipped, carry)
+
+
+def clamp_own(own_range, c_lo, c_hi):
+  """A consumer's ``(lo, full_lo, full_hi, hi)`` restricted to the CTA's blocks
+  ``[c_lo, c_hi)``: the blocks ``visit_blocks`` computes, and which of them masked."""
+  return tuple(jnp.minimum(jnp.maximum(x, c_lo), c_hi) for x in own_range)
 
 
 def clamp_range(lo, hi, n_blocks: int):
@@ -151,6 +160,15 @@ def kernel_writing_ref(body, *, out_type, scratch_types: dict, grid, grid_names)
 
   return pl.kernel(with_scratch, out_type=out_type, mesh=mesh,
                    compiler_params=compiler_params())
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the GPU kernels run on: a persistent kernel's CTAs
+  (132, an H100's, where no GPU is attached: tracing only)."""
+  try:
+    return jax.local_devices(backend="gpu")[0].core_count
+  except RuntimeError:
+    return 132
 
 
 def compiler_params():

@@ -1,0 +1,117 @@
+"""Parallel retention's forward on Hopper: the flash forward pipeline of
+``jattn.kernels.flash.mosaic_fwd`` (producer warpgroup, two ping-ponging consumers,
+wgmma from shared memory) with retention's row rule instead of the softmax.
+
+Each score tile is weighed by the decay ``scale · γ^(n-m)``. Key blocks wholly at or
+before a consumer's first row ``n0`` take it as ``γ^(n0-m)``, a per-key vector, and
+the per-row ``γ^(n-n0)`` joins the accumulator once, at the first block on the
+diagonal; diagonal blocks build the exact masked decay (as the Triton kernel,
+``parallel.py``, does). The saved row statistic is the denominator ``max(Σ|S|, 1)``
+(ones without ``normalize``), what the Triton backward kernels take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from jattn.kernels.common.masking import MaskSpec
+from jattn.kernels.common.tiling import pad_to, tile_axis
+from jattn.kernels.flash import mosaic_pipeline as mp
+from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, mosaic_head_dim
+from jattn.kernels.flash.mosaic_fwd import ConsumerRows, Rows, rows_forward
+
+
+def _row_vector(value: float, rows: int):
+  """A constant per-row vector in the accumulator's row layout (a bare constant would
+  take a layout the kernel cannot store)."""
+  return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), mp.ROW)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecayRows:
+  """Retention's row rule (causal ``spec`` without a window or segments); reads
+  ``log2 γ`` per head (``[heads]`` float32)."""
+
+  spec: MaskSpec
+  scale: float
+  normalize: bool
+  n_inputs = 1
+
+  def bind(self, inputs, t: ConsumerRows) -> Rows:
+    (log2_decay_ref,) = inputs
+    lg = log2_decay_ref[t.head]
+    log2_scale = math.log2(self.scale)
+    q_first = t.q_start + self.spec.offset  # the first row's absolute position
+    _, _, first_masked, hi = t.own
+    rows = plgpu.broadcasted_iota(jnp.int32, (t.block_q,), 0, layout=mp.ROW)
+    row_decay = jnp.exp2(rows.astype(jnp.float32) * lg)  # γ^(n - n0), <= 1
+    cols = plgpu.broadcasted_iota(jnp.int32, (t.block_kv,), 0, layout=mp.COL)
+
+    def joins(flag):
+      """The rows' own factor where the scalar ``flag`` holds, else ones."""
+      return 1.0 + (row_decay - 1.0) * flag.astype(jnp.float32)
+
+    def update(s, stats, j, masked, segments):
+      del segments
+      (den,) = stats
+      k_first = j * t.block_kv
+      acc_scale = None
+      if masked:
+        dist = mp.iota(s.shape, 0, q_first) - mp.iota(s.shape, 1, k_first)
+        # Above the diagonal the exponent may overflow to inf: selected away, never used.
+        w = jnp.where(dist >= 0, jnp.exp2(dist.astype(jnp.float32) * lg + log2_scale), 0.0)
+        acc_scale = joins(j == first_masked)
+        den = den * acc_scale
+      else:
+        w = jnp.exp2((q_first - k_first - cols).astype(jnp.float32) * lg + log2_scale)
+        w = lax.broadcast_in_dim(w, s.shape, [1])
+      s = s * w
+      if self.normalize:
+        den = den + jnp.abs(s).sum(axis=1)
+      return s.astype(t.dtype), acc_scale, (den,), None
+
+    def finish(acc, stats):
+      (den,) = stats
+      row_scale = joins(hi == first_masked)  # no diagonal block: the factor joins here
+      den = den * row_scale
+      den = jnp.maximum(den, 1.0) if self.normalize else _row_vector(1.0, t.block_q)
+      return acc * lax.broadcast_in_dim(row_scale / den, acc.shape, [0]), den
+
+    return Rows((_row_vector(0.0, t.block_q),), update, finish)
+
+
+def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bool,
+                             config: MosaicBlockConfig):
+  """Parallel retention ``O = (scale · Q Kᵀ ⊙ D) V`` on Hopper.
+
+  Args:
+    q, k: ``[batch, q_len, heads, dk]`` / ``[batch, kv_len, heads, dk]``; v:
+      ``[batch, kv_len, heads, dv]``; float16 or bfloat16, head dims up to 256;
+      log2_decay ``[heads]`` float32 (log2 γ, <= 0).
+    normalize: divide rows by ``max(Σ|S|, 1)``.
+    config: its forward fields (``block_q`` per consumer, ``block_kv``, ``stages``,
+      ``persistent``) are used.
+
+  Returns:
+    ``(o, den)`` as ``retention_parallel_forward``: ``o: [batch, q_len, heads, dv]``
+    in q's dtype, ``den: [batch, heads, q_len]`` float32.
+  """
+  q_len, kv_len = q.shape[1], k.shape[1]
+  dk, dv = q.shape[-1], v.shape[-1]
+  c = config
+  _, q_len_p = tile_axis(q_len, (mp.CONSUMERS * c.block_q,), clamp=False)
+  _, kv_len_p = tile_axis(kv_len, (c.block_kv,), clamp=False)
+  # Zero-padded keys add nothing, so only causality restricts the blocks.
+  spec = MaskSpec.build(q_len, kv_len, causal=True, local_window=None, kv_padded=False,
+                        segments=False)
+  dk_p, dv_p = mosaic_head_dim(dk), mosaic_head_dim(dv)
+  o, den = rows_forward(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p),
+                        pad_to(v, kv_len_p, dv_p), (log2_decay.astype(jnp.float32),),
+                        rule=DecayRows(spec, scale, normalize), spec=spec, block_q=c.block_q,
+                        block_kv=c.block_kv, stages=c.stages, persistent=c.persistent)
+  return o[:, :q_len, :, :dv], den[:, :, :q_len]
