@@ -309,10 +309,6 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
     mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
 
 
-def _launch():
-  return dict(num_threads=mp.CONSUMERS + 1, thread_name="wg", compiler_params=mp.compiler_params())
-
-
 def _barrier(n, arrivals=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
@@ -326,7 +322,7 @@ def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale:
   copies = 2 if spec.segments else 1  # a K tile and its segment ids
   seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_q), jnp.int32),
               plgpu.SMEM((stages, block_kv), jnp.int32)) if spec.segments else ()
-  return plgpu.kernel(
+  return mp.kernel(
       functools.partial(_dq_kernel, spec=spec, scale=scale, softcap=softcap, block_q=block_q,
                         block_kv=block_kv, stages=stages, group=q_heads // k.shape[2]),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -343,7 +339,6 @@ def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale:
       ),
       grid=(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
-      **_launch(),
   )(q, k, v, do, lse2, delta, *(segments or ()))
 
 
@@ -388,7 +383,7 @@ def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: Ma
   if fuse_dq:
     return mp.kernel_writing_ref(body, out_type=out_type, scratch_types=smem, **grid)(
         *args, dq_acc)
-  return plgpu.kernel(body, out_type=out_type, scratch_types=smem, **grid, **_launch())(*args)
+  return mp.kernel(body, out_type=out_type, scratch_types=smem, **grid)(*args)
 
 
 def _fold_vmap_into_batch(fn):

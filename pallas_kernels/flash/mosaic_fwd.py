@@ -363,16 +363,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
                              stages=stages, group=q_heads // k.shape[2],
                              items=(n_q_tiles, q_heads, batch), persistent=persistent,
                              q_buffers=q_buffers)
-  return plgpu.kernel(
+  return mp.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
                 jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)),
       scratch_types=smem,
       grid=(min(n_items, mp.num_sms()) if persistent else n_items,),
       grid_names=("cta",),
-      num_threads=mp.CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=mp.compiler_params(),
   )(q, k, v, *inputs)
 
 

@@ -147,13 +147,23 @@ def clamp_range(lo, hi, n_blocks: int):
   return jnp.minimum(lo, hi), hi
 
 
+# Every Hopper kernel's warpgroups: the consumers, then the producer, named "wg".
+_WARPGROUPS = dict(num_threads=CONSUMERS + 1, thread_name="wg")
+
+
+def kernel(body, *, out_type, scratch_types, grid, grid_names):
+  """``plgpu.kernel`` with the consumer/producer warpgroups and compiler parameters
+  every Hopper kernel here uses."""
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
+                      grid_names=grid_names, compiler_params=compiler_params(), **_WARPGROUPS)
+
+
 def kernel_writing_ref(body, *, out_type, scratch_types: dict, grid, grid_names):
-  """A consumer/producer kernel like ``plgpu.kernel``'s, for a body that also writes
+  """A consumer/producer kernel like ``kernel``'s, for a body that also writes
   into a mutable ``jax.Ref`` operand: ``plgpu.kernel`` wraps its launch in a vmap
   rule that loses a Ref's write effect, so this launches through ``pl.kernel``. Not
   ``vmap``-able itself."""
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=CONSUMERS + 1,
-                    thread_name="wg")
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **_WARPGROUPS)
 
   def with_scratch(*refs):
     pl.run_scoped(functools.partial(body, *refs), collective_axes="wg", **scratch_types)
