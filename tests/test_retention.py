@@ -237,7 +237,8 @@ def test_parallel_kernel_at_gpu_sizes(shape, normalize, dtype, tol):
     ((2, 1100, 1100, 3, 64, 128), "abs_sum", jnp.float16, 4e-3,
      jattn.MosaicBlockConfig(block_q=64, block_kv=64, stages=3)),
     # More work items than SMs: each persistent CTA walks several.
-    ((4, 1024, 1024, 40, 64, 64), "abs_sum", jnp.bfloat16, 3e-2, None),
+    ((4, 1024, 1024, 40, 64, 64), "abs_sum", jnp.bfloat16, 3e-2,
+     jattn.MosaicBlockConfig(block_q=128, block_kv=128, persistent=True)),
     # One query, at the last key, which ends a key block: no diagonal block to visit.
     ((2, 1, 1024, 2, 128, 64), None, jnp.bfloat16, 3e-2, None),
 ], ids=["q700-kv1000-d128-fp16", "d96-dv40-abs_sum-bf16", "d256-bf16",
