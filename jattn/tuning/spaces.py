@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jattn.core.device import GPUInfo, shared_memory_limit
 from jattn.core.op import TritonImpl
 from jattn.kernels.common.config import BlockConfig, clamp_block, padded_head_dim
-from jattn.kernels.flash.mosaic_config import forward_smem_bytes
+from jattn.kernels.flash.mosaic_config import MOSAIC_SMEM_OVERHEAD, forward_smem_bytes
 from jattn.tuning.search import SearchStage
 
 BLOCKS, WARPS, PIPELINE = (32, 64, 128), (4, 8), (1, 2, 3, 4)
@@ -77,7 +77,6 @@ def block_fits(*kernels: str):
 # flash_sweep_mosaic.json): 192 fp32 per thread ran at full speed, 256 spilled (d128
 # 128x128 tiles: 270 vs 527 TFLOP/s).
 MOSAIC_REGISTER_BUDGET = 200
-MOSAIC_SMEM_OVERHEAD = 4 * 1024  # barriers and alignment
 MOSAIC_FORWARD_GRID = {"block_q": (64, 128), "block_kv": (64, 128, 192, 256), "stages": (2, 3, 4)}
 MOSAIC_PERSISTENT_GRID = {"persistent": (True, False)}  # tried on the forward's winner
 

@@ -22,8 +22,9 @@ class MosaicBlockConfig:
   ``fused_dq``: the backward computes dQ inside the dK/dV kernel and adds it into an
   fp32 buffer with TMA reduce-adds (5 matmuls per block pair instead of 7, but the
   sum order varies from run to run: ``deterministic=True`` calls, the default, run the
-  two kernels whatever this says; head dims up to 128). Off by default: on the H100 the reduce-adds made it slower at most
-  shapes (bench/results/flash_fused_dq.md); the autotuner tries it.
+  two kernels whatever this says; head dims up to 128). Off by default: on the H100
+  the reduce-adds made it slower at most shapes (bench/results/flash_fused_dq.md);
+  the autotuner tries it.
 
   ``persistent``: the forward runs one CTA per SM, each walking its share of the
   (query tile, head, batch) work items, with K/V streaming on across items and the
@@ -59,8 +60,9 @@ class MosaicBlockConfig:
         raise ValueError(f"MosaicBlockConfig.{field} must be >= 2, got {getattr(self, field)}")
 
 
-# Opt-in shared memory per CTA on sm_90, less what barriers and alignment take.
-HOPPER_SMEM_BYTES = 232448 - 4 * 1024
+MOSAIC_SMEM_OVERHEAD = 4 * 1024  # barriers and alignment
+# Opt-in shared memory per CTA on sm_90, less the overhead.
+HOPPER_SMEM_BYTES = 232448 - MOSAIC_SMEM_OVERHEAD
 
 
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,

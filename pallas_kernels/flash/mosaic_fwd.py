@@ -116,9 +116,8 @@ class SoftmaxRows:
       o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
       return o, jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
 
-    init = (plgpu.layout_cast(jnp.full((t.block_q,), EMPTY_ROW_LSE, jnp.float32), mp.ROW),
-            plgpu.layout_cast(jnp.zeros((t.block_q,), jnp.float32), mp.ROW))
-    return Rows(init, update, finish)
+    return Rows((mp.row_vector(EMPTY_ROW_LSE, t.block_q), mp.row_vector(0.0, t.block_q)),
+                update, finish)
 
 
 class _Item(NamedTuple):

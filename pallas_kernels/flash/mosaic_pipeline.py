@@ -34,6 +34,12 @@ def tile_smem(shape, dtype):
                     transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
+def row_vector(value: float, rows: int):
+  """A float32 constant per accumulator row, in the ``ROW`` layout (a bare constant
+  would take a layout the kernel cannot store)."""
+  return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), ROW)
+
+
 def iota(shape, dim, offset):
   """int32 positions along ``dim`` of a wgmma-accumulator-shaped tile."""
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA) + offset

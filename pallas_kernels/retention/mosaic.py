@@ -26,12 +26,6 @@ from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, mosaic_head_dim
 from jattn.kernels.flash.mosaic_fwd import ConsumerRows, Rows, rows_forward
 
 
-def _row_vector(value: float, rows: int):
-  """A constant per-row vector in the accumulator's row layout (a bare constant would
-  take a layout the kernel cannot store)."""
-  return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), mp.ROW)
-
-
 @dataclasses.dataclass(frozen=True)
 class DecayRows:
   """Retention's row rule (causal ``spec`` without a window or segments); reads
@@ -79,10 +73,10 @@ class DecayRows:
       (den,) = stats
       row_scale = joins(hi == first_masked)  # no diagonal block: the factor joins here
       den = den * row_scale
-      den = jnp.maximum(den, 1.0) if self.normalize else _row_vector(1.0, t.block_q)
+      den = jnp.maximum(den, 1.0) if self.normalize else mp.row_vector(1.0, t.block_q)
       return acc * lax.broadcast_in_dim(row_scale / den, acc.shape, [0]), den
 
-    return Rows((_row_vector(0.0, t.block_q),), update, finish)
+    return Rows((mp.row_vector(0.0, t.block_q),), update, finish)
 
 
 def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bool,
