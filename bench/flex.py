@@ -6,7 +6,11 @@ of q, k, v):
 - ``documents``: 4 documents per row (random lengths, ids closed over, ``[batch, seq]``);
 - ``sliding_window``: causal sliding window of 1024 keys;
 - ``causal``: a causal ``mask_mod``, also against our ``flash_attention(causal=True)``
-  on the same (Triton) kernel family.
+  on the same kernel family.
+
+Ours on both kernel families: ``jattn_flex`` on the Hopper (Mosaic GPU) kernels,
+``jattn_flex_triton`` on the Triton ones (``jattn_flash`` / ``jattn_flash_triton`` the
+same for flash attention).
 
 Both sides build their block masks once, outside the timed calls (jattn at 64 x 64,
 the finest of its kernels' tiles; torch at its default 128). Each row also records
@@ -43,7 +47,10 @@ DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 CASES = ("alibi_causal", "documents", "sliding_window", "causal")
 WINDOW = 1024
 DOCUMENTS = 4
-RATIOS = [("jattn_flex", "torch_flex"), ("jattn_flex", "jattn_flash")]
+RATIOS = [("jattn_flex", "torch_flex"), ("jattn_flex_triton", "torch_flex"),
+          ("jattn_flex", "jattn_flash"), ("jattn_flex_triton", "jattn_flash_triton")]
+BACKENDS = {"jattn_flex": "pallas_mosaic", "jattn_flex_triton": "pallas_triton",
+            "jattn_flash": "pallas_mosaic", "jattn_flash_triton": "pallas_triton"}
 
 
 def documents(batch: int, seq: int, seed: int = 0) -> np.ndarray:
@@ -86,17 +93,17 @@ def torch_case(case: str, shape, docs):
   return None, causal, None
 
 
-def run_jattn(case, mode, q, k, v, do, docs):
+def run_jattn(case, mode, q, k, v, do, docs, backend):
   score_mod, mask_mod, batch, heads = jattn_case(case, q.shape, docs)
   block_mask = jattn.create_block_mask(mask_mod, batch, heads, q.shape[1], k.shape[1], block=64)
   fn = lambda q, k, v: jattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                            backend="pallas_triton")
+                                            backend=backend)
   seconds, peak = time_jax_qkv(fn, mode, q, k, v, do)
   return seconds, peak, jax.jit(fn)(q, k, v)
 
 
-def run_flash(mode, q, k, v, do):
-  fn = lambda q, k, v: jattn.flash_attention(q, k, v, causal=True, backend="pallas_triton")
+def run_flash(mode, q, k, v, do, backend):
+  fn = lambda q, k, v: jattn.flash_attention(q, k, v, causal=True, backend=backend)
   seconds, peak = time_jax_qkv(fn, mode, q, k, v, do)
   return seconds, peak, None
 
@@ -135,14 +142,14 @@ def run(shape, cases, dtypes, modes, impls, save):
     q, k, v, do = random_inputs(shape, DTYPES[dname])
     outputs = {}
     for impl in impls:
-      if impl == "jattn_flash" and case != "causal":
+      if impl.startswith("jattn_flash") and case != "causal":
         continue
       row = {"impl": impl, "case": case, "shape": list(shape), "dtype": dname, "mode": mode}
       try:
-        if impl == "jattn_flex":
-          seconds, peak, out = run_jattn(case, mode, q, k, v, do, docs)
-        elif impl == "jattn_flash":
-          seconds, peak, out = run_flash(mode, q, k, v, do)
+        if impl.startswith("jattn_flex"):
+          seconds, peak, out = run_jattn(case, mode, q, k, v, do, docs, BACKENDS[impl])
+        elif impl.startswith("jattn_flash"):
+          seconds, peak, out = run_flash(mode, q, k, v, do, BACKENDS[impl])
         else:
           seconds, peak, out = run_torch(case, mode, q, k, v, do, docs)
         row.update(ms=seconds * 1e3, peak_mib=None if peak is None else peak / 2**20)
@@ -180,7 +187,8 @@ def main():
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--dtypes", default="fp16,bf16")
   parser.add_argument("--modes", default="fwd,fwd+bwd")
-  parser.add_argument("--impls", default="jattn_flex,torch_flex,jattn_flash")
+  parser.add_argument("--impls", default="jattn_flex,jattn_flex_triton,torch_flex,jattn_flash,"
+                      "jattn_flash_triton")
   parser.add_argument("--shape", default=",".join(map(str, SHAPE)),
                       help="batch,seq,heads,head_dim")
   args = parser.parse_args()

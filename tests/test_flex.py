@@ -117,6 +117,101 @@ def test_closed_over_array_gradients_in_16_bit_on_the_gpu(dtype, tol):
     assert rel_err(a, b) < tol
 
 
+def _hopper_cases():
+  docs = np.sort(np.random.default_rng(0).integers(0, 4, (2, 384)), axis=1).astype(np.int32)
+  windows = jnp.array([40, 90, 170, 300])  # per query head: the dK/dV kernel's group unions
+  yield pytest.param(dict(shape=(2, 320, 4, 2, 64), score=lambda s: flex.alibi_score(s),
+                          mask=flex.causal_mask(), slopes=True), id="alibi-causal-gqa-padded")
+  yield pytest.param(dict(shape=(2, 384, 2, 2, 128), mask=flex.document_mask(docs)),
+                     id="documents-d128")
+  yield pytest.param(dict(shape=(1, 200, 2, 1, 64), kv_len=328,
+                          score=lambda s: flex.softcap_score(20.0),
+                          mask=flex.sliding_window_mask(60, 0, offset=128)),
+                     id="softcap-window-shorter-queries")
+  yield pytest.param(dict(shape=(1, 384, 4, 2, 64),
+                          mask=lambda b, h, i, j: (j <= i) & (i - j < windows[h]) & (i % 7 != 3)),
+                     id="per-head-windows-empty-rows")
+  yield pytest.param(dict(shape=(2, 256, 2, 2, 64), mask=flex.prefix_lm_mask(jnp.array([30, 130])),
+                          score=lambda s: lambda x, b, h, i, j: x * (1.0 + 0.25 * b) - 0.01 * h),
+                     id="prefix-lm-batch-score")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(_hopper_cases()))
+def test_hopper_kernels_equal_the_xla_backend(case):
+  """The Hopper kernels (functions split into parts, block ranges) with bf16 inputs
+  against the float32 dense computation on the same values: o, lse and every
+  gradient, ALiBi's slopes included."""
+  batch, sq, hq, hk, d = case["shape"]
+  q, k, v, do = (x.astype(jnp.bfloat16)
+                 for x in _inputs(21, sq, case.get("kv_len", sq), hq, hk, batch, d))
+  slopes = flex.alibi_slopes(hq)
+  score = case.get("score")
+  def run(backend, *arrays):
+    def attend(q, k, v, slopes):
+      return jattn.flex_attention(q, k, v, score_mod=score and score(slopes),
+                                  mask_mod=case.get("mask"), return_lse=True, backend=backend)
+    return _out_and_grads(attend, *arrays, slopes)
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=score and score(slopes),
+                              mask_mod=case.get("mask"))
+  assert dict(flex.FLEX.choices(problem))["pallas_mosaic"] is None
+  (o, lse), grads = run("pallas_mosaic", q, k, v, do)
+  (o_ref, lse_ref), grads_ref = run("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)))
+  assert rel_err(o, o_ref) < 1e-2 and rel_err(lse, lse_ref) < 1e-3
+  n = 4 if case.get("slopes") else 3  # q, k, v (and the slopes)
+  for g, g_ref in zip(grads[:n], grads_ref[:n]):
+    assert rel_err(g, g_ref) < 2e-2
+
+
+def test_hopper_split_of_the_ready_functions():
+  """What the Hopper kernels compute outside (parts per head, row or column) and on
+  the tiles (the rest) gives the function itself; what reads arrays at positions of
+  both axes is their gap."""
+  from jattn.flex.functions import trace
+  docs = jnp.asarray(np.random.default_rng(1).integers(0, 3, (B, SK)), jnp.int32)
+  cases = [(flex.alibi_score(flex.alibi_slopes(HQ)), "score_mod", ["scalar"]),
+           (flex.softcap_score(5.0), "score_mod", []),
+           (flex.document_mask(docs[:, :SQ], docs), "mask_mod", ["row", "col"]),
+           (flex.prefix_lm_mask(jnp.array([3, 5])), "mask_mod", ["col"]),
+           (flex.sliding_window_mask(3, 1), "mask_mod", [])]
+  index = dense_indices(B, HQ, SQ, SK)
+  score = jax.random.normal(jax.random.PRNGKey(2), (B, HQ, SQ, SK))
+  for fn, kind, kinds in cases:
+    traced, consts = trace(fn, kind)
+    split = traced.factored
+    assert split.gap is None and [p.kind for p in split.parts] == kinds
+    parts = split.part_arrays(traced.tile_arrays(consts), B, HQ, SQ, SK)
+    at = {"scalar": lambda x: x[:, :, None, None], "row": lambda x: x[:, None, :, None],
+          "col": lambda x: x[:, None, None, :]}
+    args = ((score,) if kind == "score_mod" else ()) + index
+    got = split([at[p.kind](x) for p, x in zip(split.parts, parts)], *args)
+    assert rel_err(got, traced(consts, *args)) < 1e-6
+  for fn in (flex.relative_position_score(jnp.ones((HQ, 5))),
+             flex.bias_score(jnp.ones((HQ, SQ, SK)))):
+    assert "both q_idx and kv_idx" in trace(fn, "score_mod")[0].factored.gap
+  per_head_rows = lambda b, h, i, j: docs[h % B, i] == 0
+  assert "per head and per sequence position" in trace(per_head_rows, "mask_mod")[0].factored.gap
+
+
+def test_block_ranges_cover_every_nonempty_tile():
+  """Each row's Hopper range holds all its nonempty tiles, and its unmasked run only
+  full ones; rows without any get an empty range that unions ignore."""
+  from jattn.kernels.flash.mosaic_inputs import mask_ranges
+  kinds = jax.random.randint(jax.random.PRNGKey(3), (2, 3, 6, 7), 0, 3).astype(jnp.int8)
+  kinds = kinds.at[0, 0, 2].set(flex.EMPTY).at[1, 2, 4].set(flex.FULL)
+  for transpose in (False, True):
+    ranges = np.asarray(mask_ranges(kinds, (8, 8), (8, 8), (48, 56), (48, 56), transpose))
+    per_row = np.swapaxes(np.asarray(kinds), -1, -2) if transpose else np.asarray(kinds)
+    for idx in np.ndindex(per_row.shape[:-1]):
+      lo, full_lo, full_hi, hi = ranges[idx]
+      nonempty = np.flatnonzero(per_row[idx] != flex.EMPTY)
+      if not nonempty.size:
+        assert (lo, full_lo, full_hi, hi) == (per_row.shape[-1],) * 3 + (0,)
+        continue
+      assert lo == nonempty[0] and hi == nonempty[-1] + 1 and lo <= full_lo <= full_hi <= hi
+      assert (per_row[idx][full_lo:full_hi] == flex.FULL).all()
+
+
 def test_window_attention_through_flex():
   """DAT's shifted-window attention: a bias shared by the windows and a mask per window."""
   windows, tokens, heads = 4, 6, 2

@@ -1,12 +1,17 @@
 """``jattn.flex_attention``: attention with user score and mask functions, on the op core.
 
 Backends:
+- ``pallas_mosaic`` (Hopper): flash attention's Mosaic GPU kernels with the functions
+  split into parts computed outside (what reads arrays per row, per column or per
+  head: ``jattn.kernels.common.factored_functions``) and an elementwise rest evaluated
+  on the tiles; the block mask as each tile's range of blocks;
 - ``pallas_triton``: flash attention's Triton-lowered kernels with the functions
   evaluated on the tiles (``jattn.kernels.common.element_functions``, closed-over
-  arrays read from refs) and the block mask as block-sparse tile lists; the
-  gradients of closed-over arrays by ``array_grads``;
+  arrays read from refs) and the block mask as block-sparse tile lists;
 - ``xla``: the dense float32 computation of ``jattn.reference.flex_attention_reference``,
   differentiated by autodiff, the closed-over arrays included.
+
+The kernel backends take the gradients of closed-over arrays from ``array_grads``.
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ import dataclasses
 
 import jax
 
-from jattn.core.op import AttentionProblem, SoftmaxOp, XlaImpl
+from jattn.core.op import AttentionProblem, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, scale_of
 from jattn.flex.array_grads import score_array_grads
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
-from jattn.flash import AttentionTritonImpl
+from jattn.flash import AttentionTritonImpl, mosaic_fits
 from jattn.kernels.common.block_sparsity import classify_blocks
-from jattn.kernels.flash import FlexMods, flash_triton_backward, flash_triton_forward, kernel_tiles
+from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
+                                 flash_mosaic_backward, flash_mosaic_forward,
+                                 flash_triton_backward, flash_triton_forward, kernel_tiles)
+from jattn.kernels.flash.mosaic_config import MOSAIC_MAX_BWD_HEAD_DIM, mosaic_head_dim
 from jattn.reference import flex_attention_reference
 
 
@@ -52,7 +60,54 @@ class FlexProblem(AttentionProblem):
     return tuple(consts[:n]), tuple(consts[n:])
 
 
-class TritonFlex(AttentionTritonImpl):
+class _FlexKernels:
+  """What both kernel families share: the block classification, the functions as
+  the kernels take them (``_mods``), and the gradients of closed-over arrays."""
+
+  def _finest_tiles(self, call) -> tuple[int, int]:
+    raise NotImplementedError
+
+  def _function(self, fn: ElementFunction, consts, p):
+    """``(the function as the kernels evaluate it, the arrays it reads)``."""
+    raise NotImplementedError
+
+  def _mods(self, call, rest) -> FlexMods:
+    p = call.problem
+    consts, kinds = (rest[:-1], rest[-1]) if p.block_mask is not None else (rest, None)
+    score_consts, mask_consts = p.split_consts(consts)
+    block = p.block_mask
+    if p.mask_mod is not None and kinds is None:  # the mask's at the finest kernel tiles
+      block = self._finest_tiles(call)
+      batch = p.batch if p.mask_mod.uses("b") else 1
+      heads = p.q_heads if p.mask_mod.uses("h") else 1
+      allowed_at = lambda *index: p.mask_mod(mask_consts, *index)
+      kinds = classify_blocks(allowed_at, batch, heads, (p.q_len, p.kv_len), block)
+    score, score_arrays = self._function(p.score_mod, score_consts, p)
+    mask, mask_arrays = self._function(p.mask_mod, mask_consts, p)
+    return FlexMods(score, score_arrays, mask, mask_arrays,
+                    kinds if p.mask_mod is not None else None,
+                    block if p.mask_mod is not None else None)
+
+  def forward(self, call, q, k, v, *rest):
+    mods = self._mods(call, rest)
+    o, lse = self._kernel_forward(call, q, k, v, mods)
+    p = call.problem
+    consts = rest[:-1] if p.block_mask is not None else rest
+    return (o, lse), ((q, k, v), consts, mods, o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    (q, k, v), consts, mods, o, lse = residuals
+    p = call.problem
+    dq, dk, dv = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods)
+    score_consts, mask_consts = p.split_consts(consts)
+    array_grads = []
+    if score_consts:
+      array_grads = score_array_grads(p, score_consts, mask_consts, q, k, v, o, lse, *cotangents)
+    kinds = (None,) if p.block_mask is not None else ()
+    return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
+
+
+class TritonFlex(_FlexKernels, AttentionTritonImpl):
   """Flash attention's Triton kernels with the functions evaluated on the tiles: the
   score transform and its derivative in the forward, dQ and dK/dV kernels; the mask
   with the padding mask on the tiles a block mask lists as partial, none on the
@@ -67,49 +122,69 @@ class TritonFlex(AttentionTritonImpl):
     # Not tuned: a cached config would have to be keyed by the functions too.
     return ()
 
-  def _kinds(self, call, mask_consts, kinds):
-    """The block classification and its block size: the caller's, else the mask's
-    at the finest tiles any of the kernels runs."""
-    p = call.problem
-    if p.mask_mod is None:
-      return None, None
-    if kinds is not None:
-      return kinds, p.block_mask
-    bq, bk, _, _ = kernel_tiles(call.config, p.q_len, p.kv_len)
-    block = (min(bq), min(bk))
-    batch = p.batch if p.mask_mod.uses("b") else 1
-    heads = p.q_heads if p.mask_mod.uses("h") else 1
-    allowed_at = lambda *index: p.mask_mod(mask_consts, *index)
-    return classify_blocks(allowed_at, batch, heads, (p.q_len, p.kv_len), block), block
+  def _finest_tiles(self, call):
+    bq, bk, _, _ = kernel_tiles(call.config, call.problem.q_len, call.problem.kv_len)
+    return min(bq), min(bk)
 
-  def forward(self, call, q, k, v, *rest):
-    p = call.problem
-    consts, kinds = (rest[:-1], rest[-1]) if p.block_mask is not None else (rest, None)
-    score_consts, mask_consts = p.split_consts(consts)
-    kinds, block = self._kinds(call, mask_consts, kinds)
-    mods = FlexMods(
-        score=None if p.score_mod is None else p.score_mod.tile_function,
-        score_arrays=() if p.score_mod is None else p.score_mod.kernel_arrays(score_consts),
-        mask=None if p.mask_mod is None else p.mask_mod.tile_function,
-        mask_arrays=() if p.mask_mod is None else p.mask_mod.kernel_arrays(mask_consts),
-        block_kinds=kinds, block=block)
-    o, lse = flash_triton_forward(q, k, v, None, None, causal=False, scale=p.scale,
-                                  local_window=None, softcap=None, config=call.config,
-                                  interpret=call.interpret, mods=mods)
-    return (o, lse), ((q, k, v), consts, mods, o, lse)
+  def _function(self, fn, consts, p):
+    return (None, ()) if fn is None else (fn.tile_function, fn.kernel_arrays(consts))
 
-  def backward(self, call, residuals, cotangents):
-    (q, k, v), consts, mods, o, lse = residuals
-    p = call.problem
-    dq, dk, dv = flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
-                                       scale=p.scale, local_window=None, softcap=None,
-                                       config=call.config, interpret=call.interpret, mods=mods)
-    score_consts, mask_consts = p.split_consts(consts)
-    array_grads = []
-    if score_consts:
-      array_grads = score_array_grads(p, score_consts, mask_consts, q, k, v, o, lse, *cotangents)
-    kinds = (None,) if p.block_mask is not None else ()
-    return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
+  def _kernel_forward(self, call, q, k, v, mods):
+    return flash_triton_forward(q, k, v, None, None, causal=False, scale=call.problem.scale,
+                                local_window=None, softcap=None, config=call.config,
+                                interpret=call.interpret, mods=mods)
+
+  def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods):
+    return flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
+                                 scale=call.problem.scale, local_window=None, softcap=None,
+                                 config=call.config, interpret=call.interpret, mods=mods)
+
+
+class MosaicFlex(_FlexKernels, MosaicImpl):
+  """Flash attention's Hopper kernels with the functions split (``FactoredFunction``):
+  parts read from arrays per row, column or head computed outside, the elementwise
+  rest on the tiles; the block mask as each tile's range of key (query) blocks, its
+  first run of full blocks unmasked. Deterministic backward (no fused dQ)."""
+
+  config_cls = MosaicBlockConfig
+
+  def gaps(self, p):
+    wide = ((f"head dims above {MOSAIC_MAX_BWD_HEAD_DIM} (its backward)",)
+            if mosaic_head_dim(p.head_dim) > MOSAIC_MAX_BWD_HEAD_DIM else ())
+    unsplit = tuple(f"a {f.kind} its kernels cannot split ({f.factored.gap})"
+                    for f in (p.score_mod, p.mask_mod) if f is not None and f.factored.gap)
+    return super().gaps(p) + wide + unsplit
+
+  def heuristic_config(self, p, info):
+    return default_mosaic_config(p.head_dim)
+
+  def tuning_stages(self):
+    return ()  # as TritonFlex
+
+  def fits(self, config, p, info):
+    return mosaic_fits()(config, p, info)
+
+  def _finest_tiles(self, call):
+    c = call.config
+    return (min(c.block_q, c.block_q_dq, c.block_q_dkv),
+            min(c.block_kv, c.block_kv_dq, c.block_kv_dkv))
+
+  def _function(self, fn, consts, p):
+    if fn is None:
+      return None, ()
+    parts = fn.factored.part_arrays(fn.tile_arrays(consts), p.batch, p.q_heads, p.q_len,
+                                    p.kv_len)
+    return fn.factored, tuple(parts)
+
+  def _kernel_forward(self, call, q, k, v, mods):
+    return flash_mosaic_forward(q, k, v, None, None, causal=False, scale=call.problem.scale,
+                                local_window=None, softcap=None, config=call.config, mods=mods)
+
+  def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods):
+    config = dataclasses.replace(call.config, fused_dq=False)
+    return flash_mosaic_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
+                                 scale=call.problem.scale, local_window=None, softcap=None,
+                                 config=config, mods=mods)
 
 
 class XlaFlex(XlaImpl):
@@ -185,7 +260,7 @@ def _check_block_mask(block_mask, mask_mod, batch, heads, q_len, kv_len):
   return block_mask.mask_mod
 
 
-FLEX = FlexAttention(TritonFlex(), XlaFlex())
+FLEX = FlexAttention(MosaicFlex(), TritonFlex(), XlaFlex())
 
 
 def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockMask | None = None,
@@ -209,9 +284,13 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockM
       from, ``mask_mod``).
     scale: logit scale (> 0), default ``head_dim ** -0.5``.
     return_lse: also return the log-sum-exp of each row.
-    backend: ``"auto"``, ``"pallas_triton"`` (functions that read their arrays by
-      index, e.g. ``slopes[h]``; others are its gap) or ``"xla"``.
-    config: a ``BlockConfig`` for ``pallas_triton`` (default: the heuristic by head dim).
+    backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit inputs, head dims up to
+      128; functions whose arrays are read per row, column or head, e.g. ``slopes[h]``
+      or ``documents[b, q_idx]``), ``"pallas_triton"`` (functions that read their
+      arrays by index, e.g. ``table[h, kv_idx - q_idx]``) or ``"xla"``; what a backend
+      cannot run is its gap, and ``auto`` takes the next.
+    config: a ``MosaicBlockConfig`` for ``pallas_mosaic`` or a ``BlockConfig`` for
+      ``pallas_triton`` (default: the heuristic by head dim).
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim]`` in q's dtype; with ``return_lse`` also

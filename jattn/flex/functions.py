@@ -28,6 +28,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
 from jattn.core.elementwise import elementwise
 from jattn.kernels.common.element_functions import TileFunction, kernel_array
+from jattn.kernels.common.factored_functions import FactoredFunction
 
 SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
 MASK_ARGS = "(b, h, q_idx, kv_idx)"
@@ -97,11 +98,19 @@ class ElementFunction:
     """The function as kernels run it on tiles (see ``kernel_arrays``)."""
     return self._split[1]
 
-  def kernel_arrays(self, consts) -> tuple:
+  def tile_arrays(self, consts) -> tuple:
     """The arrays ``tile_function`` reads, from the closed-over ``consts``
-    (differentiably)."""
-    arrays = jaxpr_as_fun(ClosedJaxpr(self._split[0], []))(*consts)
-    return tuple(kernel_array(jnp.asarray(a)) for a in arrays)
+    (differentiably), in their logical shapes and dtypes."""
+    return tuple(jnp.asarray(a) for a in jaxpr_as_fun(ClosedJaxpr(self._split[0], []))(*consts))
+
+  def kernel_arrays(self, consts) -> tuple:
+    """``tile_arrays`` as the Triton kernels take them (``kernel_array``)."""
+    return tuple(kernel_array(a) for a in self.tile_arrays(consts))
+
+  @functools.cached_property
+  def factored(self) -> FactoredFunction:
+    """The function split for the Hopper kernels (``factored_functions``)."""
+    return FactoredFunction.of(self.tile_function)
 
   @functools.cached_property
   def kernel_gap(self) -> str | None:

@@ -78,7 +78,7 @@ class TileFunction:
     if len(arrays) != self.num_arrays:
       raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
     values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + list(args)
-    (out,) = _evaluate(self.jaxpr, [], values)
+    (out,) = evaluate_jaxpr(self.jaxpr, [], values)
     # A function constant in some indices still gives a value per element.
     return jnp.broadcast_to(out, jnp.broadcast_shapes(*(jnp.shape(a) for a in args)))
 
@@ -191,7 +191,9 @@ def _elementwise(eqn, values):
   return out if eqn.primitive.multiple_results else [out]
 
 
-def _evaluate(jaxpr: Jaxpr, consts: list, args: list) -> list:
+def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list) -> list:
+  """``jaxpr``'s outputs with its primitives applied to broadcastable tiles (``args``:
+  tiles, scalars, or ``_Array`` reads of closed-over arrays)."""
   env = {}
 
   def read(v):
@@ -214,7 +216,7 @@ def _evaluate(jaxpr: Jaxpr, consts: list, args: list) -> list:
       if not inner.jaxpr.constvars:  # JAX that passes constants as leading inputs
         values, consts = consts + values, []
       n = len(values) - len(inner.jaxpr.invars)  # leading operands bound to constants
-      outs = _evaluate(inner.jaxpr, consts, values[n:])
+      outs = evaluate_jaxpr(inner.jaxpr, consts, values[n:])
     elif values and isinstance(values[0], _Array) and name == "dynamic_slice":
       outs = [_dynamic_slice(values[0], values[1:], eqn.params["slice_sizes"])]
     elif values and isinstance(values[0], _Array) and name == "gather":

@@ -19,6 +19,9 @@ LN2 = math.log(2.0)
 # Stand-in for -inf in the saved log-sum-exp of rows that see no key: finite, so
 # that merging or subtracting it never produces NaN.
 EMPTY_ROW_LSE = -1e30
+# The log-sum-exp the backward gives padded query rows when a score function runs:
+# their probabilities are then 0 whatever the function makes of their (zero) logits.
+PADDED_ROW_LSE = 1e30
 
 
 def dot(a, b, contract_a: int, contract_b: int, fast_fp32: bool = False):

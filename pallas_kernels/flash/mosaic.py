@@ -2,21 +2,26 @@
 tile grid and runs the forward kernel, or the dQ and dK/dV kernels given the saved
 ``(o, lse)``. Head dims above 128 take the Triton-lowered backward on the same
 ``(o, lse)``: the wider dK and dV accumulators do not fit a warpgroup's registers.
+
+FlexAttention's functions come as a ``FlexMods`` whose functions are split for
+these kernels (``factored_functions``: the parts computed here, outside) and whose
+block mask becomes each kernel's block ranges (``mosaic_inputs``).
 """
 
 from __future__ import annotations
 
-
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import LOG2E, backward_delta
+from jattn.kernels.common.softmax import LOG2E, PADDED_ROW_LSE, backward_delta
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_config import (MOSAIC_MAX_BWD_HEAD_DIM, MosaicBlockConfig,
                                                mosaic_head_dim)
 from jattn.kernels.flash.mosaic_fwd import mosaic_forward
+from jattn.kernels.flash.mosaic_inputs import (PositionInputs, mask_ranges, position_arrays,
+                                               segment_ranges)
 from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
-from jattn.kernels.flash.triton import flash_triton_backward
+from jattn.kernels.flash.triton import FlexMods, flash_triton_backward
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
@@ -34,12 +39,31 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
   return q_len_p, kv_len_p, mosaic_head_dim(head_dim), spec
 
 
-def _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p):
-  return None if q_seg is None else (pad_to(q_seg, q_len_p), pad_to(kv_seg, kv_len_p))
+def _positions(q_seg, mods: FlexMods) -> PositionInputs:
+  return PositionInputs(segments=q_seg is not None, mask=mods.mask, score=mods.score,
+                        ranges=q_seg is not None or mods.block_kinds is not None)
+
+
+def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, tiles, spec,
+                   padded, transpose: bool = False) -> tuple:
+  """One kernel's per-position arrays: segment ids or the functions' parts, and the
+  block ranges of its ``tiles = (tile_q, tile_kv)`` (``transpose``: per key tile)."""
+  lengths = (spec.q_len, spec.kv_len)
+  segments = ranges = None
+  if q_seg is not None:
+    segments = (pad_to(q_seg, padded[0]), pad_to(kv_seg, padded[1]))
+    rows, cols = segments[::-1] if transpose else segments
+    ranges = segment_ranges(rows, cols, *(lengths[::-1] if transpose else lengths),
+                            *(tiles[::-1] if transpose else tiles))
+  elif mods.block_kinds is not None:
+    ranges = mask_ranges(mods.block_kinds, mods.block, tiles, padded, lengths, transpose)
+  return position_arrays(positions, segments, mods.mask_arrays, mods.score_arrays, ranges,
+                         padded=padded)
 
 
 def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
-                         softcap: float | None, config: MosaicBlockConfig):
+                         softcap: float | None, config: MosaicBlockConfig,
+                         mods: FlexMods = FlexMods()):
   """Flash attention forward on Hopper.
 
   Args:
@@ -47,6 +71,8 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
       float16 or bfloat16, ``head_dim <= 256``, ``scale > 0``.
     q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32 segment ids, or None.
     softcap: logits become ``softcap * tanh(logits / softcap)``, or None.
+    mods: FlexAttention's functions (``FactoredFunction``s and their part arrays) and
+      block mask; none with segment ids or a soft-cap.
 
   Returns:
     ``(o, lse)``: ``o`` like ``q``; ``lse: [batch, q_heads, q_len]`` float32.
@@ -55,21 +81,24 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None)
+  positions = _positions(q_seg, mods)
+  inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (config.block_q, config.block_kv),
+                          spec, (q_len_p, kv_len_p))
   o, lse = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
-                          pad_to(v, kv_len_p, d_p),
-                          _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec,
-                          scale=scale, block_q=config.block_q, block_kv=config.block_kv,
+                          pad_to(v, kv_len_p, d_p), inputs, spec=spec, scale=scale,
+                          block_q=config.block_q, block_kv=config.block_kv,
                           stages=config.stages, softcap=softcap,
-                          persistent=config.persistent)
+                          persistent=config.persistent, positions=positions)
   return o[:, :q_len, :, :head_dim], lse[:, :, :q_len]
 
 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
                           scale: float, local_window, softcap: float | None,
-                          config: MosaicBlockConfig):
+                          config: MosaicBlockConfig, mods: FlexMods = FlexMods()):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
   ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``. ``config.fused_dq`` computes dQ
-  inside the dK/dV kernel (atomic adds: not bitwise repeatable)."""
+  inside the dK/dV kernel (atomic adds: not bitwise repeatable; not with ``mods``).
+  Head dims above 128 run the Triton backward, without ``mods``."""
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   do = do.astype(q.dtype)
   if mosaic_head_dim(head_dim) > MOSAIC_MAX_BWD_HEAD_DIM:
@@ -81,12 +110,20 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
                                                local_window=local_window,
                                                segments=q_seg is not None)
   c = config
+  positions = _positions(q_seg, mods)
+  padded = (q_len_p, kv_len_p)
+  dq_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dq, c.block_kv_dq),
+                             spec, padded)
+  dkv_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dkv, c.block_kv_dkv),
+                              spec, padded, transpose=True)
+  lse2 = pad_rows(lse * LOG2E, q_len_p)
+  if mods.score is not None and q_len_p != q_len:
+    lse2 = lse2.at[..., q_len:].set(PADDED_ROW_LSE)
   dq, dk, dv = mosaic_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
-      pad_to(do, q_len_p, d_p), pad_rows(lse * LOG2E, q_len_p),
-      pad_rows(backward_delta(o, do, dlse), q_len_p),
-      _padded_segments(q_seg, kv_seg, q_len_p, kv_len_p), spec=spec, scale=scale,
+      pad_to(do, q_len_p, d_p), lse2, pad_rows(backward_delta(o, do, dlse), q_len_p),
+      dq_inputs, dkv_inputs, spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
-      stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap)
+      stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap, positions=positions)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
           dv[:, :kv_len, :, :head_dim])

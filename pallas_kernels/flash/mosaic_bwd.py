@@ -25,11 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
-                                          segment_block_ranges)
-from jattn.kernels.common.softmax import Softcap, log2_logits, logit_grad
+from jattn.kernels.common.factored_functions import COL, ROW
+from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
+from jattn.kernels.common.softmax import logit_grad
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK
+from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):
@@ -45,24 +46,22 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _dq_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block_kv: int,
-               stages: int, group: int):
-  if spec.segments:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, seg_ranges, dq_ref,
-     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, rows_ready, k_ready, v_ready,
-     k_free, v_free, q_seg_smem, kv_seg_smem) = refs
-  else:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem,
-     delta_smem, k_smem, v_smem, rows_ready, k_ready, v_ready, k_free, v_free) = refs
+def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
+               block_q: int, block_kv: int, stages: int, group: int, **smem):
+  n_in = 6 + positions.n_refs
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dq_ref,) = refs[:n_in], refs[n_in:]
+  row_refs, col_refs, scalar_refs, ranges_ref, _ = positions.split(extra)
+  q_smem, do_smem, k_smem, v_smem = smem["q"], smem["do"], smem["k"], smem["v"]
+  k_ready, v_ready, k_free, v_free = (smem[n] for n in ("k_ready", "v_ready", "k_free", "v_free"))
   batch = lax.axis_index("batch")
   head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
   tile = lax.axis_index("q_tiles")
   cta_q = tile * (mp.CONSUMERS * block_q)
   cta_range = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
-  if spec.segments:
-    cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
-                                                      mp.CONSUMERS))
+  if ranges_ref is not None:
+    cta_range = narrow(cta_range, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS,
+                                              mp.CONSUMERS))
   c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], k_ref.shape[1] // block_kv)
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -74,18 +73,20 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block
     rows = (batch, pl.ds(q_start, block_q), head)
     row_stats = (batch, head, pl.ds(q_start, block_q))
     my = lambda ref: ref.at[wg]
-    ready = rows_ready.at[wg]
+    ready = smem["rows_ready"].at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[rows], my(q_smem), ready)
     plgpu.copy_gmem_to_smem(do_ref.at[rows], my(do_smem), ready)
-    plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], my(lse_smem), ready)
-    plgpu.copy_gmem_to_smem(delta_ref.at[row_stats], my(delta_smem), ready)
-    if spec.segments:
-      plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(q_start, block_q)], my(q_seg_smem),
-                              ready)
+    plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], my(smem["lse"]), ready)
+    plgpu.copy_gmem_to_smem(delta_ref.at[row_stats], my(smem["delta"]), ready)
+    for i, ref in enumerate(row_refs):
+      plgpu.copy_gmem_to_smem(mp.vector_slice(ref, batch, q_start, block_q),
+                              my(smem[f"row{i}"]), ready)
     plgpu.barrier_wait(ready)
-    lse = plgpu.load(my(lse_smem), layout=mp.ROW)
-    delta = plgpu.load(my(delta_smem), layout=mp.ROW)
-    q_seg = plgpu.load(my(q_seg_smem), layout=mp.ROW) if spec.segments else None
+    lse = plgpu.load(my(smem["lse"]), layout=mp.ROW)
+    delta = plgpu.load(my(smem["delta"]), layout=mp.ROW)
+    row_vectors = tuple(plgpu.load(my(smem[f"row{i}"]), layout=mp.ROW)
+                        for i in range(positions.n_rows))
+    scalars = positions.read_scalars(scalar_refs, batch, head)
     shape = (block_q, block_kv)
 
     def step(j, dq, masked):
@@ -95,11 +96,14 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block
       s, dp = _wgmma_pair(_zeros(shape), my(q_smem), k_smem.at[slot].transpose((1, 0)),
                           _zeros(shape), my(do_smem), v_smem.at[slot].transpose((1, 0)))
       plgpu.barrier_arrive(v_free.at[slot])
-      s, c, g = log2_logits(s, scale, Softcap.of(softcap), with_grad=True)
+      col_vectors = ()
+      if positions.needs(COL, masked):
+        col_vectors = tuple(plgpu.load(smem[f"col{i}"].at[slot], layout=mp.COL)
+                            for i in range(positions.n_cols))
+      at = Tile(shape, 0, q_start, j * block_kv, batch, head, row_vectors, col_vectors, scalars)
+      s, c, g = positions.logits(s, scale, softcap, at, with_grad=True)
       if masked:
-        segments = mp.tile_segments(q_seg, kv_seg_smem.at[slot], shape) if spec.segments else ()
-        s = apply_mask(s, -jnp.inf, spec, mp.iota(shape, 0, q_start),
-                       mp.iota(shape, 1, j * block_kv), *segments)
+        s = positions.apply_mask(s, spec, at)
       p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
       ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), g)
 
@@ -118,8 +122,8 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block
       plgpu.barrier_arrive(k_free.at[slot])
 
     own = kv_block_range(spec, q_start, block_q, block_kv)
-    if spec.segments:
-      own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
+    if ranges_ref is not None:
+      own = narrow(own, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS + wg, 1))
     dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)))
     my(q_smem)[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
@@ -132,7 +136,7 @@ def _dq_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo,
                   n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
-                  kv_seg=(kv_seg_ref, kv_seg_smem) if spec.segments else None)
+                  cols=[(ref, smem[f"col{i}"]) for i, ref in enumerate(col_refs)])
 
 
 def fused_dq_columns(head_dim: int) -> int:
@@ -143,13 +147,13 @@ def fused_dq_columns(head_dim: int) -> int:
   return half if half % MOSAIC_BLOCK == 0 else head_dim
 
 
-def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, block_kv: int,
-                stages: int, group: int, fuse_dq: bool, **smem):
-  n_in = 6 + 3 * spec.segments + fuse_dq
+def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
+                block_q: int, block_kv: int, stages: int, group: int, fuse_dq: bool, **smem):
+  n_in = 6 + positions.n_refs + fuse_dq
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
       refs[:n_in], refs[n_in:])
-  q_seg_ref, kv_seg_ref, seg_ranges = extra[:3] if spec.segments else (None,) * 3
-  dq_ref = extra[-1] if fuse_dq else None
+  row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
+  dq_ref = rest[0] if fuse_dq else None
   k_smem, v_smem, q_smem, do_smem = smem["k"], smem["v"], smem["q"], smem["do"]
   q_ready, q_free = smem["q_ready"], smem["q_free"]
   batch = lax.axis_index("batch")
@@ -158,9 +162,16 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
   tile = lax.axis_index("kv_tiles")
   cta_k = tile * (mp.CONSUMERS * block_kv)
   cta_range = q_block_range(spec, cta_k, mp.CONSUMERS * block_kv, block_q)
-  if spec.segments:  # only the query blocks whose segment ids can meet the CTA's keys
-    cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
-                                                      mp.CONSUMERS))
+  # Ranges per query head (a block mask's) differ within the group: the CTA streams
+  # their union, each head's own range is narrowed inside the loop over heads.
+  per_head = ranges_ref is not None and ranges_ref.shape[1] > 1
+  if ranges_ref is not None:
+    heads = [kv_head * group + g for g in range(group)] if per_head else [kv_head]
+    given = [given_range(ranges_ref, batch, h, tile * mp.CONSUMERS, mp.CONSUMERS)
+             for h in heads]
+    union = (functools.reduce(jnp.minimum, [r[0] for r in given]),) * 3 + (
+        functools.reduce(jnp.maximum, [r[3] for r in given]),)
+    cta_range = narrow(cta_range, union)
   c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], q_ref.shape[1] // block_q)
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
   dtype = q_ref.dtype
@@ -177,15 +188,21 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
     kv_ready = smem["kv_ready"].at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[keys], my(k_smem), kv_ready)
     plgpu.copy_gmem_to_smem(v_ref.at[keys], my(v_smem), kv_ready)
-    if spec.segments:
-      plgpu.copy_gmem_to_smem(kv_seg_ref.at[batch, pl.ds(k_start, block_kv)],
-                              my(smem["kv_seg"]), kv_ready)
+    for i, ref in enumerate(col_refs):
+      plgpu.copy_gmem_to_smem(mp.vector_slice(ref, batch, k_start, block_kv),
+                              my(smem[f"col{i}"]), kv_ready)
     plgpu.barrier_wait(kv_ready)
-    kv_seg = plgpu.load(my(smem["kv_seg"]), layout=mp.ROW) if spec.segments else None
-    shape = (block_kv, block_q)  # transposed scores: keys on rows
-    own = q_block_range(spec, k_start, block_kv, block_q)
-    if spec.segments:
-      own = mp.narrow(own, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS + wg, 1))
+    # transposed scores: keys on rows, so the key vectors are per row here
+    col_vectors = tuple(plgpu.load(my(smem[f"col{i}"]), layout=mp.ROW)
+                        for i in range(positions.n_cols))
+    shape = (block_kv, block_q)
+    static_own = q_block_range(spec, k_start, block_kv, block_q)
+
+    def own_range(q_head):
+      if ranges_ref is None:
+        return static_own
+      return narrow(static_own, given_range(ranges_ref, batch, q_head,
+                                            tile * mp.CONSUMERS + wg, 1))
 
     def exchange_ds(pos, ds):
       """Puts this consumer's dSᵀ tile where the dQ wgmma reads it (double-buffered by
@@ -222,6 +239,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
     def over_head(g, carry):
       first = g * n_blocks - c_lo  # stream position of block j is first + j
       q_head = kv_head * group + g
+      scalars = positions.read_scalars(scalar_refs, batch, q_head)
 
       def step(j, carry, masked):
         dk, dv = carry
@@ -229,14 +247,15 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
         plgpu.barrier_wait(q_ready.at[slot])
         s_t, dp_t = _wgmma_pair(_zeros(shape), my(k_smem), q_smem.at[slot].transpose((1, 0)),
                                 _zeros(shape), my(v_smem), do_smem.at[slot].transpose((1, 0)))
-        s_t, c, g_t = log2_logits(s_t, scale, Softcap.of(softcap), with_grad=True)
+        row_vectors = ()
+        if positions.needs(ROW, masked):
+          row_vectors = tuple(plgpu.load(smem[f"row{i}"].at[slot], layout=mp.COL)
+                              for i in range(positions.n_rows))
+        at = Tile(shape, 1, j * block_q, k_start, batch, q_head, row_vectors, col_vectors,
+                  scalars)
+        s_t, c, g_t = positions.logits(s_t, scale, softcap, at, with_grad=True)
         if masked:
-          segments = ()
-          if spec.segments:
-            k_ids, q_ids = mp.tile_segments(kv_seg, smem["q_seg"].at[slot], shape)
-            segments = (q_ids, k_ids)
-          s_t = apply_mask(s_t, -jnp.inf, spec, mp.iota(shape, 1, j * block_q),
-                           mp.iota(shape, 0, k_start), *segments)
+          s_t = positions.apply_mask(s_t, spec, at)
         lse = plgpu.load(smem["lse"].at[slot], layout=mp.COL)
         delta = plgpu.load(smem["delta"].at[slot], layout=mp.COL)
         p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
@@ -275,7 +294,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
           add_dq(pl.run_scoped(dq_of_block, plgpu.ACC((block_q, dq_cols), jnp.float32)),
                  j, q_head)
 
-      return mp.visit_blocks((c_lo, c_hi), own, step, skip, carry)
+      return mp.visit_blocks((c_lo, c_hi), own_range(q_head), step, skip, carry)
 
     acc = _zeros((block_kv, head_dim))
     dk, dv = lax.fori_loop(0, group, over_head, (acc, acc))
@@ -302,9 +321,9 @@ def _dkv_kernel(*refs, spec: MaskSpec, scale: float, softcap, block_q: int, bloc
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
       plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
-      if spec.segments:
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[batch, pl.ds(start, block_q)],
-                                smem["q_seg"].at[slot], barrier)
+      for i, ref in enumerate(row_refs):
+        plgpu.copy_gmem_to_smem(mp.vector_slice(ref, batch, start, block_q),
+                                smem[f"row{i}"].at[slot], barrier)
 
     mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
 
@@ -313,40 +332,44 @@ def _barrier(n, arrivals=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
-def mosaic_dq(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
-              block_q: int, block_kv: int, stages: int, softcap: float | None = None):
+def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: float,
+              block_q: int, block_kv: int, stages: int, softcap: float | None = None,
+              positions: PositionInputs = PositionInputs()):
   """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq`` like ``q``.
-  ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_q`` query block."""
+  ``inputs``: the per-position arrays of ``positions``, ranges per ``block_q`` query
+  block."""
   batch, q_len_p, q_heads, d = q.shape
   stages = max(1, min(stages, k.shape[1] // block_kv))
-  copies = 2 if spec.segments else 1  # a K tile and its segment ids
-  seg_smem = (plgpu.SMEM((mp.CONSUMERS, block_q), jnp.int32),
-              plgpu.SMEM((stages, block_kv), jnp.int32)) if spec.segments else ()
+  smem = dict(
+      q=mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
+      do=mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
+      lse=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
+      delta=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
+      k=mp.tile_smem((stages, block_kv, d), q.dtype),
+      v=mp.tile_smem((stages, block_kv, d), q.dtype),
+      rows_ready=_barrier(mp.CONSUMERS, 4 + positions.n_rows),
+      k_ready=_barrier(stages, 1 + positions.n_cols), v_ready=_barrier(stages),
+      k_free=_barrier(stages, mp.CONSUMERS), v_free=_barrier(stages, mp.CONSUMERS))
+  rows, cols = inputs[:positions.n_rows], inputs[positions.n_rows:][:positions.n_cols]
+  smem.update({f"row{i}": plgpu.SMEM((mp.CONSUMERS, block_q), x.dtype) for i, x in enumerate(rows)})
+  smem.update({f"col{i}": plgpu.SMEM((stages, block_kv), x.dtype) for i, x in enumerate(cols)})
   return mp.kernel(
-      functools.partial(_dq_kernel, spec=spec, scale=scale, softcap=softcap, block_q=block_q,
-                        block_kv=block_kv, stages=stages, group=q_heads // k.shape[2]),
+      functools.partial(_dq_kernel, spec=spec, positions=positions, scale=scale,
+                        softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
+                        group=q_heads // k.shape[2]),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_types=(
-          mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
-          mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
-          plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-          plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-          mp.tile_smem((stages, block_kv, d), q.dtype),
-          mp.tile_smem((stages, block_kv, d), q.dtype),
-          _barrier(mp.CONSUMERS, 3 + copies), _barrier(stages, copies), _barrier(stages),
-          _barrier(stages, mp.CONSUMERS), _barrier(stages, mp.CONSUMERS),
-          *seg_smem,
-      ),
+      scratch_types=smem,
       grid=(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch),
       grid_names=("q_tiles", "heads", "batch"),
-  )(q, k, v, do, lse2, delta, *(segments or ()))
+  )(q, k, v, do, lse2, delta, *inputs)
 
 
-def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: MaskSpec,
+def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSpec,
                scale: float, block_q: int, block_kv: int, stages: int,
-               softcap: float | None = None):
+               softcap: float | None = None, positions: PositionInputs = PositionInputs()):
   """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``.
-  ``segments``: ``(q_seg, kv_seg, ranges)``, ``ranges`` of each ``block_kv`` key block.
+  ``inputs``: the per-position arrays of ``positions``, ranges per ``block_kv`` key
+  block over ``block_q`` query blocks.
   ``dq_acc``: a zeroed float32 ``Ref`` shaped like ``q``: the kernel also adds each
   block's ``dS K`` into it (TMA reduce-add, so the sum order varies run to run)."""
   batch, q_len_p, q_heads, d = q.shape
@@ -354,7 +377,6 @@ def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: Ma
   group = q_heads // kv_heads
   stages = max(1, min(stages, group * (q_len_p // block_q)))
   fuse_dq = dq_acc is not None
-  copies = 1 if spec.segments else 0  # the segment ids beside K/V and each Q tile
   smem = dict(
       k=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
       v=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
@@ -362,24 +384,25 @@ def mosaic_dkv(q, k, v, do, lse2, delta, segments=None, dq_acc=None, *, spec: Ma
       do=mp.tile_smem((stages, block_q, d), q.dtype),
       lse=plgpu.SMEM((stages, block_q), jnp.float32),
       delta=plgpu.SMEM((stages, block_q), jnp.float32),
-      kv_ready=_barrier(mp.CONSUMERS, 2 + copies), q_ready=_barrier(stages, 4 + copies),
-      q_free=_barrier(stages, mp.CONSUMERS))
-  if spec.segments:
-    smem.update(kv_seg=plgpu.SMEM((mp.CONSUMERS, block_kv), jnp.int32),
-                q_seg=plgpu.SMEM((stages, block_q), jnp.int32))
+      kv_ready=_barrier(mp.CONSUMERS, 2 + positions.n_cols),
+      q_ready=_barrier(stages, 4 + positions.n_rows), q_free=_barrier(stages, mp.CONSUMERS))
+  rows, cols = inputs[:positions.n_rows], inputs[positions.n_rows:][:positions.n_cols]
+  smem.update({f"row{i}": plgpu.SMEM((stages, block_q), x.dtype) for i, x in enumerate(rows)})
+  smem.update({f"col{i}": plgpu.SMEM((mp.CONSUMERS, block_kv), x.dtype)
+               for i, x in enumerate(cols)})
   if fuse_dq:
     f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
                 dq=plgpu.SMEM((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32,
                               transforms=f32_tiles),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
-  body = functools.partial(_dkv_kernel, spec=spec, scale=scale, softcap=softcap,
-                           block_q=block_q, block_kv=block_kv, stages=stages, group=group,
-                           fuse_dq=fuse_dq)
+  body = functools.partial(_dkv_kernel, spec=spec, positions=positions, scale=scale,
+                           softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
+                           group=group, fuse_dq=fuse_dq)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   grid = dict(grid=(kv_len_p // (mp.CONSUMERS * block_kv), kv_heads, batch),
               grid_names=("kv_tiles", "heads", "batch"))
-  args = (q, k, v, do, lse2, delta, *(segments or ()))
+  args = (q, k, v, do, lse2, delta, *inputs)
   if fuse_dq:
     return mp.kernel_writing_ref(body, out_type=out_type, scratch_types=smem, **grid)(
         *args, dq_acc)
@@ -403,9 +426,10 @@ def _fold_vmap_into_batch(fn):
   return fn
 
 
-def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, scale: float,
-                    blocks: tuple[int, int, int, int], stages: int, fused_dq: bool = False,
-                    softcap: float | None = None):
+def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, spec: MaskSpec,
+                    scale: float, blocks: tuple[int, int, int, int], stages: int,
+                    fused_dq: bool = False, softcap: float | None = None,
+                    positions: PositionInputs = PositionInputs()):
   """Runs the Hopper backward kernels on padded inputs.
 
   Args:
@@ -415,36 +439,30 @@ def mosaic_backward(q, k, v, do, lse2, delta, segments=None, *, spec: MaskSpec, 
     blocks: ``(block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv)``; lengths are
       padded so that ``2 * block_q_dq`` and ``block_q_dkv`` divide ``q_len_p``, and
       ``block_kv_dq`` and ``2 * block_kv_dkv`` divide ``kv_len_p``.
-    segments: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
-      kv_len_p])`` int32.
+    dq_inputs, dkv_inputs: the per-position arrays of ``positions``
+      (``mosaic_inputs``) of each kernel (their ranges differ).
     softcap: the forward's soft-cap of the scaled logits, or None.
     fused_dq: False: a dQ kernel and a dK/dV kernel, bitwise repeatable. True: the
       dK/dV kernel alone, adding each block's dQ into an fp32 buffer (5 matmuls per
-      block pair instead of 7; the sum order varies run to run).
+      block pair instead of 7; the sum order varies run to run); every per-position
+      array must then lead with the batch axis.
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``q, k, v``.
   """
   bq_dq, bkv_dq, bq_dkv, bkv_dkv = blocks
   args = (q, k, v, do, lse2, delta)
-  dq_segments = dkv_segments = None
-  if spec.segments:
-    q_seg, kv_seg = segments
-    dq_segments = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
-                                                       bq_dq, bkv_dq))
-    dkv_segments = (q_seg, kv_seg, segment_block_ranges(kv_seg, q_seg, spec.kv_len, spec.q_len,
-                                                        bkv_dkv, bq_dkv))
   dkv = functools.partial(mosaic_dkv, spec=spec, scale=scale, block_q=bq_dkv,
-                          block_kv=bkv_dkv, stages=stages, softcap=softcap)
+                          block_kv=bkv_dkv, stages=stages, softcap=softcap, positions=positions)
   if fused_dq:
     @_fold_vmap_into_batch
     def fused(*arrays):
       dq_acc = jax.new_ref(jnp.zeros(arrays[0].shape, jnp.float32))
-      dk, dv = dkv(*arrays[:6], arrays[6:] or None, dq_acc)
+      dk, dv = dkv(*arrays[:6], arrays[6:], dq_acc)
       return (dq_acc[...] * scale).astype(arrays[0].dtype), dk, dv
 
-    return tuple(fused(*args, *(dkv_segments or ())))
-  dq = mosaic_dq(*args, dq_segments, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
-                 stages=stages, softcap=softcap)
-  dk, dv = dkv(*args, dkv_segments)
+    return tuple(fused(*args, *dkv_inputs))
+  dq = mosaic_dq(*args, dq_inputs, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
+                 stages=stages, softcap=softcap, positions=positions)
+  dk, dv = dkv(*args, dkv_inputs)
   return dq, dk, dv

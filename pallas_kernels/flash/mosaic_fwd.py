@@ -38,11 +38,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range,
-                                          segment_block_ranges)
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, Softcap, log2_logits
+from jattn.kernels.common.factored_functions import COL
+from jattn.kernels.common.masking import MaskSpec, kv_block_range
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import forward_q_buffers
+from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +65,9 @@ class Rows(NamedTuple):
   """A row rule bound to one consumer's rows.
 
   ``init``: the row statistics before the first key block. ``update(s, stats, j,
-  masked, segments) -> (p, acc_scale, stats, late)``: ``s`` the fp32 ``q kᵀ`` tile of
-  key block ``j`` (``masked``: it needs the element mask; ``segments``: the tile's
-  segment ids, if any), ``p`` the 16-bit tile multiplied with V, ``acc_scale`` a
+  masked, tile) -> (p, acc_scale, stats, late)``: ``s`` the fp32 ``q kᵀ`` tile of
+  key block ``j`` (``masked``: it needs the element mask; ``tile``: its positions and
+  per-position inputs, a ``mosaic_inputs.Tile``), ``p`` the 16-bit tile multiplied with V, ``acc_scale`` a
   per-row factor for the accumulator (or None), ``late`` None or a function of the
   statistics that may run after the consumer's turn on the tensor cores. ``finish(acc,
   stats) -> (o, row_stat)``: the rows' fp32 output and the ``[block_q]`` float32
@@ -81,24 +82,24 @@ class Rows(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class SoftmaxRows:
   """Flash attention's row rule: the online softmax in base-2 units, with the mask
-  (and an optional soft-cap) applied to the logits; saves the log-sum-exp (natural
+  (segment ids, a mask function) and the score transform (soft-cap, a score
+  function) of ``positions`` applied to the logits; saves the log-sum-exp (natural
   log; ``EMPTY_ROW_LSE`` for rows that see no key, whose output is zeros)."""
 
   spec: MaskSpec
   scale: float
   softcap: float | None = None
+  positions: PositionInputs = PositionInputs()
   n_inputs = 0  # kernel inputs the rule reads
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
     del inputs
-    score = Softcap.of(self.softcap)
 
-    def update(s, stats, j, masked, segments):
+    def update(s, stats, j, masked, tile):
       m, l = stats
-      s, c, _ = log2_logits(s, self.scale, score)
+      s, c, _ = self.positions.logits(s, self.scale, self.softcap, tile)
       if masked:
-        s = apply_mask(s, -jnp.inf, self.spec, mp.iota(s.shape, 0, t.q_start),
-                       mp.iota(s.shape, 1, j * t.block_kv), *segments)
+        s = self.positions.apply_mask(s, self.spec, tile)
       m_next = jnp.maximum(m, s.max(axis=1) * c)
       alpha = jnp.exp2(m - m_next)
       p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -131,12 +132,12 @@ class _Item(NamedTuple):
   c_hi: Any
 
 
-def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: int, group: int,
-            items: tuple[int, int, int], persistent: bool, q_buffers: int, **smem):
-  n_in = 3 + 3 * spec.segments + rule.n_inputs
+def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int, block_kv: int,
+            stages: int, group: int, items: tuple[int, int, int], persistent: bool,
+            q_buffers: int, **smem):
+  n_in = 3 + positions.n_refs + rule.n_inputs
   (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
-  q_seg_ref, kv_seg_ref, seg_ranges = extra[:3] if spec.segments else (None,) * 3
-  rule_inputs = extra[3 * spec.segments:]
+  row_refs, col_refs, scalar_refs, ranges_ref, rule_inputs = positions.split(extra)
   n_q_tiles, n_heads, n_batch = (jnp.int32(n) for n in items)
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
   # This CTA's work items are cta, cta + n_ctas, ...; query tiles vary fastest, so the
@@ -157,9 +158,9 @@ def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: in
       tile = n_q_tiles - 1 - tile
     cta_range = kv_block_range(spec, tile * (mp.CONSUMERS * block_q), mp.CONSUMERS * block_q,
                                block_kv)
-    if spec.segments:  # only the key blocks whose segment ids can meet the tile's rows
-      cta_range = mp.narrow(cta_range, mp.segment_range(seg_ranges, batch, tile * mp.CONSUMERS,
-                                                        mp.CONSUMERS))
+    if ranges_ref is not None:  # only the key blocks segment ids or a block mask allow
+      cta_range = narrow(cta_range, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS,
+                                                mp.CONSUMERS))
     return _Item(batch, head, tile, *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
 
   def take_turn():
@@ -179,9 +180,9 @@ def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: in
       q_start, rows = rows_of(it)
       ready = smem["q_ready"].at[buf * mp.CONSUMERS + wg]
       plgpu.copy_gmem_to_smem(q_ref.at[rows], smem["q"].at[buf, wg], ready)
-      if spec.segments:
-        plgpu.copy_gmem_to_smem(q_seg_ref.at[it.batch, pl.ds(q_start, block_q)],
-                                smem["q_seg"].at[buf, wg], ready)
+      for i, ref in enumerate(row_refs):
+        plgpu.copy_gmem_to_smem(mp.vector_slice(ref, it.batch, q_start, block_q),
+                                smem[f"row{i}"].at[buf, wg], ready)
 
     def load_next_q(t, buf):
       @pl.when(t + 1 < n_local)
@@ -198,13 +199,15 @@ def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: in
       q_smem = smem["q"].at[buf, wg]
       q_start, rows = rows_of(it)
       plgpu.barrier_wait(smem["q_ready"].at[buf * mp.CONSUMERS + wg])
-      q_seg = plgpu.load(smem["q_seg"].at[buf, wg], layout=mp.ROW) if spec.segments else None
+      row_vectors = tuple(plgpu.load(smem[f"row{i}"].at[buf, wg], layout=mp.ROW)
+                          for i in range(positions.n_rows))
+      scalars = positions.read_scalars(scalar_refs, it.batch, it.head)
       if persistent and q_buffers == 2:
         load_next_q(t, 1 - buf)
       own = kv_block_range(spec, q_start, block_q, block_kv)
-      if spec.segments:
-        own = mp.narrow(own, mp.segment_range(seg_ranges, it.batch,
-                                              it.tile * mp.CONSUMERS + wg, 1))
+      if ranges_ref is not None:
+        own = narrow(own, given_range(ranges_ref, it.batch, it.head,
+                                      it.tile * mp.CONSUMERS + wg, 1))
       own = mp.clamp_own(own, c_lo, c_hi)
       row_rule = rule.bind(rule_inputs, ConsumerRows(it.batch, it.head, q_start, own, block_q,
                                                      block_kv, dtype))
@@ -231,11 +234,14 @@ def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: in
           return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        segments = ()
-        if masked and spec.segments:  # read before the slot is released
-          segments = mp.tile_segments(q_seg, smem["kv_seg"].at[slot], s.shape)
+        col_vectors = ()
+        if positions.needs(COL, masked):  # read before the slot is released
+          col_vectors = tuple(plgpu.load(smem[f"col{i}"].at[slot], layout=mp.COL)
+                              for i in range(positions.n_cols))
         plgpu.barrier_arrive(k_free.at[slot])
-        p, acc_scale, stats, late = row_rule.update(s, stats, j, masked, segments)
+        tile = Tile(s.shape, 0, q_start, j * block_kv, it.batch, it.head, row_vectors,
+                    col_vectors, scalars)
+        p, acc_scale, stats, late = row_rule.update(s, stats, j, masked, tile)
         if acc_scale is not None:
           acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
         # Finishing the row statistics before the turn change measured faster for d <= 128.
@@ -303,7 +309,7 @@ def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: in
       mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                     batch=it.batch, head=it.head, group=group, first_block=it.c_lo,
                     n_steps=it.c_hi - it.c_lo, block_kv=block_kv, stages=stages,
-                    kv_seg=(kv_seg_ref, smem["kv_seg"]) if spec.segments else None,
+                    cols=[(ref, smem[f"col{i}"]) for i, ref in enumerate(col_refs)],
                     first_slot_use=first_use)
       return first_use + (it.c_hi - it.c_lo)
 
@@ -314,15 +320,17 @@ def _kernel(*refs, rule, spec: MaskSpec, block_q: int, block_kv: int, stages: in
 
 
 def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, block_kv: int,
-                 stages: int, persistent: bool | None = None):
+                 stages: int, persistent: bool | None = None,
+                 positions: PositionInputs = PositionInputs()):
   """Runs the Hopper forward kernel with row rule ``rule`` on padded inputs.
 
   Args:
     q: ``[batch, q_len_p, q_heads, dk_p]``, ``q_len_p % (2 * block_q) == 0``; k:
       ``[batch, kv_len_p, kv_heads, dk_p]``, v: ``[batch, kv_len_p, kv_heads, dv_p]``,
       ``kv_len_p % block_kv == 0``; head dims multiples of 64.
-    inputs: with ``spec.segments``, ``(q_seg [batch, q_len_p], kv_seg [batch,
-      kv_len_p])`` int32; then the ``rule.n_inputs`` arrays the rule reads.
+    inputs: the per-position arrays of ``positions`` (``mosaic_inputs.position_arrays``;
+      ranges per ``block_q`` query block over ``block_kv`` key blocks), then the
+      ``rule.n_inputs`` arrays the rule reads.
     persistent: one CTA per SM walking the work items, or one CTA per item; None:
       persistent where every item has the same work (no mask but padding).
 
@@ -333,32 +341,31 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   batch, q_len_p, q_heads, dk = q.shape
   dv = v.shape[-1]
   if persistent is None:
-    persistent = spec.left is None and spec.right is None and not spec.every_tile_masked
+    persistent = (spec.left is None and spec.right is None and not spec.every_tile_masked
+                  and not positions.ranges)
   n_q_tiles = q_len_p // (mp.CONSUMERS * block_q)
   n_items = n_q_tiles * q_heads * batch
   stages = max(1, min(stages, k.shape[1] // block_kv))
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize) if (
       persistent) else 1
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
-  copies = 2 if spec.segments else 1  # a Q or K tile, and its segment ids
   smem = dict(
       q=mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype),
       k=mp.tile_smem((stages, block_kv, dk), q.dtype),
       v=mp.tile_smem((stages, block_kv, dv), q.dtype),
       stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-      q_ready=barrier(q_buffers * mp.CONSUMERS, copies), k_ready=barrier(stages, copies),
+      q_ready=barrier(q_buffers * mp.CONSUMERS, 1 + positions.n_rows),
+      k_ready=barrier(stages, 1 + positions.n_cols),
       v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   if dv != dk:  # the output tile cannot reuse the Q tile
     smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), q.dtype)
-  if spec.segments:
-    smem.update(q_seg=plgpu.SMEM((q_buffers, mp.CONSUMERS, block_q), jnp.int32),
-                kv_seg=plgpu.SMEM((stages, block_kv), jnp.int32))
-    q_seg, kv_seg = inputs[:2]
-    # the key blocks each consumer's query block can meet
-    inputs = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
-                                                  block_q, block_kv), *inputs[2:])
-  kernel = functools.partial(_kernel, rule=rule, spec=spec, block_q=block_q, block_kv=block_kv,
+  for i, x in enumerate(inputs[:positions.n_rows]):
+    smem[f"row{i}"] = plgpu.SMEM((q_buffers, mp.CONSUMERS, block_q), x.dtype)
+  for i, x in enumerate(inputs[positions.n_rows:positions.n_rows + positions.n_cols]):
+    smem[f"col{i}"] = plgpu.SMEM((stages, block_kv), x.dtype)
+  kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions,
+                             block_q=block_q, block_kv=block_kv,
                              stages=stages, group=q_heads // k.shape[2],
                              items=(n_q_tiles, q_heads, batch), persistent=persistent,
                              q_buffers=q_buffers)
@@ -372,12 +379,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   )(q, k, v, *inputs)
 
 
-def mosaic_forward(q, k, v, segments=None, *, spec: MaskSpec, scale: float, block_q: int,
+def mosaic_forward(q, k, v, inputs=(), *, spec: MaskSpec, scale: float, block_q: int,
                    block_kv: int, stages: int, softcap: float | None = None,
-                   persistent: bool | None = None):
+                   persistent: bool | None = None,
+                   positions: PositionInputs = PositionInputs()):
   """Flash attention's Hopper forward kernel on padded inputs (see ``rows_forward``):
   ``(o, lse)``, ``lse: [batch, q_heads, q_len_p]`` float32 in natural log.
-  ``segments``: with ``spec.segments``, ``(q_seg, kv_seg)``."""
-  return rows_forward(q, k, v, segments or (), rule=SoftmaxRows(spec, scale, softcap),
+  ``inputs``: the per-position arrays of ``positions``."""
+  return rows_forward(q, k, v, inputs, rule=SoftmaxRows(spec, scale, softcap, positions),
                       spec=spec, block_q=block_q, block_kv=block_kv, stages=stages,
-                      persistent=persistent)
+                      persistent=persistent, positions=positions)

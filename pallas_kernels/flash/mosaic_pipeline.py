@@ -69,54 +69,40 @@ def produce(n_steps, stages: int, streams, first_slot_use=0):
   lax.fori_loop(jnp.int32(0), n_steps, fill, None)
 
 
+def leading_index(ref, index):
+  """``index`` into ``ref``'s leading axis, or 0 where that axis is 1 (values shared,
+  e.g. by every batch row)."""
+  return index if ref.shape[0] > 1 else 0
+
+
+def vector_slice(ref, b, start, size: int):
+  """``ref[b, start:start + size]`` of a ``[B', length]`` per-position array."""
+  return ref.at[leading_index(ref, b), pl.ds(start, size)]
+
+
 def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,
-               first_block, n_steps, block_kv: int, stages: int, kv_seg=None,
+               first_block, n_steps, block_kv: int, stages: int, cols=(),
                first_slot_use=0):
   """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
   blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``.
-  ``kv_seg = (ref [batch, kv_len_p], smem [stages, block_kv])``: the keys' segment
-  ids, copied with each K tile (its ready barrier then counts two copies).
-  ``first_slot_use`` as ``produce``. The caller lowers the warpgroup's registers."""
+  ``cols``: ``(ref [B', kv_len_p], smem [stages, block_kv])`` per key-position input
+  (``mosaic_inputs``), copied with each K tile (its ready barrier counts those copies
+  too). ``first_slot_use`` as ``produce``. The caller lowers the warpgroup's registers."""
   kv_head = lax.div(head, jnp.int32(group))
   k_ready, v_ready, k_free, v_free = barriers
 
-  def copy_from(ref, smem, with_segments=False):
+  def copy_from(ref, smem, with_cols=False):
     def copy(i, slot, barrier):
-      keys = pl.ds((first_block + i) * block_kv, block_kv)
-      plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], smem.at[slot], barrier)
-      if with_segments:
-        plgpu.copy_gmem_to_smem(kv_seg[0].at[batch, keys], kv_seg[1].at[slot], barrier)
+      start = (first_block + i) * block_kv
+      plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(start, block_kv), kv_head], smem.at[slot],
+                              barrier)
+      for col_ref, col_smem in (cols if with_cols else ()):
+        plgpu.copy_gmem_to_smem(vector_slice(col_ref, batch, start, block_kv),
+                                col_smem.at[slot], barrier)
     return copy
 
-  produce(n_steps, stages, [(copy_from(k_ref, k_smem, kv_seg is not None), k_ready, k_free),
+  produce(n_steps, stages, [(copy_from(k_ref, k_smem, True), k_ready, k_free),
                             (copy_from(v_ref, v_smem), v_ready, v_free)], first_slot_use)
-
-
-def segment_range(ranges_ref, batch, first_block, n_blocks: int):
-  """The ``(lo, hi)`` blocks that row blocks ``first_block .. + n_blocks`` of a CTA
-  reach by segment ids: ``ranges_ref [batch, row_blocks, 2]`` from
-  ``masking.segment_block_ranges`` (host side), read as scalars."""
-  lo = functools.reduce(jnp.minimum, [ranges_ref[batch, first_block + i, 0]
-                                      for i in range(n_blocks)])
-  hi = functools.reduce(jnp.maximum, [ranges_ref[batch, first_block + i, 1]
-                                      for i in range(n_blocks)])
-  return lo, jnp.maximum(hi, lo)
-
-
-def tile_segments(row_seg, col_seg_smem, shape):
-  """Segment ids of a wgmma-accumulator tile's rows (``row_seg``, ``ROW`` layout) and
-  columns (loaded from ``col_seg_smem``), each broadcast to the tile's ``shape``."""
-  col_seg = plgpu.load(col_seg_smem, layout=COL)
-  return (lax.broadcast_in_dim(row_seg, shape, [0]), lax.broadcast_in_dim(col_seg, shape, [1]))
-
-
-def narrow(block_range, seg_range):
-  """A ``kv_block_range``-style ``(lo, full_lo, full_hi, hi)`` restricted to the
-  blocks ``seg_range`` reaches (with segment ids every block is masked)."""
-  lo, _, _, hi = block_range
-  lo = jnp.maximum(lo, seg_range[0])
-  hi = jnp.maximum(jnp.minimum(hi, seg_range[1]), lo)
-  return lo, lo, lo, hi
 
 
 def visit_blocks(cta_range, own_range, step, skip, carry):

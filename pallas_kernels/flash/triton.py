@@ -17,12 +17,8 @@ from jattn.kernels.common.block_sparsity import retile, tile_lists
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.element_functions import TileFunction
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import ScoreFunction, Softcap, backward_delta
+from jattn.kernels.common.softmax import PADDED_ROW_LSE, ScoreFunction, Softcap, backward_delta
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
-
-# The log-sum-exp given to padded query rows when a score function runs: their
-# probabilities are then 0 whatever the function makes of their (zero) logits.
-_PADDED_ROW_LSE = 1e30
 
 
 @jax.tree_util.register_pytree_node_class
@@ -31,8 +27,10 @@ class FlexMods:
   """FlexAttention's functions and block mask as the kernels take them.
 
   Attributes:
-    score, mask: the score / mask function on tiles, or None.
-    score_arrays, mask_arrays: the arrays each reads (``TileFunction``'s order).
+    score, mask: the score / mask function as the kernels evaluate it, or None: a
+      ``TileFunction`` (Triton kernels) or a ``FactoredFunction`` (Hopper kernels).
+    score_arrays, mask_arrays: the arrays each reads: the ``TileFunction``'s
+      (``kernel_array``), or the ``FactoredFunction``'s parts (``part_arrays``).
     block_kinds: ``[batch or 1, heads or 1, q_blocks, kv_blocks]`` EMPTY / PARTIAL /
       FULL per block of ``block = (block_q, block_kv)`` positions, or None (every
       tile visited, and masked when there is a mask).
@@ -129,7 +127,7 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   delta = backward_delta(o, do, dlse)
   lse = pad_rows(lse, q_len_p)
   if mods.score is not None and q_len_p != q_len:
-    lse = lse.at[..., q_len:].set(_PADDED_ROW_LSE)
+    lse = lse.at[..., q_len:].set(PADDED_ROW_LSE)
   padded, lengths = (q_len_p, kv_len_p), (q_len, kv_len)
   lists = None
   if mods.block_kinds is not None:

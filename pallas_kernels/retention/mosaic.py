@@ -50,8 +50,8 @@ class DecayRows:
       """The rows' own factor where the scalar ``flag`` holds, else ones."""
       return 1.0 + (row_decay - 1.0) * flag.astype(jnp.float32)
 
-    def update(s, stats, j, masked, segments):
-      del segments
+    def update(s, stats, j, masked, tile):
+      del tile
       (den,) = stats
       k_first = j * t.block_kv
       acc_scale = None

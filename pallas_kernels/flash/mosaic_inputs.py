@@ -1,0 +1,239 @@
+"""What the Hopper kernels read beside Q, K and V: segment ids, and the parts of
+FlexAttention's score and mask functions (``factored_functions``), with the block
+ranges of segments or a block mask.
+
+The inputs, in this order:
+- *row* arrays ``[B', q_len_p]``, one value per query position (``B'`` is 1 or the
+  batch), copied by TMA with each query tile and held as one vector per tile;
+- *col* arrays ``[B', kv_len_p]``, one value per key position, copied with each key tile;
+- *scalar* arrays ``[B', H']``, read from global memory per (batch row, query head);
+- optionally *ranges* ``[B', H', blocks, 4]``: per block of the kernel's own rows (query
+  blocks in the forward and dQ kernels, key blocks in dK/dV), the
+  ``(lo, full_lo, full_hi, hi)`` blocks of the other axis it visits, as
+  ``masking.kv_block_range`` returns them; they narrow the mask spec's own range.
+
+Segment ids are the first row and col arrays; then the mask's parts, then the score's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from jattn.kernels.common.block_sparsity import EMPTY, FULL, retile
+from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFunction
+from jattn.kernels.common.masking import MaskSpec, apply_mask, segment_block_ranges
+from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
+from jattn.kernels.flash import mosaic_pipeline as mp
+
+
+class Tile(NamedTuple):
+  """A score tile's positions and the per-position inputs there: ``rows`` (query
+  vectors, laid out along ``q_axis``), ``cols`` (key vectors, along the other axis),
+  ``scalars``; ``b``, ``h`` the batch row and query head."""
+
+  shape: tuple
+  q_axis: int
+  q_start: Any
+  k_start: Any
+  b: Any
+  h: Any
+  rows: tuple = ()
+  cols: tuple = ()
+  scalars: tuple = ()
+
+  def q_idx(self):
+    return mp.iota(self.shape, self.q_axis, self.q_start)
+
+  def k_idx(self):
+    return mp.iota(self.shape, 1 - self.q_axis, self.k_start)
+
+  def row(self, i: int):
+    return lax.broadcast_in_dim(self.rows[i], self.shape, [self.q_axis])
+
+  def col(self, i: int):
+    return lax.broadcast_in_dim(self.cols[i], self.shape, [1 - self.q_axis])
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionInputs:
+  """Which per-position inputs a kernel reads (static): segment ids, the functions'
+  parts, and whether block ranges narrow its mask spec's."""
+
+  segments: bool = False
+  mask: FactoredFunction | None = None
+  score: FactoredFunction | None = None
+  ranges: bool = False
+
+  @property
+  def functions(self) -> tuple:
+    return tuple(f for f in (self.mask, self.score) if f is not None)
+
+  def _count(self, kind: str, functions=None) -> int:
+    return sum(len(f.of_kind(kind)) for f in (self.functions if functions is None else functions))
+
+  @property
+  def n_rows(self) -> int:
+    return self.segments + self._count(ROW)
+
+  @property
+  def n_cols(self) -> int:
+    return self.segments + self._count(COL)
+
+  @property
+  def n_scalars(self) -> int:
+    return self._count(SCALAR)
+
+  @property
+  def n_refs(self) -> int:
+    return self.n_rows + self.n_cols + self.n_scalars + self.ranges
+
+  def split(self, refs):
+    """``(rows, cols, scalars, ranges or None, the refs after them)``."""
+    refs = list(refs)
+    out = []
+    for n in (self.n_rows, self.n_cols, self.n_scalars, self.ranges):
+      out.append(refs[:n])
+      refs = refs[n:]
+    rows, cols, scalars, ranges = out
+    return rows, cols, scalars, ranges[0] if ranges else None, refs
+
+  def needs(self, kind: str, masked: bool) -> bool:
+    """Whether a step reads the ``kind`` (``ROW`` or ``COL``) vectors: the score's
+    always, the mask's (and the segment ids) on masked tiles only."""
+    score = self.score is not None and bool(self.score.of_kind(kind))
+    mask = self.segments or (self.mask is not None and bool(self.mask.of_kind(kind)))
+    return score or (masked and mask)
+
+  def read_scalars(self, refs, b, h) -> tuple:
+    return tuple(ref[mp.leading_index(ref, b), h if ref.shape[1] > 1 else 0] for ref in refs)
+
+  def _parts(self, fn: FactoredFunction, tile: Tile) -> tuple:
+    before = () if fn is self.mask else tuple(f for f in (self.mask,) if f is not None)
+    at = {ROW: self.segments + self._count(ROW, before), COL: self.segments + self._count(COL, before),
+          SCALAR: self._count(SCALAR, before)}
+    out = []
+    for part in fn.parts:
+      i = at[part.kind]
+      at[part.kind] += 1
+      out.append(tile.row(i) if part.kind == ROW else tile.col(i) if part.kind == COL
+                 else tile.scalars[i])
+    return tuple(out)
+
+  def logits(self, qk, scale: float, softcap, tile: Tile, with_grad: bool = False):
+    """``masking``'s ``log2_logits`` with the score function (or the soft-cap)."""
+    if self.score is None:
+      return log2_logits(qk, scale, Softcap.of(softcap), with_grad=with_grad)
+    index = (tile.b, tile.h, tile.q_idx(), tile.k_idx())
+    return log2_logits(qk, scale, ScoreFunction(self.score, self._parts(self.score, tile)), index,
+                       with_grad)
+
+  def apply_mask(self, s, spec: MaskSpec, tile: Tile):
+    """``s`` with -inf where the spec, the segment ids or the mask function refuse."""
+    segments = (tile.row(0), tile.col(0)) if self.segments else ()
+    if self.mask is not None:
+      spec = dataclasses.replace(spec, element_fn=self.mask,
+                                 element_arrays=self._parts(self.mask, tile))
+    return apply_mask(s, -jnp.inf, spec, tile.q_idx(), tile.k_idx(), *segments,
+                      bh=(tile.b, tile.h))
+
+
+def given_range(ranges_ref, b, h, first_block, n_blocks: int):
+  """The ``(lo, full_lo, full_hi, hi)`` of row block ``first_block`` (``n_blocks == 1``),
+  or the union ``(lo, lo, lo, hi)`` of ``n_blocks`` blocks from ``first_block`` (what
+  a CTA streams)."""
+  at = lambda i, c: ranges_ref[mp.leading_index(ranges_ref, b), h if ranges_ref.shape[1] > 1 else 0,
+                               first_block + i, c]
+  if n_blocks == 1:
+    return tuple(at(0, c) for c in range(4))
+  lo = at(0, 0)
+  hi = at(0, 3)
+  for i in range(1, n_blocks):
+    lo, hi = jnp.minimum(lo, at(i, 0)), jnp.maximum(hi, at(i, 3))
+  return lo, lo, lo, jnp.maximum(hi, lo)
+
+
+def narrow(block_range, given):
+  """A ``kv_block_range``-style range restricted to a ``given`` one: blocks in both,
+  unmasked only where both say so."""
+  lo, full_lo, full_hi, hi = block_range
+  g_lo, g_full_lo, g_full_hi, g_hi = given
+  lo = jnp.maximum(lo, g_lo)
+  hi = jnp.maximum(jnp.minimum(hi, g_hi), lo)
+  full_lo = jnp.minimum(jnp.maximum(jnp.maximum(full_lo, g_full_lo), lo), hi)
+  full_hi = jnp.minimum(jnp.maximum(jnp.minimum(full_hi, g_full_hi), full_lo), hi)
+  return lo, full_lo, full_hi, hi
+
+
+# --- host side -------------------------------------------------------------------------------
+
+def segment_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block: int,
+                   col_block: int):
+  """``ranges`` ``[batch, 1, row_blocks, 4]`` of segment ids (every visited block masked;
+  ``(n, n, n, 0)`` where none can meet, so that unions skip it)."""
+  first_end = segment_block_ranges(row_seg, col_seg, row_len, col_len, row_block, col_block)
+  first, end = first_end[..., 0], first_end[..., 1]
+  return jnp.stack([first, first, first, end], axis=-1)[:, None]
+
+
+def mask_ranges(kinds, block: tuple[int, int], tiles: tuple[int, int],
+                padded: tuple[int, int], lengths: tuple[int, int], transpose: bool = False):
+  """``ranges`` ``[B', H', row_tiles, 4]`` of a block mask's classification ``kinds``
+  (``[B', H', q_blocks, kv_blocks]`` at ``block``) re-tiled to a kernel's ``tiles``
+  (``(tile_q, tile_kv)``) over ``padded`` lengths; ``transpose``: per key tile, the
+  query tiles. Per row: the first to the last nonempty tile, and the first run of full
+  tiles unmasked (tiles in range that are empty run masked: correct, and free of
+  work only for masks whose blocks are contiguous per row, as causal, windows and
+  documents are)."""
+  counts = (padded[0] // tiles[0], padded[1] // tiles[1])
+  kinds = retile(kinds, block, tiles, counts, lengths)
+  if transpose:
+    kinds = jnp.swapaxes(kinds, -1, -2)
+  n = kinds.shape[-1]
+  cols = jnp.arange(n, dtype=jnp.int32)
+  nonempty, full = kinds != EMPTY, kinds == FULL
+  lo = jnp.min(jnp.where(nonempty, cols, n), axis=-1)
+  hi = jnp.max(jnp.where(nonempty, cols + 1, 0), axis=-1)
+  full_lo = jnp.min(jnp.where(full, cols, n), axis=-1)
+  after = (cols >= full_lo[..., None]) & ~full
+  full_hi = jnp.min(jnp.where(after, cols, n), axis=-1)
+  has_full = full_lo < n
+  full_lo = jnp.where(has_full, full_lo, lo)
+  full_hi = jnp.where(has_full, full_hi, lo)
+  empty = hi == 0
+  lo, full_lo, full_hi = (jnp.where(empty, n, x) for x in (lo, full_lo, full_hi))
+  return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+def as_vector_array(x, length: int):
+  """A row or col part as a kernel copies it: int32 or float32, padded to ``length``."""
+  x = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
+  return jnp.pad(x, [(0, 0), (0, length - x.shape[1])]) if x.shape[1] != length else x
+
+
+def as_scalar_array(x):
+  return x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
+
+
+def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_parts=(),
+                    ranges=None, *, padded: tuple[int, int]) -> tuple:
+  """The kernel's per-position input arrays in ``PositionInputs`` order: ``segments``
+  ``(q_seg, kv_seg)`` (padded), the functions' parts (``part_arrays``) and ``ranges``."""
+  rows, cols, scalars = [], [], []
+  if inputs.segments:
+    rows.append(segments[0])
+    cols.append(segments[1])
+  for fn, parts in ((inputs.mask, mask_parts), (inputs.score, score_parts)):
+    if fn is None:
+      continue
+    for part, x in zip(fn.parts, parts):
+      if part.kind == ROW:
+        rows.append(as_vector_array(x, padded[0]))
+      elif part.kind == COL:
+        cols.append(as_vector_array(x, padded[1]))
+      else:
+        scalars.append(as_scalar_array(x))
+  return (*rows, *cols, *scalars, *(() if ranges is None else (ranges,)))
