@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.op import OPS, Op, run
+from jattn.kernels.common.dropout import keep_mask
 from jattn.interop.dlpack import to_torch
 from jattn.interop.torch_reference import (flash_attention_torch, flex_attention_torch,
                                            retention_step_torch, retention_torch,
@@ -50,10 +51,25 @@ def _dilated(p, q, k, v):
 
 # op name -> ``fn(problem, *tensors)`` giving the op's primary output in torch; the
 # tensors are the op's arrays (``Op.arg_names``), None where the op has none.
+def _dropout_keep(p, seed, device):
+  """jattn's dropout keep-mask of a flash problem as a torch tensor (None without
+  dropout): torch's own RNG could not draw the same one."""
+  if not p.dropout_rate:
+    return None
+  import torch
+
+  b, h, q, k = (np.arange(n).reshape(shape) for n, shape in (
+      (p.batch, (-1, 1, 1, 1)), (p.q_heads, (1, -1, 1, 1)), (p.q_len, (1, 1, -1, 1)),
+      (p.kv_len, (1, 1, 1, -1))))
+  keep = keep_mask(jnp.asarray(seed.cpu().numpy()), p.dropout_rate, b, h, q, k)
+  return torch.as_tensor(np.array(keep)).to(device)
+
+
 TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
-    "flash_attention": lambda p, q, k, v, q_seg, kv_seg: flash_attention_torch(
+    "flash_attention": lambda p, q, k, v, q_seg, kv_seg, sinks, seed: flash_attention_torch(
         q, k, v, causal=p.causal, scale=p.scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-        local_window=p.local_window, softcap=p.softcap),
+        local_window=p.local_window, softcap=p.softcap, sinks=sinks,
+        dropout_keep=_dropout_keep(p, seed, q.device), dropout_rate=p.dropout_rate),
     "window_attention": lambda p, q, k, v, bias, mask: window_attention_torch(
         q, k, v, bias, mask=mask, scale=p.scale),
     "dilated_attention": _dilated,
@@ -192,15 +208,16 @@ def torch_reference_errors(run: _JaxRun, torch_device: str):
 
   tensors = [tensor(x) for x in run.arrays]
   for i in run.op.diff_argnums:
-    tensors[i] = tensors[i].clone().requires_grad_(True)
+    if tensors[i] is not None:  # (an optional array the case does not use)
+      tensors[i] = tensors[i].clone().requires_grad_(True)
   out = TORCH_REFERENCES[run.op.name](run.problem, *tensors)
   if out.requires_grad:  # (torch's FlexAttention has no backward on the CPU)
     out.backward(tensor(run.cotangent))
   # A torch reference that does not model an input (retention's state when it starts
   # from zeros) gives it no gradient: that one is not compared.
   return _named_errors(run, _as_numpy(out),
-                       [None if tensors[i].grad is None else _as_numpy(tensors[i].grad)
-                        for i in run.op.diff_argnums])
+                       [None if tensors[i] is None or tensors[i].grad is None
+                        else _as_numpy(tensors[i].grad) for i in run.op.diff_argnums])
 
 
 def default_torch_device() -> str:

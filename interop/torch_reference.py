@@ -38,17 +38,22 @@ def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=
 
 
 def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
-                          kv_segment_ids=None, local_window=None, softcap=None):
+                          kv_segment_ids=None, local_window=None, softcap=None, sinks=None,
+                          dropout_keep=None, dropout_rate: float = 0.0):
   """Attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
   Args:
-    q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``
-      torch tensors (GQA handled by repeating kv heads).
-    Other arguments as ``jattn.flash_attention``. ``softcap`` cannot be expressed
-    as an SDPA mask, so that case computes the softmax explicitly in torch.
+    q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``,
+      v: ``[..., head_dim_v]`` torch tensors (GQA handled by repeating kv heads).
+    sinks: ``[q_heads]`` sink logits in each row's denominator, or None.
+    dropout_keep: a boolean ``[batch, q_heads, q_len, kv_len]`` keep-mask (jattn's,
+      so that both sides drop the same weights) applied with ``dropout_rate``.
+    Other arguments as ``jattn.flash_attention``. A soft-cap, sinks or a given
+    dropout mask cannot be expressed through SDPA, so those cases compute the softmax
+    explicitly in torch.
 
   Returns:
-    ``[batch, q_len, q_heads, head_dim]``; rows that see no key are zeros.
+    ``[batch, q_len, q_heads, head_dim_v]``; rows that see no key are zeros.
   """
   import torch
   import torch.nn.functional as F
@@ -67,12 +72,19 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
   # their output afterwards (the zeroing also stops their gradient).
   empty = ~mask.any(dim=-1, keepdim=True)
   mask = mask | empty
-  if softcap is None:
+  if softcap is None and sinks is None and dropout_keep is None:
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
   else:
     logits = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * scale
-    logits = softcap * torch.tanh(logits / softcap)
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    if softcap is not None:
+      logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # a column per head that attends to nothing
+      sink = sinks.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
+      logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :kv_len]
+    if dropout_keep is not None:
+      probs = probs * dropout_keep / (1.0 - dropout_rate)
     out = torch.matmul(probs, vt.float()).to(q.dtype)
   out = out.masked_fill(empty, 0.0)
   return out.transpose(1, 2)

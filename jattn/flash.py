@@ -16,14 +16,18 @@ import jax.numpy as jnp
 
 from jattn.core.device import CUDNN, GPUInfo
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
-from jattn.core.validation import check_attention_inputs, check_integer_array, scale_of
+from jattn.core.validation import (check_attention_inputs, check_integer_array, check_shape,
+                                   scale_of)
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
                                          padded_head_dim)
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward)
+from jattn.kernels.common.dropout import seed_of
+from jattn.kernels.common.softmax import backward_delta
 from jattn.kernels.flash.mosaic_bwd import fused_dq_columns
-from jattn.kernels.flash.mosaic_config import MOSAIC_MAX_BWD_HEAD_DIM, mosaic_head_dim
+from jattn.kernels.flash.mosaic_config import (MOSAIC_MODELLED_BWD_WIDTH, mosaic_backward_runs,
+                                               mosaic_head_dim)
 from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
 from jattn.reference import flash_attention_reference
 from jattn.tuning.cache import bucket
@@ -46,9 +50,14 @@ class FlashProblem(AttentionProblem):
   segment_ids: bool = False
   return_lse: bool = False
   deterministic: bool = True
+  value_head_dim: int | None = None  # default head_dim
+  sinks: bool = False
+  dropout_rate: float = 0.0
 
   def __post_init__(self):
     super().__post_init__()
+    if self.value_head_dim is None:
+      self._set(value_head_dim=self.head_dim)
     if self.local_window is True:
       self._set(local_window=(None, None))
     elif self.local_window is False:
@@ -57,6 +66,29 @@ class FlashProblem(AttentionProblem):
       self._set(local_window=tuple(self.local_window))
     if isinstance(self.softcap, bool):
       self._set(softcap=1.0 if self.softcap else None)
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim, self.value_head_dim)
+
+  def random_qkv(self, keys) -> tuple:
+    q, k, v = super().random_qkv(keys)
+    shape = (self.batch, self.kv_len, self.kv_heads, self.value_head_dim)
+    return q, k, jax.random.normal(keys[2], shape, jnp.float32).astype(self.dtype)
+
+
+def _dropout_seed(rate, key):
+  """The kernels' ``[2]`` int32 seed words of a dropout call (None without dropout)."""
+  if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < 1):
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
+  if not rate:
+    return None
+  if key is None:
+    raise ValueError("dropout_rate > 0 needs dropout_key (a jax.random key)")
+  try:
+    return seed_of(key)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"dropout_key must be a jax.random key, got {key!r}") from e
 
 
 def _check_window(local_window):
@@ -71,8 +103,25 @@ def _check_window(local_window):
 # --- implementations ---------------------------------------------------------------------
 
 def _cache_key(p: FlashProblem) -> tuple[str, ...]:
-  return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}",
+  dv = () if p.value_head_dim == p.head_dim else (f"dv{padded_head_dim(p.value_head_dim)}",)
+  return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}", *dv,
           "causal" if p.causal else "noncausal", f"s{bucket(max(p.q_len, p.kv_len))}")
+
+
+def sink_grad(sinks, lse, delta):
+  """d loss / d sinks ``[q_heads]`` float32: a sink's weight in row ``(b, h, q)`` is
+  ``exp(sink[h] - lse)``, and it attends to nothing, so it takes ``-weight * delta``
+  (``delta = rowsum(o * do) - dlse``, ``[batch, q_heads, q_len]``)."""
+  weight = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+  return -jnp.sum(weight * delta, axis=(0, 2))
+
+
+def _feature_grads(p: FlashProblem, sinks, o, lse, cotangents) -> tuple:
+  """The gradients after dq, dk, dv: segment ids, sinks, dropout seed."""
+  dsinks = None
+  if sinks is not None:
+    dsinks = sink_grad(sinks, lse, backward_delta(o, *cotangents))
+  return None, None, dsinks, None
 
 
 class AttentionTritonImpl(BlockTritonImpl):
@@ -89,41 +138,49 @@ class TritonFlash(AttentionTritonImpl):
   def cache_key(self, p):
     return _cache_key(p)
 
-  def forward(self, call, q, k, v, q_seg, kv_seg):
+  def heuristic_config(self, p, info):
+    return default_block_config(max(p.head_dims), p.dtype.itemsize)
+
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
     p = call.problem
     o, lse = flash_triton_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
-                                  config=call.config, interpret=call.interpret)
-    return (o, lse), ((q, k, v, q_seg, kv_seg), o, lse)
+                                  config=call.config, interpret=call.interpret, sinks=sinks,
+                                  dropout_rate=p.dropout_rate, dropout_seed=seed)
+    return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v, q_seg, kv_seg), o, lse = residuals
+    (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
     p = call.problem
     dq, dk, dv = flash_triton_backward(
         q, k, v, q_seg, kv_seg, o, lse, *cotangents, causal=p.causal, scale=p.scale,
         local_window=p.local_window, softcap=p.softcap, config=call.config,
-        interpret=call.interpret)
-    return dq, dk, dv, None, None
+        interpret=call.interpret, dropout_rate=p.dropout_rate, dropout_seed=seed)
+    return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 
-def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int) -> dict[str, tuple[int, float]]:
+def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int,
+                 dv: int | None = None) -> dict[str, tuple[int, float]]:
   """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread
-  (``W`` consumer warpgroups of 128 threads, each owning ``block`` rows)."""
+  (``W`` consumer warpgroups of 128 threads, each owning ``block`` rows); ``d`` the
+  padded head dim of q and k, ``dv`` of v (default ``d``)."""
   w, o = CONSUMERS, MOSAIC_SMEM_OVERHEAD
-  dkv_smem = ((2 * w * c.block_kv_dkv * d + c.bwd_stages * 2 * c.block_q_dkv * d) * nbytes
+  dv = d if dv is None else dv
+  dkv_smem = ((w * c.block_kv_dkv * (d + dv) + c.bwd_stages * c.block_q_dkv * (d + dv)) * nbytes
               + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
   dq_cols = fused_dq_columns(d)
   return {
-      "forward": mosaic_forward_cost(c, d, d, nbytes),
-      "dQ": ((2 * w * c.block_q_dq * d + c.bwd_stages * 2 * c.block_kv_dq * d) * nbytes + o,
+      "forward": mosaic_forward_cost(c, d, dv, nbytes),
+      "dQ": ((w * c.block_q_dq * (d + dv) + c.bwd_stages * c.block_kv_dq * (d + dv)) * nbytes + o,
              (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / 128),
-      "dK/dV": (dkv_smem, (2 * c.block_kv_dkv * d + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
+      "dK/dV": (dkv_smem,
+                (c.block_kv_dkv * (d + dv) + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
       # deterministic=False: dS tiles (double-buffered) and an fp32 dQ tile per consumer;
       # the dQ accumulator is live once S and dP are spent.
       "dK/dV+dQ": (dkv_smem + (2 * w * c.block_kv_dkv * c.block_q_dkv * nbytes
                                + w * c.block_q_dkv * dq_cols * 4),
-                   (2 * c.block_kv_dkv * d + max(2 * c.block_q_dkv * c.block_kv_dkv,
-                                                 c.block_q_dkv * (dq_cols + c.block_kv_dkv)))
+                   (c.block_kv_dkv * (d + dv) + max(2 * c.block_q_dkv * c.block_kv_dkv,
+                                                    c.block_q_dkv * (dq_cols + c.block_kv_dkv)))
                    / 128),
   }
 
@@ -138,7 +195,8 @@ def mosaic_fits(*kernels: str):
   the config runs)."""
 
   def fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
-    costs = mosaic_costs(c, mosaic_head_dim(p.head_dim), p.dtype.itemsize)
+    costs = mosaic_costs(c, mosaic_head_dim(p.head_dim), p.dtype.itemsize,
+                         mosaic_head_dim(p.value_head_dim))
     backward = ("dK/dV+dQ",) if _fuses_dq(c, p) else ("dQ", "dK/dV")
     for name in kernels or ("forward", *backward):
       reason = within_mosaic_budget(name, costs[name], info)
@@ -172,7 +230,7 @@ class MosaicFlash(MosaicImpl):
   config_cls = MosaicBlockConfig
 
   def heuristic_config(self, p, info):
-    return default_mosaic_config(p.head_dim)
+    return default_mosaic_config(max(p.head_dims))
 
   def cache_key(self, p):
     return _cache_key(p)
@@ -180,27 +238,33 @@ class MosaicFlash(MosaicImpl):
   def tuning_stages(self):
     return MOSAIC_STAGES
 
-  def fits(self, config, p, info):
-    # Heads wider than the Hopper backward takes run the Triton backward (its own tiles).
-    wide = mosaic_head_dim(p.head_dim) > MOSAIC_MAX_BWD_HEAD_DIM
-    return mosaic_fits(*(("forward",) if wide else ()))(config, p, info)
+  def gaps(self, p):
+    return super().gaps(p) + (("dropout",) if p.dropout_rate else ())
 
-  def forward(self, call, q, k, v, q_seg, kv_seg):
+  def fits(self, config, p, info):
+    # Heads wider than the Hopper backward takes run the Triton backward (its own tiles);
+    # the cost model's register counts hold up to MOSAIC_MODELLED_BWD_WIDTH (beyond, the
+    # backward runs the wide heads' 64-row tiles as measured).
+    widths = sum(mosaic_head_dim(d) for d in p.head_dims)
+    modelled = mosaic_backward_runs(*p.head_dims) and widths <= MOSAIC_MODELLED_BWD_WIDTH
+    return mosaic_fits(*(() if modelled else ("forward",)))(config, p, info)
+
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
     p = call.problem
     o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
-                                  config=call.config)
-    return (o, lse), ((q, k, v, q_seg, kv_seg), o, lse)
+                                  config=call.config, sinks=sinks)
+    return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v, q_seg, kv_seg), o, lse = residuals
+    (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
     p = call.problem
     config = dataclasses.replace(call.config, fused_dq=_fuses_dq(call.config, p))
     dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
                                        causal=p.causal, scale=p.scale,
                                        local_window=p.local_window, softcap=p.softcap,
                                        config=config)
-    return dq, dk, dv, None, None
+    return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 
 class CudnnFlash(Impl):
@@ -219,9 +283,11 @@ class CudnnFlash(Impl):
         ("odd sequence lengths", p.q_len % 2 or p.kv_len % 2),
         # Measured on the H100 (jax 0.11.2): its gradients differ from run to run.
         ("deterministic=True (its backward is not bitwise repeatable)",
-         p.deterministic)) if used)
+         p.deterministic),
+        ("a value head dim other than the head dim", p.value_head_dim != p.head_dim),
+        ("sinks", p.sinks), ("dropout", p.dropout_rate)) if used)
 
-  def forward(self, call, q, k, v, q_seg, kv_seg):
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
     p = call.problem
     window = None if p.local_window is None else tuple(
         -1 if w is None else w for w in p.local_window)
@@ -231,11 +297,13 @@ class CudnnFlash(Impl):
 
 
 class XlaFlash(XlaImpl):
-  def forward(self, call, q, k, v, q_seg, kv_seg):
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
     p = call.problem
     return flash_attention_reference(q, k, v, causal=p.causal, scale=p.scale,
                                      q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                     local_window=p.local_window, softcap=p.softcap), None
+                                     local_window=p.local_window, softcap=p.softcap,
+                                     sinks=sinks, dropout_rate=p.dropout_rate,
+                                     dropout_seed=seed), None
 
 
 # --- the op --------------------------------------------------------------------------------
@@ -243,11 +311,13 @@ class XlaFlash(XlaImpl):
 class FlashAttention(SoftmaxOp):
   name = "flash_attention"
   problem_cls = FlashProblem
-  arg_names = ("q", "k", "v", "q_segment_ids", "kv_segment_ids")
+  arg_names = ("q", "k", "v", "q_segment_ids", "kv_segment_ids", "sinks", "dropout_seed")
+  diff_argnums = (0, 1, 2, 5)
 
   def bind(self, q, k, v, *, causal=False, scale=None, q_segment_ids=None, kv_segment_ids=None,
-           local_window=None, softcap=None, deterministic=True, return_lse=False):
-    check_attention_inputs(q, k, v)
+           local_window=None, softcap=None, deterministic=True, return_lse=False, sinks=None,
+           dropout_rate=0.0, dropout_key=None):
+    check_attention_inputs(q, k, v, value_head_dim=True)
     batch, q_len, q_heads, head_dim = q.shape
     if (q_segment_ids is None) != (kv_segment_ids is None):
       raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
@@ -262,25 +332,34 @@ class FlashAttention(SoftmaxOp):
     if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(
         softcap, bool) and math.isfinite(softcap) and softcap > 0):
       raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    if sinks is not None:
+      check_shape("sinks", sinks, (q.shape[2],), "q_heads")
+      if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be floats, got dtype {sinks.dtype}")
+    seed = _dropout_seed(dropout_rate, dropout_key)
     problem = FlashProblem.of(
         q, k, causal=bool(causal), scale=scale_of(scale, head_dim), local_window=local_window,
         softcap=None if softcap is None else float(softcap),
         segment_ids=q_segment_ids is not None, return_lse=bool(return_lse),
-        deterministic=bool(deterministic))
-    return problem, (q, k, v, q_segment_ids, kv_segment_ids)
+        deterministic=bool(deterministic), value_head_dim=v.shape[-1],
+        sinks=sinks is not None, dropout_rate=float(dropout_rate))
+    return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed)
 
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o
 
   def example(self, p: FlashProblem, key):
-    kq, kk, kv, ks = jax.random.split(key, 4)
+    kq, kk, kv, ks, kd = jax.random.split(key, 5)
     q, k, v = p.random_qkv((kq, kk, kv))
+    sinks = jax.random.normal(kd, (p.q_heads,), jnp.float32) if p.sinks else None
+    seed = seed_of(kd) if p.dropout_rate else None
     if not p.segment_ids:
-      return q, k, v, None, None
+      return q, k, v, None, None, sinks, seed
     # Packed sequences: sorted ids, kv ids shifted so that some queries see nothing.
     ids = jnp.sort(jax.random.randint(ks, (p.batch, max(p.q_len, p.kv_len)), 0, 3), axis=1)
-    return q, k, v, ids[:, :p.q_len], ids[:, :p.kv_len] + (ids[:, :p.kv_len] == 2)
+    return (q, k, v, ids[:, :p.q_len], ids[:, :p.kv_len] + (ids[:, :p.kv_len] == 2), sinks,
+            seed)
 
 
 FLASH = FlashAttention(MosaicFlash(), TritonFlash(), CudnnFlash(), XlaFlash())
@@ -289,7 +368,8 @@ FLASH = FlashAttention(MosaicFlash(), TritonFlash(), CudnnFlash(), XlaFlash())
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     q_segment_ids=None, kv_segment_ids=None, local_window=None,
                     softcap: float | None = None, deterministic: bool = True,
-                    return_lse: bool = False, backend: str = "auto",
+                    return_lse: bool = False, sinks=None, dropout_rate: float = 0.0,
+                    dropout_key=None, backend: str = "auto",
                     config: BlockConfig | MosaicBlockConfig | None = None):
   """Memory-efficient exact attention, differentiable (custom VJP on Pallas backends).
 
@@ -298,10 +378,11 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``.
-    k, v: ``[batch, kv_len, kv_heads, head_dim]``. ``q_heads`` must be a multiple
-      of ``kv_heads`` (grouped-query / multi-query attention). float32, float16
-      or bfloat16, all the same dtype; any lengths; head_dim up to 256 on the
-      Pallas backends (any on ``xla``).
+    k: ``[batch, kv_len, kv_heads, head_dim]``; v: ``[batch, kv_len, kv_heads,
+      head_dim_v]`` (``head_dim_v`` independent of ``head_dim``, e.g. 192 and 128).
+      ``q_heads`` must be a multiple of ``kv_heads`` (grouped-query / multi-query
+      attention). float32, float16 or bfloat16, all the same dtype; any lengths;
+      head dims up to 256 on the Pallas backends (any on ``xla``).
     causal: mask keys after the query. With ``q_len != kv_len`` the mask is
       aligned at the bottom-right (as flash-attn does): query ``i`` sits at key
       position ``i + kv_len - q_len``, so with ``q_len > kv_len`` the first rows
@@ -319,6 +400,14 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       is what lets ``backend="cudnn"`` and ``fused_dq`` run, and lets ``"auto"``
       take cuDNN where it measured faster.
     return_lse: also return the log-sum-exp of each row.
+    sinks: ``[q_heads]`` float logits (attention sinks): each row's softmax counts
+      ``exp(sinks[h])`` in its denominator, a weight that attends to nothing. They
+      get gradients; ``lse`` includes them.
+    dropout_rate: drop each attention weight with this probability (in [0, 1)) and
+      scale the kept ones by ``1 / (1 - rate)``; the mask is a hash of
+      ``dropout_key`` (a ``jax.random`` key) and the position, so the backward
+      rebuilds it and the same key gives bitwise the same outputs and gradients.
+      ``pallas_triton`` and ``xla`` only; 0 runs the kernels without it.
     backend: ``"auto"``, ``"pallas_mosaic"``, ``"pallas_triton"``, ``"cudnn"`` or
       ``"xla"``. ``"auto"``: of the backends this device runs that support the
       call, the measured fastest for it where jattn's shipped table or your cache
@@ -331,12 +420,14 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       (``jattn.autotune``), else a heuristic by head_dim.
 
   Returns:
-    ``o: [batch, q_len, q_heads, head_dim]`` in q's dtype; with ``return_lse``
-    also ``lse: [batch, q_heads, q_len]`` float32. A query row that sees no key
-    gives zeros and ``lse = -1e30`` (finite), never NaN. Gradients flow to q, k,
-    v (and through ``lse`` when it is used); segment ids get none.
+    ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; with ``return_lse``
+    also ``lse: [batch, q_heads, q_len]`` float32 (without dropout). A query row
+    that sees no key gives zeros and ``lse = -1e30`` (finite; the sink's logit with
+    ``sinks``), never NaN. Gradients flow to q, k, v and sinks (and through ``lse``
+    when it is used); segment ids get none.
   """
   return FLASH(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids, local_window=local_window, softcap=softcap,
-               deterministic=deterministic, return_lse=return_lse, backend=backend,
+               deterministic=deterministic, return_lse=return_lse, sinks=sinks,
+               dropout_rate=dropout_rate, dropout_key=dropout_key, backend=backend,
                config=config)

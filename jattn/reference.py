@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jattn.core.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
+from jattn.kernels.common.dropout import keep_mask
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 
 
@@ -51,16 +52,21 @@ def masked_softmax(logits, mask):
 
 
 def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
-                              kv_segment_ids=None, local_window=None, softcap=None):
+                              kv_segment_ids=None, local_window=None, softcap=None, sinks=None,
+                              dropout_rate: float = 0.0, dropout_seed=None):
   """Dense attention with every flash_attention feature, differentiable by autodiff.
 
   Args:
-    q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, head_dim_v]``.
+    sinks: ``[q_heads]``: a logit per head in every row's softmax denominator, or None.
+    dropout_rate, dropout_seed: weights dropped where ``dropout.keep_mask(dropout_seed,
+      ...)`` says (the kernels' mask), the kept ones scaled by ``1 / (1 - rate)``.
 
   Returns:
-    ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim]`` in q's dtype and
-    ``lse: [batch, q_heads, q_len]`` float32. Rows that see no key give zeros
-    and ``lse = EMPTY_ROW_LSE``.
+    ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype and
+    ``lse: [batch, q_heads, q_len]`` float32 (the sink included, dropout not). Rows
+    that see no key give zeros and ``lse = EMPTY_ROW_LSE`` (the sink's logit with sinks).
   """
   batch, q_len, q_heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -75,11 +81,23 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
+  if sinks is not None:  # one more logit per row, always allowed, attending to nothing
+    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1, 1)
+    logits = jnp.concatenate([logits, jnp.broadcast_to(sink, logits.shape[:-1] + (1,))], -1)
+    mask = jnp.concatenate([jnp.broadcast_to(mask, logits.shape[:-1] + (kv_len,)),
+                            jnp.ones(logits.shape[:-1] + (1,), bool)], -1)
   p, lse = masked_softmax(logits, mask)
+  p = p[..., :kv_len]
+  if dropout_rate:
+    heads = (jnp.arange(kv_heads)[:, None] * group + jnp.arange(group)[None, :])
+    kept = keep_mask(dropout_seed, dropout_rate, jnp.arange(batch)[:, None, None, None, None],
+                     heads[None, :, :, None, None], jnp.arange(q_len)[:, None],
+                     jnp.arange(kv_len)[None, :])
+    p = jnp.where(kept, p / (1.0 - dropout_rate), 0.0)
   o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
                  preferred_element_type=jnp.float32, precision=precision)
   lse = lse[..., 0]
-  return (o.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype),
+  return (o.reshape(batch, q_len, q_heads, v.shape[-1]).astype(q.dtype),
           lse.reshape(batch, q_heads, q_len))
 
 

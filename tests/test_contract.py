@@ -47,6 +47,17 @@ WINDOW_MASK = np.ones((2, 6, 6), bool)
 WINDOW_MASK[1, 2] = False  # row 2 of odd windows sees no key
 RETENTION_FORMS = ("parallel", "chunkwise", "recurrent")
 
+# flash attention's features beside the mask: a value head dim of its own, sinks, dropout
+FLASH_FEATURES = Spec(
+    "flash_attention",
+    lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 24)], dtype)
+    + _normal(key, [(4,)], jnp.float32),
+    lambda q, k, v, sinks, backend: jattn.flash_attention(
+        q, k, v, causal=True, sinks=sinks, dropout_rate=0.25, dropout_key=jax.random.PRNGKey(3),
+        backend=backend),
+    lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 24)], dtype)
+                        + _normal(key, [(2,)], jnp.float32), np.s_[:, :2]))
+
 SPECS = [
     Spec("flash_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
@@ -56,6 +67,7 @@ SPECS = [
          # causal with q_len > kv_len: the first two queries come before every key
          lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 16)], dtype),
                              np.s_[:, :2])),
+    FLASH_FEATURES,
     Spec("flex_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
          # an ALiBi-like distance penalty under a causal mask (closing over no array:
@@ -246,8 +258,10 @@ def test_unknown_backend_is_named(spec):
     spec.call(*args, backend="tpu")
 
 
+# (the rings' blocks run without sinks or dropout)
 SOFTMAX_OPS = [c for c in CASES if c.values[0].op in ("flash_attention", "window_attention",
-                                                      "dilated_attention")]
+                                                      "dilated_attention")
+               and c.values[0] is not FLASH_FEATURES]
 
 
 @pytest.mark.parametrize("spec,backend", SOFTMAX_OPS)

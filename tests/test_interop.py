@@ -59,8 +59,9 @@ def test_torch_reference_zeroes_rows_without_keys():
 
 @pytest.mark.parametrize("op,case", [
     ("flash_attention", dict(batch=2, q_len=20, kv_len=53, q_heads=4, kv_heads=2, head_dim=30,
-                             causal=True, segment_ids=True)),
-    ("flash_attention", dict(q_len=24, q_heads=2, head_dim=16, softcap=3.0, local_window=(6, 2))),
+                             causal=True, segment_ids=True, sinks=True, dropout_rate=0.25)),
+    ("flash_attention", dict(q_len=24, q_heads=2, head_dim=16, softcap=3.0, local_window=(6, 2),
+                             value_head_dim=24, sinks=True)),
     ("window_attention", dict(windows=4, tokens=20, heads=2, head_dim=16, mask_windows=2)),
     ("dilated_attention", dict(batch=1, seq=37, heads=4, kv_heads=2, head_dim=16, causal=True,
                                segment_lengths=(8, 64), dilation_rates=(2, 8))),

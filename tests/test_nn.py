@@ -47,6 +47,23 @@ def test_bad_configuration_and_input():
     layer(jnp.ones((2, 5, 8)))
 
 
+def test_value_width_sinks_and_dropout():
+  """A value head dim of its own, learned sinks (which get gradients), dropout that draws
+  a new mask per training call and none in eval mode (then equal to a rate-0 layer)."""
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 10, 16))
+  layer = MultiHeadAttention(16, 2, head_dim=8, value_head_dim=12, sinks=True, causal=True,
+                             dropout_rate=0.3, backend="xla", rngs=nnx.Rngs(0, dropout=1))
+  chex.assert_shape(layer.v_proj.kernel[...], (16, 24))
+  train = [layer(x), layer(x)]
+  assert not jnp.allclose(train[0], train[1])
+  layer.eval()
+  plain = nnx.clone(layer)
+  plain.dropout_rate = 0.0
+  chex.assert_trees_all_close(layer(x), plain(x), atol=1e-6)
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+  assert jnp.all(jnp.isfinite(grads.sinks[...])) and jnp.any(grads.sinks[...] != 0)
+
+
 class TinyModel(nnx.Module):
   def __init__(self, vocab, dim, rngs):
     self.embed = nnx.Embed(vocab, dim, rngs=rngs)

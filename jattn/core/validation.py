@@ -54,17 +54,21 @@ def check_heads(q_heads: int, kv_heads: int, q_name: str = "q", kv_name: str = "
                      f"({kv_heads}) for grouped-query attention")
 
 
-def check_attention_inputs(q, k, v, *, same_length: bool = False) -> None:
+def check_attention_inputs(q, k, v, *, same_length: bool = False,
+                           value_head_dim: bool = False) -> None:
   """``q: [batch, q_len, heads, head_dim]``, ``k, v: [batch, kv_len, kv_heads, head_dim]``
   of one float dtype, ``heads`` a multiple of ``kv_heads``; with ``same_length``,
-  ``kv_len == q_len``."""
+  ``kv_len == q_len``; with ``value_head_dim``, v's last axis may differ."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_array(name, x, "batch, seq, heads, head_dim")
   check_same_dtype(q=q, k=k, v=v)
   batch, q_len, _, head_dim = q.shape
   layout = f"batch, {'seq' if same_length else 'kv_len'}, kv_heads, head_dim"
   check_shape("k", k, (batch, q_len if same_length else None, None, head_dim), layout)
-  check_shape("v", v, tuple(k.shape), layout)
+  if value_head_dim:
+    check_shape("v", v, tuple(k.shape[:3]) + (None,), layout[:-len("head_dim")] + "head_dim_v")
+  else:
+    check_shape("v", v, tuple(k.shape), layout)
   check_heads(q.shape[2], k.shape[2])
 
 

@@ -31,7 +31,7 @@ from jattn.kernels.common.block_sparsity import classify_blocks
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
-from jattn.kernels.flash.mosaic_config import MOSAIC_MAX_BWD_HEAD_DIM, mosaic_head_dim
+from jattn.kernels.flash.mosaic_config import mosaic_backward_runs
 from jattn.reference import flex_attention_reference
 
 
@@ -149,8 +149,8 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   config_cls = MosaicBlockConfig
 
   def gaps(self, p):
-    wide = ((f"head dims above {MOSAIC_MAX_BWD_HEAD_DIM} (its backward)",)
-            if mosaic_head_dim(p.head_dim) > MOSAIC_MAX_BWD_HEAD_DIM else ())
+    wide = (() if mosaic_backward_runs(p.head_dim, p.head_dim)
+            else ("head dims above 128 (its backward)",))
     unsplit = tuple(f"a {f.kind} its kernels cannot split ({f.factored.gap})"
                     for f in (p.score_mod, p.mask_mod) if f is not None and f.factored.gap)
     return super().gaps(p) + wide + unsplit

@@ -19,18 +19,26 @@ class MultiHeadAttention(nnx.Module):
     num_heads: query heads; ``embed_dim`` must divide evenly among them unless
       ``head_dim`` is given.
     num_kv_heads: key/value heads (default ``num_heads``); fewer gives GQA/MQA.
-    head_dim: per-head width (default ``embed_dim // num_heads``).
+    head_dim: per-head width of queries and keys (default ``embed_dim // num_heads``).
+    value_head_dim: per-head width of values (default ``head_dim``).
     causal, local_window, softcap: passed to ``flash_attention``.
+    sinks: a learned sink logit per query head (``self.sinks``, zeros at start) in
+      every row's softmax denominator.
+    dropout_rate: dropout of the attention weights while training, drawn from the
+      ``"dropout"`` stream of ``rngs``; ``deterministic=True`` (or ``model.eval()``)
+      turns it off.
     use_bias: biases on the four projections.
     backend: ``flash_attention`` backend.
     dtype: computation dtype (params stay in ``param_dtype``).
-    rngs: ``nnx.Rngs`` for initialisation.
+    rngs: ``nnx.Rngs`` for initialisation (and dropout).
   """
 
   def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
-               head_dim: int | None = None, causal: bool = False, local_window=None,
-               softcap: float | None = None, use_bias: bool = True, backend: str = "auto",
-               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               head_dim: int | None = None, value_head_dim: int | None = None,
+               causal: bool = False, local_window=None, softcap: float | None = None,
+               sinks: bool = False, dropout_rate: float = 0.0, deterministic: bool = False,
+               use_bias: bool = True, backend: str = "auto", dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
@@ -40,23 +48,32 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
                          "or pass head_dim")
       head_dim = embed_dim // num_heads
+    if not (0 <= dropout_rate < 1):
+      raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
     self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
     self.head_dim = head_dim
+    self.value_head_dim = head_dim if value_head_dim is None else value_head_dim
     self.causal, self.local_window, self.softcap = causal, local_window, softcap
     self.backend, self.dtype = backend, dtype
+    self.dropout_rate, self.deterministic = dropout_rate, deterministic
+    # As nnx.Dropout: a fork of the "dropout" stream, so each call draws a new mask.
+    self.dropout_rngs = rngs["dropout"].fork() if dropout_rate else None
     linear = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, dtype=dtype,
                                      param_dtype=param_dtype, rngs=rngs)
     self.q_proj = linear(embed_dim, num_heads * head_dim)
     self.k_proj = linear(embed_dim, num_kv_heads * head_dim)
-    self.v_proj = linear(embed_dim, num_kv_heads * head_dim)
-    self.out_proj = linear(num_heads * head_dim, embed_dim)
+    self.v_proj = linear(embed_dim, num_kv_heads * self.value_head_dim)
+    self.out_proj = linear(num_heads * self.value_head_dim, embed_dim)
+    self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
 
-  def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None):
+  def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+               deterministic: bool | None = None):
     """Attends from ``x: [batch, q_len, embed_dim]`` to ``context`` (default ``x``).
 
     ``segment_ids: [batch, q_len]`` / ``context_segment_ids: [batch, kv_len]``
     restrict attention to equal ids (packed sequences); for self-attention the
-    context ids default to ``segment_ids``. Returns ``[batch, q_len, embed_dim]``.
+    context ids default to ``segment_ids``. ``deterministic`` overrides the module's
+    (no dropout). Returns ``[batch, q_len, embed_dim]``.
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"x must be [batch, seq, {self.embed_dim}], got shape {x.shape}")
@@ -70,8 +87,13 @@ class MultiHeadAttention(nnx.Module):
     b, q_len, kv_len = x.shape[0], x.shape[1], context.shape[1]
     q = self.q_proj(x).reshape(b, q_len, self.num_heads, self.head_dim)
     k = self.k_proj(context).reshape(b, kv_len, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(context).reshape(b, kv_len, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(context).reshape(b, kv_len, self.num_kv_heads, self.value_head_dim)
+    deterministic = self.deterministic if deterministic is None else deterministic
+    dropout = {}
+    if self.dropout_rate and not deterministic:
+      dropout = dict(dropout_rate=self.dropout_rate, dropout_key=self.dropout_rngs())
     o = flash_attention(q, k, v, causal=self.causal, local_window=self.local_window,
                         softcap=self.softcap, q_segment_ids=segment_ids,
-                        kv_segment_ids=context_segment_ids, backend=self.backend)
-    return self.out_proj(o.reshape(b, q_len, self.num_heads * self.head_dim))
+                        kv_segment_ids=context_segment_ids, backend=self.backend,
+                        sinks=None if self.sinks is None else self.sinks[...], **dropout)
+    return self.out_proj(o.reshape(b, q_len, self.num_heads * self.value_head_dim))

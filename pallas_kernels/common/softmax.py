@@ -39,21 +39,28 @@ def dot(a, b, contract_a: int, contract_b: int, fast_fp32: bool = False):
                          precision=precision, preferred_element_type=jnp.float32)
 
 
-def online_softmax_init(rows: int, width: int):
-  """Carry ``(acc, m, l)`` of the online softmax before the first key tile."""
-  return (jnp.zeros((rows, width), jnp.float32), jnp.full((rows,), EMPTY_ROW_LSE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
+def online_softmax_init(rows: int, width: int, sink=None):
+  """Carry ``(acc, m, l)`` of the online softmax before the first key tile; ``sink``
+  (a scalar logit, natural units) starts every row's denominator at ``exp(sink)``."""
+  acc = jnp.zeros((rows, width), jnp.float32)
+  if sink is None:
+    return acc, jnp.full((rows,), EMPTY_ROW_LSE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+  m = jnp.full((rows,), 1.0, jnp.float32) * (sink.astype(jnp.float32) * LOG2E)
+  return acc, m, jnp.ones((rows,), jnp.float32)
 
 
-def online_softmax_step(carry, s, c, v, fast_fp32: bool = False):
+def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
   """Folds one key tile into ``(acc, m, l)``: logits ``s * c`` in base-2 units
   (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``
-  (``fast_fp32`` as in ``dot``)."""
+  (``fast_fp32`` as in ``dot``); ``kept``: dropout's keep-mask of the tile (the
+  denominator counts every weight, the output only the kept ones)."""
   acc, m_prev, l_prev = carry
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * c)
   alpha = jnp.exp2(m_prev - m_next)
   p = jnp.exp2(s * c - m_next[:, None])
   l_next = l_prev * alpha + jnp.sum(p, axis=1)
+  if kept is not None:
+    p = jnp.where(kept, p, 0.0)
   acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0, fast_fp32)
   return acc, m_next, l_next
 

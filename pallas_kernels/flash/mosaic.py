@@ -10,12 +10,14 @@ block mask becomes each kernel's block ranges (``mosaic_inputs``).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import LOG2E, PADDED_ROW_LSE, backward_delta
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
-from jattn.kernels.flash.mosaic_config import (MOSAIC_MAX_BWD_HEAD_DIM, MosaicBlockConfig,
+from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, mosaic_backward_runs,
                                                mosaic_head_dim)
 from jattn.kernels.flash.mosaic_fwd import mosaic_forward
 from jattn.kernels.flash.mosaic_inputs import (PositionInputs, mask_ranges, position_arrays,
@@ -63,16 +65,18 @@ def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, til
 
 def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          softcap: float | None, config: MosaicBlockConfig,
-                         mods: FlexMods = FlexMods()):
+                         mods: FlexMods = FlexMods(), sinks=None):
   """Flash attention forward on Hopper.
 
   Args:
-    q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
-      float16 or bfloat16, ``head_dim <= 256``, ``scale > 0``.
+    q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, head_dim_v]``; float16 or bfloat16, head dims
+      ``<= 256``, ``scale > 0``.
     q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32 segment ids, or None.
     softcap: logits become ``softcap * tanh(logits / softcap)``, or None.
     mods: FlexAttention's functions (``FactoredFunction``s and their part arrays) and
       block mask; none with segment ids or a soft-cap.
+    sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
 
   Returns:
     ``(o, lse)``: ``o`` like ``q``; ``lse: [batch, q_heads, q_len]`` float32.
@@ -84,12 +88,14 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   positions = _positions(q_seg, mods)
   inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (config.block_q, config.block_kv),
                           spec, (q_len_p, kv_len_p))
+  dv = v.shape[-1]
   o, lse = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
-                          pad_to(v, kv_len_p, d_p), inputs, spec=spec, scale=scale,
-                          block_q=config.block_q, block_kv=config.block_kv,
+                          pad_to(v, kv_len_p, mosaic_head_dim(dv)), inputs, spec=spec,
+                          scale=scale, block_q=config.block_q, block_kv=config.block_kv,
                           stages=config.stages, softcap=softcap,
-                          persistent=config.persistent, positions=positions)
-  return o[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+                          persistent=config.persistent, positions=positions,
+                          sinks=None if sinks is None else sinks.astype(jnp.float32))
+  return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
@@ -99,12 +105,12 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``. ``config.fused_dq`` computes dQ
   inside the dK/dV kernel (atomic adds: not bitwise repeatable; not with ``mods``).
   Head dims above 128 run the Triton backward, without ``mods``."""
-  q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+  q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   do = do.astype(q.dtype)
-  if mosaic_head_dim(head_dim) > MOSAIC_MAX_BWD_HEAD_DIM:
+  if not mosaic_backward_runs(head_dim, dv):
     return flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal=causal,
                                  scale=scale, local_window=local_window, softcap=softcap,
-                                 config=default_block_config(head_dim, q.dtype.itemsize),
+                                 config=default_block_config(max(head_dim, dv), q.dtype.itemsize),
                                  interpret=False)
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
@@ -119,11 +125,12 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   lse2 = pad_rows(lse * LOG2E, q_len_p)
   if mods.score is not None and q_len_p != q_len:
     lse2 = lse2.at[..., q_len:].set(PADDED_ROW_LSE)
-  dq, dk, dv = mosaic_backward(
-      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
-      pad_to(do, q_len_p, d_p), lse2, pad_rows(backward_delta(o, do, dlse), q_len_p),
+  dv_p = mosaic_head_dim(dv)
+  dq, dk, dv_grad = mosaic_backward(
+      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
+      pad_to(do, q_len_p, dv_p), lse2, pad_rows(backward_delta(o, do, dlse), q_len_p),
       dq_inputs, dkv_inputs, spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
       stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap, positions=positions)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
-          dv[:, :kv_len, :, :head_dim])
+          dv_grad[:, :kv_len, :, :dv])

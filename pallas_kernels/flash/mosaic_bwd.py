@@ -296,8 +296,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
 
       return mp.visit_blocks((c_lo, c_hi), own_range(q_head), step, skip, carry)
 
-    acc = _zeros((block_kv, head_dim))
-    dk, dv = lax.fori_loop(0, group, over_head, (acc, acc))
+    dk, dv = lax.fori_loop(0, group, over_head, (_zeros((block_kv, head_dim)),
+                                                 _zeros((block_kv, v_ref.shape[-1]))))
     if shared_dq:  # the other consumer's last dQ wgmma reads this one's K tile
       plgpu.barrier_arrive(smem["ds_ready"])
       plgpu.barrier_wait(smem["ds_ready"])
@@ -342,11 +342,11 @@ def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: flo
   stages = max(1, min(stages, k.shape[1] // block_kv))
   smem = dict(
       q=mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
-      do=mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
+      do=mp.tile_smem((mp.CONSUMERS, block_q, v.shape[-1]), q.dtype),
       lse=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
       delta=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
       k=mp.tile_smem((stages, block_kv, d), q.dtype),
-      v=mp.tile_smem((stages, block_kv, d), q.dtype),
+      v=mp.tile_smem((stages, block_kv, v.shape[-1]), q.dtype),
       rows_ready=_barrier(mp.CONSUMERS, 4 + positions.n_rows),
       k_ready=_barrier(stages, 1 + positions.n_cols), v_ready=_barrier(stages),
       k_free=_barrier(stages, mp.CONSUMERS), v_free=_barrier(stages, mp.CONSUMERS))
@@ -379,9 +379,9 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   fuse_dq = dq_acc is not None
   smem = dict(
       k=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
-      v=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
+      v=mp.tile_smem((mp.CONSUMERS, block_kv, v.shape[-1]), k.dtype),
       q=mp.tile_smem((stages, block_q, d), q.dtype),
-      do=mp.tile_smem((stages, block_q, d), q.dtype),
+      do=mp.tile_smem((stages, block_q, v.shape[-1]), q.dtype),
       lse=plgpu.SMEM((stages, block_q), jnp.float32),
       delta=plgpu.SMEM((stages, block_q), jnp.float32),
       kv_ready=_barrier(mp.CONSUMERS, 2 + positions.n_cols),
@@ -433,7 +433,8 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
   """Runs the Hopper backward kernels on padded inputs.
 
   Args:
-    q, do: ``[batch, q_len_p, q_heads, d_p]``; k, v: ``[batch, kv_len_p, kv_heads, d_p]``.
+    q: ``[batch, q_len_p, q_heads, d_p]``, do: ``[..., dv_p]``; k: ``[batch, kv_len_p,
+      kv_heads, d_p]``, v: ``[..., dv_p]``.
     lse2: ``[batch, q_heads, q_len_p]`` float32 log-sum-exp in base-2 units.
     delta: ``[batch, q_heads, q_len_p]`` float32, ``rowsum(o * do) - dlse``.
     blocks: ``(block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv)``; lengths are

@@ -7,7 +7,19 @@ import dataclasses
 from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
 
 MOSAIC_BLOCK = 64  # a wgmma instruction covers 64 rows per warpgroup
-MOSAIC_MAX_BWD_HEAD_DIM = 128  # dK and dV accumulators of wider heads overflow registers
+# The Hopper backward keeps a consumer's dK and dV accumulators (block_kv_dkv x (dk + dv)
+# fp32) in registers: up to dk + dv = 256 with any tiles the cost model admits, up to 320
+# (dk = 192, dv = 128: measured on the H100 at 4.4 ms against the Triton backward's
+# 16.9 ms, bench/results/flash_dk192_backward_probe.json) with the 64-row tiles of wide
+# heads.
+# Wider heads run the Triton backward.
+MOSAIC_MAX_BWD_WIDTH = 320
+MOSAIC_MODELLED_BWD_WIDTH = 256
+
+
+def mosaic_backward_runs(head_dim: int, value_head_dim: int) -> bool:
+  """Whether the Hopper backward kernels take these head dims (else: Triton's)."""
+  return mosaic_head_dim(head_dim) + mosaic_head_dim(value_head_dim) <= MOSAIC_MAX_BWD_WIDTH
 
 
 @dataclasses.dataclass(frozen=True)

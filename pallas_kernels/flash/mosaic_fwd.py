@@ -40,7 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.factored_functions import COL
 from jattn.kernels.common.masking import MaskSpec, kv_block_range
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import forward_q_buffers
 from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
@@ -90,10 +90,13 @@ class SoftmaxRows:
   scale: float
   softcap: float | None = None
   positions: PositionInputs = PositionInputs()
-  n_inputs = 0  # kernel inputs the rule reads
+  sinks: bool = False  # reads ``[q_heads]`` float32 sink logits
+
+  @property
+  def n_inputs(self) -> int:  # kernel inputs the rule reads
+    return int(self.sinks)
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
-    del inputs
 
     def update(s, stats, j, masked, tile):
       m, l = stats
@@ -117,8 +120,11 @@ class SoftmaxRows:
       o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
       return o, jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
 
-    return Rows((mp.row_vector(EMPTY_ROW_LSE, t.block_q), mp.row_vector(0.0, t.block_q)),
-                update, finish)
+    if self.sinks:  # every row's denominator starts at exp(sink)
+      init = (mp.row_vector(inputs[0][t.head] * LOG2E, t.block_q), mp.row_vector(1.0, t.block_q))
+    else:
+      init = (mp.row_vector(EMPTY_ROW_LSE, t.block_q), mp.row_vector(0.0, t.block_q))
+    return Rows(init, update, finish)
 
 
 class _Item(NamedTuple):
@@ -382,10 +388,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
 def mosaic_forward(q, k, v, inputs=(), *, spec: MaskSpec, scale: float, block_q: int,
                    block_kv: int, stages: int, softcap: float | None = None,
                    persistent: bool | None = None,
-                   positions: PositionInputs = PositionInputs()):
+                   positions: PositionInputs = PositionInputs(), sinks=None):
   """Flash attention's Hopper forward kernel on padded inputs (see ``rows_forward``):
   ``(o, lse)``, ``lse: [batch, q_heads, q_len_p]`` float32 in natural log.
-  ``inputs``: the per-position arrays of ``positions``."""
-  return rows_forward(q, k, v, inputs, rule=SoftmaxRows(spec, scale, softcap, positions),
+  ``inputs``: the per-position arrays of ``positions``; ``sinks``: ``[q_heads]``
+  float32 or None."""
+  rule = SoftmaxRows(spec, scale, softcap, positions, sinks is not None)
+  inputs = tuple(inputs) + (() if sinks is None else (sinks,))
+  return rows_forward(q, k, v, inputs, rule=rule,
                       spec=spec, block_q=block_q, block_kv=block_kv, stages=stages,
                       persistent=persistent, positions=positions)

@@ -34,9 +34,9 @@ def tile_smem(shape, dtype):
                     transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
-def row_vector(value: float, rows: int):
-  """A float32 constant per accumulator row, in the ``ROW`` layout (a bare constant
-  would take a layout the kernel cannot store)."""
+def row_vector(value, rows: int):
+  """A float32 value (a constant or a traced scalar) per accumulator row, in the
+  ``ROW`` layout (a bare constant would take a layout the kernel cannot store)."""
   return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32), ROW)
 
 

@@ -12,10 +12,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jattn.kernels.common.block_sparsity import retile, tile_lists
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
-from jattn.kernels.common.element_functions import TileFunction
+from jattn.kernels.common.element_functions import TileFunction, kernel_array
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import PADDED_ROW_LSE, ScoreFunction, Softcap, backward_delta
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
@@ -89,41 +90,52 @@ def _score(softcap, mods):
 
 def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          softcap, config: BlockConfig, interpret: bool,
-                         mods: FlexMods = FlexMods()):
+                         mods: FlexMods = FlexMods(), sinks=None, dropout_rate: float = 0.0,
+                         dropout_seed=None):
   """Flash attention forward.
 
   Args:
-    q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
+    q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, head_dim_v]``.
     q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32, or None.
     mods: FlexAttention's functions and block mask (a score function excludes
       ``softcap``).
+    sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
+    dropout_rate, dropout_seed: dropout of the weights (rate > 0) and its ``[2]``
+      int32 seed (``dropout.seed_of``).
 
   Returns:
-    ``(o, lse)``: ``o`` like ``q``; ``lse: [batch, q_heads, q_len]`` float32.
+    ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]``; ``lse: [batch, q_heads,
+    q_len]`` float32.
   """
-  q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+  q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
   d_p = padded_head_dim(head_dim)
   o, lse = flash_forward(
-      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
+      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
+      pad_to(v, kv_len_p, padded_head_dim(dv)),
       pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
       spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods), scale=scale,
       score=_score(softcap, mods), config=config, block_q=bq[0], block_k=bk[0],
       interpret=interpret, arrays=mods.arrays,
-      lists=mods.lists((bq[0], bk[0]), (q_len_p, kv_len_p), (q_len, kv_len)))
-  return o[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+      lists=mods.lists((bq[0], bk[0]), (q_len_p, kv_len_p), (q_len, kv_len)),
+      sinks=None if sinks is None else kernel_array(sinks.astype(jnp.float32)),
+      dropout_rate=dropout_rate, dropout_seed=dropout_seed)
+  return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
 
 def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool, scale: float,
                           local_window, softcap, config: BlockConfig, interpret: bool,
-                          mods: FlexMods = FlexMods()):
+                          mods: FlexMods = FlexMods(), dropout_rate: float = 0.0,
+                          dropout_seed=None):
   """Gradients ``(dq, dk, dv)`` (like q, k, v) given the rows' ``o`` and ``lse``, the
-  output's cotangent ``do`` and the lse's ``dlse``. Shapes as ``flash_triton_forward``."""
-  q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+  output's cotangent ``do`` and the lse's ``dlse``. Shapes as ``flash_triton_forward``
+  (sinks need nothing here: ``lse`` holds them)."""
+  q_len, kv_len, head_dim, dv_width = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
-  d_p = padded_head_dim(head_dim)
+  d_p, dv_p = padded_head_dim(head_dim), padded_head_dim(dv_width)
   delta = backward_delta(o, do, dlse)
   lse = pad_rows(lse, q_len_p)
   if mods.score is not None and q_len_p != q_len:
@@ -134,10 +146,12 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
     lists = (mods.lists((bq[1], bk[1]), padded, lengths, transpose=True),
              mods.lists((bq[2], bk[2]), padded, lengths))
   dq, dk, dv = flash_backward(
-      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, d_p),
-      pad_to(do.astype(q.dtype), q_len_p, d_p), lse, pad_rows(delta, q_len_p),
+      pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
+      pad_to(do.astype(q.dtype), q_len_p, dv_p), lse, pad_rows(delta, q_len_p),
       pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
       spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods), scale=scale,
       score=_score(softcap, mods), config=config, blocks=(bq[1], bk[1], bq[2], bk[2]),
-      interpret=interpret, arrays=mods.arrays, lists=lists)
-  return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
+      interpret=interpret, arrays=mods.arrays, lists=lists, dropout_rate=dropout_rate,
+      dropout_seed=dropout_seed)
+  return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
+          dv[:, :kv_len, :, :dv_width])

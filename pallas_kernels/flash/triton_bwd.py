@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
+from jattn.kernels.common.dropout import keep, row_hash
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
@@ -27,9 +28,19 @@ from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, 
 from jattn.kernels.common.softmax import LOG2E, dot, log2_logits, logit_grad
 
 
+def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
+  """Dropout in the backward: ``(weights that multiplied V, dP through the mask)``,
+  the mask rebuilt from the positions as the forward drew it."""
+  if not rate:
+    return p, dp
+  kept = keep(rows, seed_ref[1], k_idx, rate)
+  return jnp.where(kept, p * (1.0 / (1.0 - rate)), 0.0), jnp.where(kept, dp * (1.0 / (1.0 - rate)),
+                                                                    0.0)
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-                *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
-                group: int, lists: bool):
+                seed_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
+                block_k: int, group: int, lists: bool, dropout_rate: float):
   spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
   k_start = pl.program_id(0) * block_k
   batch_row, kv_head = pl.program_id(1), pl.program_id(2)
@@ -53,8 +64,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     if masked:
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
       p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
-    dv = dv + dot(p_t.astype(do.dtype), do, 1, 0)
-    dp_t = dot(v, do, 1, 1)
+    rows = row_hash(seed_ref[0], batch_row, head, q_idx) if dropout_rate else None
+    p_v, dp_t = _dropped(p_t, dot(v, do, 1, 1), rows, seed_ref, k_idx, dropout_rate)
+    dv = dv + dot(p_v.astype(do.dtype), do, 1, 0)
     ds_t = logit_grad(p_t * (dp_t - delta[None, :]), g_t)
     dk = dk + dot(ds_t.astype(q.dtype), q, 1, 0)
     return dk, dv
@@ -73,16 +85,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
       schedule = ranges
     return run_tiles(schedule, functools.partial(body, head), carry)
 
-  d = k_ref.shape[-1]
-  zeros = jnp.zeros((block_k, d), jnp.float32)
-  dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
+  dk, dv = lax.fori_loop(0, group, per_head,
+                         tuple(jnp.zeros((block_k, ref.shape[-1]), jnp.float32)
+                               for ref in (k_ref, v_ref)))
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-               *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
-               lists: bool):
+               seed_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
+               block_k: int, lists: bool, dropout_rate: float):
   spec, score, tile_lists, (dq_ref,) = split_extra_refs(refs, spec, score, lists)
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
@@ -92,6 +104,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
   delta = delta_ref[...]
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
+  rows = row_hash(seed_ref[0], *bh, q_idx) if dropout_rate else None
 
   def body(masked: bool, j, dq):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
@@ -103,7 +116,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     if masked:
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
-    dp = dot(do, v, 1, 1)
+    _, dp = _dropped(p, dot(do, v, 1, 1), rows, seed_ref, k_idx, dropout_rate)
     ds = logit_grad(p * (dp - delta[:, None]), g)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
@@ -117,11 +130,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
 
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
                    score, config: BlockConfig, blocks, interpret: bool, arrays=(),
-                   lists=None):
+                   lists=None, dropout_rate: float = 0.0, dropout_seed=None):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
-    q, do: ``[batch, q_len_p, q_heads, d_p]``; k, v: ``[batch, kv_len_p, kv_heads, d_p]``.
+    q: ``[batch, q_len_p, q_heads, d_p]``, do: ``[..., dv_p]``; k: ``[batch, kv_len_p,
+      kv_heads, d_p]``, v: ``[..., dv_p]``.
     lse, delta: ``[batch, q_heads, q_len_p]`` float32; delta is ``rowsum(o * do)``
       minus any cotangent of the returned log-sum-exp.
     blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``, dividing the
@@ -129,20 +143,24 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     arrays: the arrays the score function, then the mask function, read.
     lists: ``(dK/dV lists, dQ lists)``: ``block_sparsity.tile_lists`` at the dK/dV
       kernel's tiles (transposed: per key tile) and at the dQ kernel's; or None.
+    dropout_rate, dropout_seed: the forward's dropout (its mask is rebuilt).
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
   """
   batch, q_len_p, q_heads, d = q.shape
-  kv_len_p, kv_heads = k.shape[1], k.shape[2]
+  kv_len_p, kv_heads, dv_width = k.shape[1], k.shape[2], v.shape[-1]
   group = q_heads // kv_heads
   bq_dkv, bk_dkv, bq_dq, bk_dq = blocks
   launch = dict(interpret=interpret, num_warps=config.bwd_num_warps,
                 num_stages=config.bwd_num_stages)
+  seed = dropout_seed if dropout_rate else None
+  seed_spec = None if seed is None else whole_array_spec(seed)
 
-  full_q = pl.BlockSpec((None, q_len_p, q_heads, d), lambda j, b, h: (b, 0, 0, 0))
+  full_q = lambda width: pl.BlockSpec((None, q_len_p, q_heads, width),
+                                      lambda j, b, h: (b, 0, 0, 0))
   full_rows = pl.BlockSpec((None, q_heads, q_len_p), lambda j, b, h: (b, 0, 0))
-  kv_tile = tile_spec(bk_dkv, d)
+  k_tile, v_tile = tile_spec(bk_dkv, d), tile_spec(bk_dkv, dv_width)
   seg_specs = [None, None]
   if spec.segments:
     seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),
@@ -151,30 +169,32 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   dkv_lists, dq_lists = lists if lists is not None else ((), ())
   dk, dv = triton_call(
       functools.partial(_dkv_kernel, spec=spec, scale=scale, score=score,
-                        block_q=bq_dkv, block_k=bk_dkv, group=group, lists=bool(dkv_lists)),
+                        block_q=bq_dkv, block_k=bk_dkv, group=group, lists=bool(dkv_lists),
+                        dropout_rate=dropout_rate),
       grid=(kv_len_p // bk_dkv, batch, kv_heads),
-      in_specs=[full_q, kv_tile, kv_tile, full_q, full_rows, full_rows, *seg_specs, *extra,
-                *list_specs(dkv_lists, per_head=False)],
-      out_specs=[kv_tile, kv_tile],
+      in_specs=[full_q(d), k_tile, v_tile, full_q(dv_width), full_rows, full_rows, *seg_specs,
+                seed_spec, *extra, *list_specs(dkv_lists, per_head=False)],
+      out_specs=[k_tile, v_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_flash_bwd_dkv", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg, *arrays, *dkv_lists)
+  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, *arrays, *dkv_lists)
 
-  q_tile = tile_spec(bq_dq, d)
   row_tile = row_stat_spec(bq_dq)
-  full_kv = whole_sequence_spec(kv_len_p, d, group)
   seg_specs = [None, None]
   if spec.segments:
     seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
   dq = triton_call(
       functools.partial(_dq_kernel, spec=spec, scale=scale, score=score,
-                        block_q=bq_dq, block_k=bk_dq, lists=bool(dq_lists)),
+                        block_q=bq_dq, block_k=bk_dq, lists=bool(dq_lists),
+                        dropout_rate=dropout_rate),
       grid=(q_len_p // bq_dq, batch, q_heads),
-      in_specs=[q_tile, full_kv, full_kv, q_tile, row_tile, row_tile, *seg_specs, *extra,
+      in_specs=[tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
+                whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
+                row_tile, row_tile, *seg_specs, seed_spec, *extra,
                 *list_specs(dq_lists, per_head=True)],
-      out_specs=q_tile,
+      out_specs=tile_spec(bq_dq, d),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_flash_bwd_dq", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg, *arrays, *dq_lists)
+  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, *arrays, *dq_lists)
   return dq, dk, dv

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
+from jattn.kernels.common.dropout import keep, row_hash
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
@@ -27,14 +28,16 @@ from jattn.kernels.common.softmax import (dot, log2_logits, online_softmax_finis
                                           online_softmax_init, online_softmax_step)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs, spec: MaskSpec,
-                    scale: float, score, block_q: int, block_k: int, lists: bool):
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_ref, *refs,
+                    spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
+                    lists: bool, dropout_rate: float):
   spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
+  rows = row_hash(seed_ref[0], *bh, q_idx) if dropout_rate else None
 
   def body(masked: bool, j, carry):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
@@ -43,27 +46,36 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs, spec: Mas
     if masked:
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg, bh)
-    return online_softmax_step(carry, s, c, v_ref[k_slice, :])
+    kept = keep(rows, seed_ref[1], k_idx, dropout_rate) if dropout_rate else None
+    return online_softmax_step(carry, s, c, v_ref[k_slice, :], kept=kept)
 
   if lists:
     schedule = listed_tiles(tile_lists, pl.program_id(0))
   else:
     schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
-  carry = run_tiles(schedule, body, online_softmax_init(block_q, q_ref.shape[-1]))
+  sink = None if sink_ref is None else sink_ref[bh[1]]
+  carry = run_tiles(schedule, body, online_softmax_init(block_q, v_ref.shape[-1], sink))
   o, lse = online_softmax_finish(carry)
+  if dropout_rate:
+    o = o * (1.0 / (1.0 - dropout_rate))
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
 
 def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score,
                   config: BlockConfig, block_q: int, block_k: int, interpret: bool,
-                  arrays=(), lists=None):
+                  arrays=(), lists=None, sinks=None, dropout_rate: float = 0.0,
+                  dropout_seed=None):
   """Runs the forward kernel on padded inputs.
 
   Args:
     q: ``[batch, q_len_p, q_heads, d_p]`` with ``q_len_p % block_q == 0``.
-    k, v: ``[batch, kv_len_p, kv_heads, d_p]`` with ``kv_len_p % block_k == 0``.
+    k, v: ``[batch, kv_len_p, kv_heads, d_p]`` / ``[..., dv_p]`` with
+      ``kv_len_p % block_k == 0``.
     q_seg, kv_seg: ``[batch, q_len_p]`` / ``[batch, kv_len_p]`` int32, or None.
+    sinks: float32 ``[q_heads_p]`` (padded to a power of two), or None.
+    dropout_rate, dropout_seed: the rate and the ``[2]`` int32 seed words
+      (``dropout.seed_of``) when > 0.
     score: a score transform (``Softcap``, ``ScoreFunction``) or None.
     arrays: the arrays the score function, then the mask function, read.
     lists: ``block_sparsity.tile_lists`` at ``(block_q, block_k)``, or None.
@@ -72,27 +84,30 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
     ``o`` like ``q`` and ``lse: [batch, q_heads, q_len_p]`` float32 (natural log).
   """
   batch, q_len_p, q_heads, d = q.shape
-  kv_len_p, kv_heads = k.shape[1], k.shape[2]
+  kv_len_p, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
   group = q_heads // kv_heads
-  kv_spec = whole_sequence_spec(kv_len_p, d, group)
-  in_specs = [tile_spec(block_q, d), kv_spec, kv_spec]
+  in_specs = [tile_spec(block_q, d), whole_sequence_spec(kv_len_p, d, group),
+              whole_sequence_spec(kv_len_p, dv, group)]
   if spec.segments:
     in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
   else:
     in_specs += [None, None]
+  seed = dropout_seed if dropout_rate else None
+  in_specs += [None if x is None else whole_array_spec(x) for x in (sinks, seed)]
   in_specs += [whole_array_spec(x) for x in arrays]
   if lists is not None:
     in_specs += list_specs(lists, per_head=True)
   kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, score=score,
-                             block_q=block_q, block_k=block_k, lists=lists is not None)
+                             block_q=block_q, block_k=block_k, lists=lists is not None,
+                             dropout_rate=dropout_rate)
   return triton_call(
       kernel,
       grid=(q_len_p // block_q, batch, q_heads),
       in_specs=in_specs,
-      out_specs=[tile_spec(block_q, d), row_stat_spec(block_q)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_specs=[tile_spec(block_q, dv), row_stat_spec(block_q)],
+      out_shape=[jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)],
       name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
       num_stages=config.num_stages,
-  )(q, k, v, q_seg, kv_seg, *arrays, *(lists or ()))
+  )(q, k, v, q_seg, kv_seg, sinks, seed, *arrays, *(lists or ()))

@@ -1,0 +1,151 @@
+"""flash_attention's features beside the mask, on one GPU, peers in the same run:
+
+- ``value_head_dim``: dk = 192, dv = 128 against our own dk = dv = 128 at the same
+  shape, in TFLOP/s (FLOPs ``2 B H Sq Sk (dk + dv)`` forward, 2.5x that for the
+  backward; causal halves them);
+- ``dropout``: rate 0.1 against the same call without dropout, and against torch's
+  ``scaled_dot_product_attention`` with ``dropout_p=0.1`` on its flash backend (same
+  GPU, same inputs through the DLPack bridge).
+
+    python bench/flash_features.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import (environment, results_table, time_jax_qkv, time_torch_qkv,  # noqa: E402
+                          write_results)
+
+import jattn  # noqa: E402
+
+DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+BATCH, SEQ, HEADS = 4, 4096, 16
+RATE = 0.1
+
+
+def _inputs(dk: int, dv: int, dtype, seed: int = 0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  shapes = [(BATCH, SEQ, HEADS, dk), (BATCH, SEQ, HEADS, dk), (BATCH, SEQ, HEADS, dv),
+            (BATCH, SEQ, HEADS, dv)]
+  return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(ks, shapes)]
+
+
+def _flops(dk: int, dv: int, causal: bool, mode: str) -> float:
+  fwd = 2.0 * BATCH * HEADS * SEQ * SEQ * (dk + dv) * (0.5 if causal else 1.0)
+  return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def head_dim_rows(dtypes, modes, save, rows):
+  for dname, causal, mode, (dk, dv) in itertools.product(dtypes, (False, True), modes,
+                                                          ((128, 128), (192, 128))):
+    q, k, v, do = _inputs(dk, dv, DTYPES[dname])
+    fn = lambda q, k, v, causal=causal: jattn.flash_attention(q, k, v, causal=causal)
+    row = dict(study="head_dims", impl=f"jattn_dk{dk}_dv{dv}", dtype=dname, causal=causal,
+               mode=mode)
+    try:
+      seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
+      row.update(ms=seconds * 1e3, tflops=_flops(dk, dv, causal, mode) / seconds / 1e12)
+    except Exception as e:  # recorded, not fatal
+      row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    rows.append(row)
+    print(row, flush=True)
+    save(rows)
+
+
+def dropout_rows(dtypes, modes, save, rows):
+  import torch
+  import torch.nn.functional as F
+
+  from jattn.interop import to_torch
+
+  key = jax.random.PRNGKey(1)
+  for dname, causal, mode in itertools.product(dtypes, (False, True), modes):
+    q, k, v, do = _inputs(128, 128, DTYPES[dname])
+    qt, kt, vt, dot = (to_torch(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v, do))
+    qt, kt, vt = (x.detach().requires_grad_(mode != "fwd") for x in (qt, kt, vt))
+    impls = {
+        "jattn_dropout": lambda q, k, v: jattn.flash_attention(
+            q, k, v, causal=causal, dropout_rate=RATE, dropout_key=key),
+        "jattn_no_dropout_same_kernels": lambda q, k, v: jattn.flash_attention(
+            q, k, v, causal=causal, backend="pallas_triton"),
+        "jattn_no_dropout": lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal),
+    }
+    for name, fn in impls.items():
+      row = dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode)
+      try:
+        seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
+        row.update(ms=seconds * 1e3)
+      except Exception as e:
+        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      rows.append(row)
+      print(row, flush=True)
+    for name, p in (("torch_sdpa_dropout", RATE), ("torch_sdpa_no_dropout", 0.0)):
+      row = dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode)
+      try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+          fwd = lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=causal)
+          run = fwd if mode == "fwd" else (lambda: torch.autograd.grad(fwd(), (qt, kt, vt), dot))
+          seconds, _ = time_torch_qkv(run, (qt, kt, vt))
+        row.update(ms=seconds * 1e3)
+      except Exception as e:
+        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      rows.append(row)
+      print(row, flush=True)
+    save(rows)
+
+
+def markdown(rows) -> str:
+  key = [("dtype", lambda r: r["dtype"]), ("causal", lambda r: str(r["causal"])),
+         ("mode", lambda r: r["mode"])]
+  heads = [r for r in rows if r["study"] == "head_dims"]
+  drops = [r for r in rows if r["study"] == "dropout"]
+  out = [f"# flash_attention features, ({BATCH}, {SEQ}, {HEADS}), one GPU\n"]
+  if heads:
+    out += ["## dk = 192, dv = 128 against dk = dv = 128 (TFLOP/s; ratio > 1: dk192 faster "
+            "per FLOP)\n",
+            results_table(heads, key, lambda r: f"{r['tflops']:.0f} TFLOP/s ({r['ms']:.3f} ms)",
+                          [("dk192/dv128 vs dk=dv=128", "jattn_dk192_dv128",
+                            "jattn_dk128_dv128")],
+                          lambda a, b: f"{a['tflops'] / b['tflops']:.2f}x")]
+  if drops:
+    out += [f"## dropout {RATE} (median ms; ratio = peer ms / ours, > 1: ours faster)\n",
+            results_table(drops, key, lambda r: f"{r['ms']:.3f} ms",
+                          [("vs no dropout, same kernels", "jattn_dropout",
+                            "jattn_no_dropout_same_kernels"),
+                           ("vs no dropout (auto)", "jattn_dropout", "jattn_no_dropout"),
+                           ("vs torch SDPA dropout", "jattn_dropout", "torch_sdpa_dropout")],
+                          lambda a, b: f"{b['ms'] / a['ms']:.2f}x")]
+  return "\n".join(out)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument("--stem", default="flash_features")
+  parser.add_argument("--studies", default="head_dims,dropout")
+  parser.add_argument("--dtypes", default="fp16,bf16")
+  parser.add_argument("--modes", default="fwd,fwd+bwd")
+  args = parser.parse_args()
+  rows = []
+  save = lambda rows: write_results(args.out, args.stem, {"env": environment(), "rows": rows},
+                                    markdown(rows))
+  dtypes, modes = args.dtypes.split(","), args.modes.split(",")
+  if "head_dims" in args.studies:
+    head_dim_rows(dtypes, modes, save, rows)
+  if "dropout" in args.studies:
+    dropout_rows(dtypes, modes, save, rows)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,129 @@
+"""flash_attention's features beside the mask: a value head dim of its own, attention
+sinks and dropout. Sinks against a formula written without them, dropout's mask
+statistically and as one mask for the forward and the backward; on the GPU, the kernels
+at larger sizes against the float32 reference. (jit, grad, vmap, x64, empty rows and
+determinism with all three: tests/test_contract.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from conftest import rel_err
+from jattn.kernels.common.dropout import keep_mask, seed_of
+
+
+def _inputs(seed, batch, sq, sk, hq, hk, d, dv, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  shapes = [(batch, sq, hq, d), (batch, sk, hk, d), (batch, sk, hk, dv), (batch, sq, hq, dv)]
+  arrays = [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(ks, shapes)]
+  return (*arrays, jax.random.normal(ks[4], (hq,), jnp.float32))
+
+
+@pytest.mark.kernel
+def test_sinks_scale_each_row_by_the_weight_the_sink_leaves():
+  """With a sink the output is the sinkless one times ``1 - exp(sink - lse)``, and the
+  log-sum-exp is ``logaddexp(lse, sink)``: both from a call without sinks."""
+  q, k, v, _, sinks = _inputs(0, 2, 19, 27, 4, 2, 16, 24)
+  call = lambda **kw: jattn.flash_attention(q, k, v, causal=True, return_lse=True,
+                                            backend="pallas_triton", **kw)
+  (o, lse), (o_sink, lse_sink) = call(), call(sinks=sinks)
+  expected_lse = jnp.logaddexp(lse, sinks[None, :, None])
+  assert rel_err(lse_sink, expected_lse) < 1e-6
+  weight = jnp.exp(lse - expected_lse).transpose(0, 2, 1)[..., None]
+  assert rel_err(o_sink, o * weight) < 1e-5
+
+
+def test_dropout_mask_keeps_the_rate_independently_of_position():
+  """The keep-mask: its keep rate, and neighbouring rows, columns, heads and seeds agree
+  no more often than independent draws would."""
+  rate, n = 0.3, 256
+  seed = seed_of(jax.random.PRNGKey(1))
+  b, h, i, j = (jnp.arange(m).reshape(s) for m, s in
+                ((2, (-1, 1, 1, 1)), (3, (1, -1, 1, 1)), (n, (1, 1, -1, 1)), (n, (1, 1, 1, -1))))
+  kept = np.asarray(keep_mask(seed, rate, b, h, i, j))
+  sigma = (rate * (1 - rate) / kept.size) ** 0.5
+  assert abs(kept.mean() - (1 - rate)) < 5 * sigma
+  agree = (1 - rate) ** 2 + rate ** 2  # of two independent draws
+  other_seed = np.asarray(keep_mask(seed_of(jax.random.PRNGKey(2)), rate, b, h, i, j))
+  for a, c in ((kept[..., 1:], kept[..., :-1]), (kept[:, :, 1:], kept[:, :, :-1]),
+               (kept[:, 1:], kept[:, :-1]), (kept[1:], kept[:-1]), (kept, other_seed)):
+    assert abs((a == c).mean() - agree) < 10 * sigma
+
+
+@pytest.mark.kernel
+def test_dropout_one_mask_forward_and_backward_and_the_expected_output():
+  """The kernels' dropout against the dense reference given the same mask (outputs and
+  every gradient: a backward with another mask would differ), the same key bitwise
+  alike, another key not; averaged over the rows, values of ones keep their sum 1."""
+  q, k, v, do, _ = _inputs(3, 1, 64, 64, 2, 2, 16, 16)
+  rate, key = 0.2, jax.random.PRNGKey(4)
+
+  def run(backend, key, v=v):
+    f = lambda q, k, v: jattn.flash_attention(q, k, v, dropout_rate=rate, dropout_key=key,
+                                              backend=backend)
+    return jax.vjp(jax.jit(f), q, k, v)
+
+  (o, pull), (o_ref, pull_ref) = run("pallas_triton", key), run("xla", key)
+  assert rel_err(o, o_ref) < 1e-5
+  for g, g_ref in zip(pull(do), pull_ref(do)):
+    assert rel_err(g, g_ref) < 1e-5
+  assert (np.asarray(run("pallas_triton", key)[0]) == np.asarray(o)).all()
+  assert rel_err(run("pallas_triton", jax.random.PRNGKey(5))[0], o) > 0.1
+  no_dropout = jattn.flash_attention(q, k, v, backend="pallas_triton")
+  assert rel_err(o, no_dropout) > 0.1
+  ones_out = run("pallas_triton", key, jnp.ones_like(v))[0]
+  assert abs(float(ones_out.mean()) - 1.0) < 0.02
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dropout_rate=0.1), ValueError, "needs dropout_key"),
+    (dict(dropout_rate=1.0, dropout_key=jax.random.PRNGKey(0)), ValueError, r"in \[0, 1\)"),
+    (dict(dropout_rate=0.1, dropout_key="seed"), TypeError, "dropout_key must be a jax"),
+    (dict(sinks=jnp.zeros(3)), ValueError, r"^sinks must be \[q_heads\] = \[4\], got \(3,\)"),
+    (dict(sinks=jnp.zeros(4, jnp.int32)), TypeError, "sinks must be floats"),
+])
+def test_feature_errors_name_the_argument(kwargs, error, match):
+  q, k, v, _, _ = _inputs(6, 1, 8, 8, 4, 2, 16, 8)
+  with pytest.raises(error, match=match):
+    jattn.flash_attention(q, k, v, backend="xla", **kwargs)
+  with pytest.raises(ValueError, match=r"^v must be \[1, 8, 2, head_dim_v\]|^v must be"):
+    jattn.flash_attention(q, k, v[:, :7], backend="xla")
+
+
+GPU_FEATURE_CASES = [
+    pytest.param("pallas_mosaic", dict(shape=(2, 384, 8, 2, 64, 128), causal=True, sinks=True),
+                 id="mosaic-dv128-dk64-sinks-gqa-causal"),
+    pytest.param("pallas_mosaic", dict(shape=(1, 300, 4, 4, 192, 128), sinks=True),
+                 id="mosaic-dk192-dv128-padded"),
+    pytest.param("pallas_mosaic", dict(shape=(1, 256, 4, 2, 64, 256), causal=True, sinks=True),
+                 id="mosaic-dk64-dv256"),
+    pytest.param("pallas_triton", dict(shape=(2, 320, 4, 2, 64, 96), causal=True, sinks=True,
+                                       dropout=0.1), id="triton-dv96-sinks-dropout"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,case", GPU_FEATURE_CASES)
+def test_features_on_the_gpu(backend, case):
+  """The kernels with bf16 inputs against the float32 reference on the same values: o,
+  lse and the gradients of q, k, v and the sinks."""
+  batch, s, hq, hk, d, dv = case["shape"]
+  q, k, v, do, sinks = _inputs(8, batch, s, s, hq, hk, d, dv, jnp.bfloat16)
+  kwargs = dict(causal=case.get("causal", False))
+  if case.get("dropout"):
+    kwargs.update(dropout_rate=case["dropout"], dropout_key=jax.random.PRNGKey(9))
+
+  def run(backend, *arrays):
+    f = lambda q, k, v, sinks: jattn.flash_attention(q, k, v, sinks=sinks, return_lse=True,
+                                                     backend=backend, **kwargs)
+    (o, lse), pull = jax.vjp(jax.jit(f), *arrays)
+    return o, lse, pull((do.astype(o.dtype), jnp.zeros_like(lse)))
+
+  o, lse, grads = run(backend, q, k, v, sinks)
+  o_ref, lse_ref, grads_ref = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)), sinks)
+  assert o.shape == (batch, s, hq, dv)
+  assert rel_err(o, o_ref) < 1e-2 and rel_err(lse, lse_ref) < 1e-3
+  for g, g_ref in zip(grads, grads_ref):
+    assert rel_err(g, g_ref) < 2e-2
