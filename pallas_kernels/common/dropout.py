@@ -38,15 +38,23 @@ def row_hash(seed, b, h, q_idx):
   return _mix(x ^ (u(q_idx) * jnp.uint32(0x9E3779B1)))
 
 
-def keep(row, seed, k_idx, rate: float):
-  """Boolean keep-mask: ``row`` from ``row_hash`` (broadcast over keys), the seed's
-  second word, int32 key positions ``k_idx``; each kept with probability ``1 - rate``."""
+def col_hash(seed, k_idx):
+  """The per-column half: int32 key positions ``k_idx`` and the seed's second word."""
   u = lambda x: lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.uint32)
-  x = _mix((row + u(k_idx) * jnp.uint32(0x85EBCA77)) ^ u(seed))
+  return _mix((u(k_idx) * jnp.uint32(0x85EBCA77)) ^ u(seed))
+
+
+def keep(row, col, rate: float):
+  """Boolean keep-mask of a tile from its rows' and columns' hashes (broadcast against
+  each other), each weight kept with probability ``1 - rate``. Per weight only one
+  multiply and xor-shift mixes the two well-mixed halves: the kernels pay it on every
+  weight of every tile, three times (the forward and both backward kernels)."""
+  x = (row ^ col) * jnp.uint32(0x9E3779B1)
+  x = x ^ (x >> 16)
   threshold = round(rate * (1 << _RATE_BITS))
   return lax.bitcast_convert_type(x >> (32 - _RATE_BITS), jnp.int32) >= threshold
 
 
 def keep_mask(seed, rate: float, b, h, q_idx, k_idx):
   """The keep-mask at broadcastable int32 positions (the reference's dense call)."""
-  return keep(row_hash(seed[0], b, h, q_idx), seed[1], k_idx, rate)
+  return keep(row_hash(seed[0], b, h, q_idx), col_hash(seed[1], k_idx), rate)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
-from jattn.kernels.common.dropout import keep, row_hash
+from jattn.kernels.common.dropout import col_hash, keep, row_hash
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
@@ -33,7 +33,7 @@ def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
   the mask rebuilt from the positions as the forward drew it."""
   if not rate:
     return p, dp
-  kept = keep(rows, seed_ref[1], k_idx, rate)
+  kept = keep(rows, col_hash(seed_ref[1], k_idx), rate)
   return jnp.where(kept, p * (1.0 / (1.0 - rate)), 0.0), jnp.where(kept, dp * (1.0 / (1.0 - rate)),
                                                                     0.0)
 

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
-from jattn.kernels.common.dropout import keep, row_hash
+from jattn.kernels.common.dropout import col_hash, keep, row_hash
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
@@ -46,7 +46,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
     if masked:
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg, bh)
-    kept = keep(rows, seed_ref[1], k_idx, dropout_rate) if dropout_rate else None
+    kept = keep(rows, col_hash(seed_ref[1], k_idx), dropout_rate) if dropout_rate else None
     return online_softmax_step(carry, s, c, v_ref[k_slice, :], kept=kept)
 
   if lists:
