@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +80,7 @@ class FlashProblem(AttentionProblem):
 
 def _dropout_seed(rate, key):
   """The kernels' ``[2]`` int32 seed words of a dropout call (None without dropout)."""
-  if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < 1):
+  if not (isinstance(rate, numbers.Real) and not isinstance(rate, bool) and 0 <= rate < 1):
     raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
   if not rate:
     return None

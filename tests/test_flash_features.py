@@ -35,6 +35,25 @@ def test_sinks_scale_each_row_by_the_weight_the_sink_leaves():
   assert rel_err(o_sink, o * weight) < 1e-5
 
 
+@pytest.mark.kernel
+def test_a_sink_of_minus_infinity_is_no_sink():
+  """Head 0's sink is -inf: its rows equal a call without sinks (rows that see no key:
+  zeros, EMPTY_ROW_LSE), never NaN, and its sink gets a zero gradient."""
+  q, k, v, do, sinks = _inputs(10, 1, 6, 4, 2, 2, 16, 8)
+  sinks = sinks.at[0].set(-jnp.inf)
+  def run(sinks):
+    f = lambda q, sinks: jattn.flash_attention(q, k, v, causal=True, sinks=sinks,
+                                               return_lse=True, backend="pallas_triton")
+    (o, lse), pull = jax.vjp(f, q, sinks)
+    return o, lse, pull((do, jnp.zeros_like(lse)))[1]
+  o, lse, dsinks = run(sinks)
+  o_plain, lse_plain = jattn.flash_attention(q, k, v, causal=True, return_lse=True,
+                                             backend="pallas_triton")
+  assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
+  assert rel_err(o[:, :, 0], o_plain[:, :, 0]) < 1e-6 and rel_err(lse[:, 0], lse_plain[:, 0]) < 1e-6
+  assert float(dsinks[0]) == 0.0 and bool(jnp.isfinite(dsinks[1]))
+
+
 def test_dropout_mask_keeps_the_rate_independently_of_position():
   """The keep-mask: its keep rate, and neighbouring rows, columns, heads and seeds agree
   no more often than independent draws would."""
@@ -86,6 +105,8 @@ def test_dropout_one_mask_forward_and_backward_and_the_expected_output():
 ])
 def test_feature_errors_name_the_argument(kwargs, error, match):
   q, k, v, _, _ = _inputs(6, 1, 8, 8, 4, 2, 16, 8)
+  jattn.flash_attention(q, k, v, backend="xla", dropout_rate=np.float32(0.1),
+                        dropout_key=jax.random.PRNGKey(0))  # numpy rates are rates
   with pytest.raises(error, match=match):
     jattn.flash_attention(q, k, v, backend="xla", **kwargs)
   with pytest.raises(ValueError, match=r"^v must be \[1, 8, 2, head_dim_v\]|^v must be"):

@@ -191,6 +191,28 @@ def test_hopper_split_of_the_ready_functions():
     assert "both q_idx and kv_idx" in trace(fn, "score_mod")[0].factored.gap
   per_head_rows = lambda b, h, i, j: docs[h % B, i] == 0
   assert "per head and per sequence position" in trace(per_head_rows, "mask_mod")[0].factored.gap
+  bias = jnp.ones((B, SQ, SK))
+  sliced = lambda s, b, h, i, j: s + bias[b][i, j]  # a slice computed outside, indexed inside
+  assert "a slice of a closed-over array" in trace(sliced, "score_mod")[0].factored.gap
+  stacked = lambda s, b, h, i, j: s + jnp.max(jnp.stack([i, j]))  # whole arrays on the tiles
+  assert "on whole arrays" in trace(stacked, "score_mod")[0].factored.gap
+
+
+def test_hopper_parts_are_padded_with_their_last_value_and_flex_tiles_fit():
+  """Padded query rows compute what the last real row does (a zero could make 0/0 there,
+  and the dK/dV kernel's last tile reads them); the Hopper cost model takes flex calls."""
+  from jattn.core.device import describe
+  from jattn.flex.attention import FLEX, MosaicFlex
+  from jattn.kernels.flash import default_mosaic_config
+  from jattn.kernels.flash.mosaic_inputs import as_vector_array
+  padded = as_vector_array(jnp.array([[1.0, 2.0, 4.0]], jnp.bfloat16), 6)
+  assert padded.dtype == jnp.float32 and padded.tolist() == [[1.0, 2.0, 4.0, 4.0, 4.0, 4.0]]
+  h100 = describe("NVIDIA H100 80GB HBM3", (9, 0), shared_memory_per_block_bytes=232448,
+                  interpret=False)
+  q, k, v, _ = _inputs()
+  problem, _ = FLEX.bind(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                         mask_mod=flex.causal_mask())
+  assert MosaicFlex().fits(default_mosaic_config(D), problem, h100) is None
 
 
 def test_block_ranges_cover_every_nonempty_tile():

@@ -26,12 +26,13 @@ from jattn.flex.array_grads import score_array_grads
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
-from jattn.flash import AttentionTritonImpl, mosaic_fits
+from jattn.flash import AttentionTritonImpl, mosaic_costs
 from jattn.kernels.common.block_sparsity import classify_blocks
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
-from jattn.kernels.flash.mosaic_config import mosaic_backward_runs
+from jattn.kernels.flash.mosaic_config import mosaic_backward_runs, mosaic_head_dim
+from jattn.tuning.spaces import within_mosaic_budget
 from jattn.reference import flex_attention_reference
 
 
@@ -162,7 +163,12 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
     return ()  # as TritonFlex
 
   def fits(self, config, p, info):
-    return mosaic_fits()(config, p, info)
+    costs = mosaic_costs(config, mosaic_head_dim(p.head_dim), p.dtype.itemsize)
+    for name in ("forward", "dQ", "dK/dV"):  # (never the fused dQ: deterministic)
+      reason = within_mosaic_budget(name, costs[name], info)
+      if reason is not None:
+        return reason
+    return None
 
   def _finest_tiles(self, call):
     c = call.config

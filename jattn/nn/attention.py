@@ -50,6 +50,7 @@ class MultiHeadAttention(nnx.Module):
       head_dim = embed_dim // num_heads
     if not (0 <= dropout_rate < 1):
       raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
+    dropout_rate = float(dropout_rate)
     self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
     self.head_dim = head_dim
     self.value_head_dim = head_dim if value_head_dim is None else value_head_dim

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
@@ -66,9 +67,21 @@ class FactoredFunction:
   @classmethod
   def of(cls, fn: TileFunction) -> "FactoredFunction":
     try:
-      return cls(*_split(fn), key=fn.key)
+      split = cls(*_split(fn), key=fn.key)
+      split._check()
+      return split
     except UnsupportedFunction as e:
       return cls(None, None, gap=str(e), key=fn.key)
+
+  def _check(self) -> None:
+    """Evaluates the inner function abstractly on small tiles: raises
+    ``UnsupportedFunction`` where the tiles cannot run it."""
+    n_args = len(self.inner.invars) - len(self.parts)
+    tile = lambda dtype: jax.ShapeDtypeStruct((2, 2), dtype)
+    parts = [jax.ShapeDtypeStruct(() if p.kind == SCALAR else (2, 2), v.aval.dtype)
+             for p, v in zip(self.parts, self.inner.invars)]
+    args = [tile(v.aval.dtype) for v in self.inner.invars[-n_args:]]
+    jax.eval_shape(lambda parts, args: self(parts, *args), parts, args)
 
   def of_kind(self, kind: str) -> tuple[int, ...]:
     """Positions (among ``parts``) of the parts of ``kind``."""
@@ -90,7 +103,7 @@ class FactoredFunction:
       k = jnp.arange(kv_len, dtype=jnp.int32)[None, :] if part.kind == COL else zero
       index = (b, h, q, k) if part.kind == SCALAR else (b, zero, q, k)
       args = ([jnp.zeros((1, 1), jnp.float32)] if n_args == 5 else []) + list(index)
-      x = elementwise(lambda *xs, i=i: fn(*arrays, *xs)[i], *args)
+      x = elementwise(lambda *xs, i=i: jnp.reshape(fn(*arrays, *xs)[i], ()), *args)
       out.append(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x)
     return out
 
@@ -139,6 +152,13 @@ def _split(fn: TileFunction):
                    and (v in computed_outside or v in arrays)}.values())
   parts = []
   for v in boundary:
+    if np.prod(v.aval.shape) != 1:  # a slice of an array, indexed on the tiles
+      raise UnsupportedFunction(
+          "it indexes, next to the indices, a slice of a closed-over array (the Hopper "
+          "kernels read arrays per row, per column or per head only)")
+    if np.dtype(v.aval.dtype).itemsize > 4:
+      raise UnsupportedFunction(f"it reads {v.aval.dtype} values (the Hopper kernels take "
+                                "32-bit ones)")
     d = dep(v)
     kind = ROW if "q" in d else COL if "k" in d else SCALAR
     if kind != SCALAR and "h" in d:

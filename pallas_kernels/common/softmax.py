@@ -49,6 +49,14 @@ def online_softmax_init(rows: int, width: int, sink=None):
   return acc, m, jnp.ones((rows,), jnp.float32)
 
 
+def kernel_sinks(sinks):
+  """Sink logits as the kernels take them: float32, at least ``EMPTY_ROW_LSE``. A sink
+  of -inf is no sink, and as a running max it would make the first rescale
+  ``exp2(-inf - -inf)``; at ``EMPTY_ROW_LSE`` its weight is 0 and empty rows take the
+  usual ``EMPTY_ROW_LSE``."""
+  return jnp.maximum(sinks.astype(jnp.float32), EMPTY_ROW_LSE)
+
+
 def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
   """Folds one key tile into ``(acc, m, l)``: logits ``s * c`` in base-2 units
   (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``

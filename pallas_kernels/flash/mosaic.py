@@ -10,11 +10,9 @@ block mask becomes each kernel's block ranges (``mosaic_inputs``).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import LOG2E, PADDED_ROW_LSE, backward_delta
+from jattn.kernels.common.softmax import LOG2E, PADDED_ROW_LSE, backward_delta, kernel_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, mosaic_backward_runs,
@@ -94,7 +92,7 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
                           scale=scale, block_q=config.block_q, block_kv=config.block_kv,
                           stages=config.stages, softcap=softcap,
                           persistent=config.persistent, positions=positions,
-                          sinks=None if sinks is None else sinks.astype(jnp.float32))
+                          sinks=None if sinks is None else kernel_sinks(sinks))
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
 

@@ -209,9 +209,12 @@ def mask_ranges(kinds, block: tuple[int, int], tiles: tuple[int, int],
 
 
 def as_vector_array(x, length: int):
-  """A row or col part as a kernel copies it: int32 or float32, padded to ``length``."""
+  """A row or col part as a kernel copies it: int32 or float32, padded to ``length`` with
+  its last value (padded positions then compute what the last real one does, never a
+  0/0 a zero would give; the Triton kernels clamp their indices alike)."""
   x = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
-  return jnp.pad(x, [(0, 0), (0, length - x.shape[1])]) if x.shape[1] != length else x
+  return jnp.pad(x, [(0, 0), (0, length - x.shape[1])], mode="edge") if (
+      x.shape[1] != length) else x
 
 
 def as_scalar_array(x):

@@ -12,13 +12,13 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jattn.kernels.common.block_sparsity import retile, tile_lists
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.element_functions import TileFunction, kernel_array
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import PADDED_ROW_LSE, ScoreFunction, Softcap, backward_delta
+from jattn.kernels.common.softmax import (PADDED_ROW_LSE, ScoreFunction, Softcap, backward_delta,
+                                          kernel_sinks)
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 
 
@@ -120,7 +120,7 @@ def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
       score=_score(softcap, mods), config=config, block_q=bq[0], block_k=bk[0],
       interpret=interpret, arrays=mods.arrays,
       lists=mods.lists((bq[0], bk[0]), (q_len_p, kv_len_p), (q_len, kv_len)),
-      sinks=None if sinks is None else kernel_array(sinks.astype(jnp.float32)),
+      sinks=None if sinks is None else kernel_array(kernel_sinks(sinks)),
       dropout_rate=dropout_rate, dropout_seed=dropout_seed)
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
