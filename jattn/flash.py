@@ -191,19 +191,27 @@ def _fuses_dq(c: MosaicBlockConfig, p: FlashProblem) -> bool:
   return c.fused_dq and not p.deterministic
 
 
+def mosaic_budget(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
+                  kernels: tuple[str, ...], info: GPUInfo) -> str | None:
+  """Why the Hopper ``kernels`` (names of ``mosaic_costs``) of config ``c`` do not fit
+  ``info``'s device at head dims ``(dk, dv)`` (None: they fit)."""
+  dk, dv = (mosaic_head_dim(d) for d in head_dims)
+  costs = mosaic_costs(c, dk, nbytes, dv)
+  for name in kernels:
+    reason = within_mosaic_budget(name, costs[name], info)
+    if reason is not None:
+      return reason
+  return None
+
+
 def mosaic_fits(*kernels: str):
   """The Hopper cost model restricted to ``kernels`` (when none are named: the kernels
   the config runs)."""
 
   def fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
-    costs = mosaic_costs(c, mosaic_head_dim(p.head_dim), p.dtype.itemsize,
-                         mosaic_head_dim(p.value_head_dim))
     backward = ("dK/dV+dQ",) if _fuses_dq(c, p) else ("dQ", "dK/dV")
-    for name in kernels or ("forward", *backward):
-      reason = within_mosaic_budget(name, costs[name], info)
-      if reason is not None:
-        return reason
-    return None
+    return mosaic_budget(c, p.head_dims, p.dtype.itemsize, kernels or ("forward", *backward),
+                         info)
 
   return fits
 

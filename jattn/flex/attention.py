@@ -26,13 +26,12 @@ from jattn.flex.array_grads import score_array_grads
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
-from jattn.flash import AttentionTritonImpl, mosaic_costs
+from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
-from jattn.kernels.flash.mosaic_config import mosaic_backward_runs, mosaic_head_dim
-from jattn.tuning.spaces import within_mosaic_budget
+from jattn.kernels.flash.mosaic_config import mosaic_backward_runs
 from jattn.reference import flex_attention_reference
 
 
@@ -55,6 +54,11 @@ class FlexProblem(AttentionProblem):
     """How many arrays the functions close over (the op's arrays after q, k, v)."""
     return sum(f.num_consts for f in (self.score_mod, self.mask_mod) if f is not None)
 
+  def split_arrays(self, rest: tuple) -> tuple[tuple, object]:
+    """The op's arrays after q, k, v: ``(the closed-over arrays, the block mask's
+    classification or None)``."""
+    return (tuple(rest[:-1]), rest[-1]) if self.block_mask is not None else (tuple(rest), None)
+
   def split_consts(self, consts: tuple) -> tuple[tuple, tuple]:
     """The op's arrays after q, k, v: ``(score_mod's, mask_mod's)``."""
     n = self.score_mod.num_consts if self.score_mod is not None else 0
@@ -74,7 +78,7 @@ class _FlexKernels:
 
   def _mods(self, call, rest) -> FlexMods:
     p = call.problem
-    consts, kinds = (rest[:-1], rest[-1]) if p.block_mask is not None else (rest, None)
+    consts, kinds = p.split_arrays(rest)
     score_consts, mask_consts = p.split_consts(consts)
     block = p.block_mask
     if p.mask_mod is not None and kinds is None:  # the mask's at the finest kernel tiles
@@ -92,9 +96,7 @@ class _FlexKernels:
   def forward(self, call, q, k, v, *rest):
     mods = self._mods(call, rest)
     o, lse = self._kernel_forward(call, q, k, v, mods)
-    p = call.problem
-    consts = rest[:-1] if p.block_mask is not None else rest
-    return (o, lse), ((q, k, v), consts, mods, o, lse)
+    return (o, lse), ((q, k, v), call.problem.split_arrays(rest)[0], mods, o, lse)
 
   def backward(self, call, residuals, cotangents):
     (q, k, v), consts, mods, o, lse = residuals
@@ -163,12 +165,9 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
     return ()  # as TritonFlex
 
   def fits(self, config, p, info):
-    costs = mosaic_costs(config, mosaic_head_dim(p.head_dim), p.dtype.itemsize)
-    for name in ("forward", "dQ", "dK/dV"):  # (never the fused dQ: deterministic)
-      reason = within_mosaic_budget(name, costs[name], info)
-      if reason is not None:
-        return reason
-    return None
+    # (never the fused dQ: the backward is deterministic)
+    return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
+                         ("forward", "dQ", "dK/dV"), info)
 
   def _finest_tiles(self, call):
     c = call.config
@@ -196,8 +195,7 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
 class XlaFlex(XlaImpl):
   def forward(self, call, q, k, v, *rest):
     p = call.problem
-    consts = rest[:-1] if p.block_mask is not None else rest
-    score_consts, mask_consts = p.split_consts(consts)
+    score_consts, mask_consts = p.split_consts(p.split_arrays(rest)[0])
     score = None if p.score_mod is None else p.score_mod.bind(score_consts)
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
     return flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale), None

@@ -24,6 +24,10 @@ def _mix(x):
   return x ^ (x >> 16)
 
 
+def _u32(x):
+  return lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.uint32)
+
+
 def seed_of(key):
   """``[2]`` int32 seed words from a ``jax.random`` key (typed or raw)."""
   bits = jax.random.bits(key, (2,), jnp.uint32)
@@ -33,15 +37,13 @@ def seed_of(key):
 def row_hash(seed, b, h, q_idx):
   """The per-row half of the hash: broadcastable int32 ``b``, ``h``, ``q_idx`` and the
   ``[2]`` seed's first word (scalars or tiles)."""
-  u = lambda x: lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.uint32)
-  x = _mix(u(seed) ^ (u(b) * jnp.uint32(0x27D4EB2F)) ^ (u(h) * jnp.uint32(0x165667B1)))
-  return _mix(x ^ (u(q_idx) * jnp.uint32(0x9E3779B1)))
+  x = _mix(_u32(seed) ^ (_u32(b) * jnp.uint32(0x27D4EB2F)) ^ (_u32(h) * jnp.uint32(0x165667B1)))
+  return _mix(x ^ (_u32(q_idx) * jnp.uint32(0x9E3779B1)))
 
 
 def col_hash(seed, k_idx):
   """The per-column half: int32 key positions ``k_idx`` and the seed's second word."""
-  u = lambda x: lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.uint32)
-  return _mix((u(k_idx) * jnp.uint32(0x85EBCA77)) ^ u(seed))
+  return _mix((_u32(k_idx) * jnp.uint32(0x85EBCA77)) ^ _u32(seed))
 
 
 def keep(row, col, rate: float):

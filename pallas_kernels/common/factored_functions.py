@@ -91,7 +91,7 @@ class FactoredFunction:
     """The parts from the function's ``arrays`` (as ``ElementFunction.kernel_arrays``
     gives them, unpadded logical shapes are read): scalar parts ``[B', H']``, row parts
     ``[B', q_len]``, col parts ``[B', kv_len]``, with ``B'`` = ``batch`` where the part
-    varies with the batch row, else 1 (``H'`` likewise); booleans as int32."""
+    varies with the batch row, else 1 (``H'`` likewise)."""
     fn = jaxpr_as_fun(ClosedJaxpr(self.outer, []))
     n_args = len(self.outer.invars) - len(arrays)
     out = []
@@ -101,10 +101,8 @@ class FactoredFunction:
       zero = jnp.zeros((1, 1), jnp.int32)
       q = jnp.arange(q_len, dtype=jnp.int32)[None, :] if part.kind == ROW else zero
       k = jnp.arange(kv_len, dtype=jnp.int32)[None, :] if part.kind == COL else zero
-      index = (b, h, q, k) if part.kind == SCALAR else (b, zero, q, k)
-      args = ([jnp.zeros((1, 1), jnp.float32)] if n_args == 5 else []) + list(index)
-      x = elementwise(lambda *xs, i=i: jnp.reshape(fn(*arrays, *xs)[i], ()), *args)
-      out.append(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x)
+      args = ([jnp.zeros((1, 1), jnp.float32)] if n_args == 5 else []) + [b, h, q, k]
+      out.append(elementwise(lambda *xs, i=i: jnp.reshape(fn(*arrays, *xs)[i], ()), *args))
     return out
 
   def __call__(self, parts, *args):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn.kernels.common.element_functions import TileFunction
+from jattn.kernels.common.tiling import pad_rows
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -153,6 +154,15 @@ def log2_logits(qk, scale: float, score=None, index=None, with_grad: bool = Fals
 def logit_grad(ds, g):
   """d(loss)/d(scaled logit) from d(loss)/d(transformed score)."""
   return ds if g is None else ds * g
+
+
+def backward_lse(lse, length: int, score_function: bool):
+  """The saved ``lse`` ``[batch, heads, q_len]`` as the backward kernels read it: padded
+  to ``length`` rows; with a score function, padded rows get ``PADDED_ROW_LSE`` (their
+  probabilities are then 0 whatever the function makes of their logits)."""
+  q_len = lse.shape[-1]
+  lse = pad_rows(lse, length)
+  return lse.at[..., q_len:].set(PADDED_ROW_LSE) if score_function and length != q_len else lse
 
 
 def backward_delta(o, do, dlse):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import LOG2E, PADDED_ROW_LSE, backward_delta, kernel_sinks
+from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse, kernel_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, mosaic_backward_runs,
@@ -77,7 +77,8 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
     sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
 
   Returns:
-    ``(o, lse)``: ``o`` like ``q``; ``lse: [batch, q_heads, q_len]`` float32.
+    ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; ``lse:
+    [batch, q_heads, q_len]`` float32.
   """
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
@@ -102,7 +103,8 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
   ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``. ``config.fused_dq`` computes dQ
   inside the dK/dV kernel (atomic adds: not bitwise repeatable; not with ``mods``).
-  Head dims above 128 run the Triton backward, without ``mods``."""
+  Heads wider than ``mosaic_backward_runs`` takes run the Triton backward, without
+  ``mods``."""
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   do = do.astype(q.dtype)
   if not mosaic_backward_runs(head_dim, dv):
@@ -120,9 +122,7 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
                              spec, padded)
   dkv_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dkv, c.block_kv_dkv),
                               spec, padded, transpose=True)
-  lse2 = pad_rows(lse * LOG2E, q_len_p)
-  if mods.score is not None and q_len_p != q_len:
-    lse2 = lse2.at[..., q_len:].set(PADDED_ROW_LSE)
+  lse2 = backward_lse(lse * LOG2E, q_len_p, mods.score is not None)
   dv_p = mosaic_head_dim(dv)
   dq, dk, dv_grad = mosaic_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),

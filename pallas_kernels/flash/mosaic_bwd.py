@@ -78,14 +78,12 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     plgpu.copy_gmem_to_smem(do_ref.at[rows], my(do_smem), ready)
     plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], my(smem["lse"]), ready)
     plgpu.copy_gmem_to_smem(delta_ref.at[row_stats], my(smem["delta"]), ready)
-    for i, ref in enumerate(row_refs):
-      plgpu.copy_gmem_to_smem(mp.vector_slice(ref, batch, q_start, block_q),
-                              my(smem[f"row{i}"]), ready)
+    mp.copy_vectors(row_refs, [my(b) for b in positions.buffers(smem, ROW)], batch, q_start,
+                    block_q, ready)
     plgpu.barrier_wait(ready)
     lse = plgpu.load(my(smem["lse"]), layout=mp.ROW)
     delta = plgpu.load(my(smem["delta"]), layout=mp.ROW)
-    row_vectors = tuple(plgpu.load(my(smem[f"row{i}"]), layout=mp.ROW)
-                        for i in range(positions.n_rows))
+    row_vectors = positions.load(smem, ROW, my, mp.ROW)
     scalars = positions.read_scalars(scalar_refs, batch, head)
     shape = (block_q, block_kv)
 
@@ -98,8 +96,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       plgpu.barrier_arrive(v_free.at[slot])
       col_vectors = ()
       if positions.needs(COL, masked):
-        col_vectors = tuple(plgpu.load(smem[f"col{i}"].at[slot], layout=mp.COL)
-                            for i in range(positions.n_cols))
+        col_vectors = positions.load(smem, COL, lambda b: b.at[slot], mp.COL)
       at = Tile(shape, 0, q_start, j * block_kv, batch, head, row_vectors, col_vectors, scalars)
       s, c, g = positions.logits(s, scale, softcap, at, with_grad=True)
       if masked:
@@ -136,7 +133,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo,
                   n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
-                  cols=[(ref, smem[f"col{i}"]) for i, ref in enumerate(col_refs)])
+                  cols=(col_refs, positions.buffers(smem, COL)))
 
 
 def fused_dq_columns(head_dim: int) -> int:
@@ -164,14 +161,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
   cta_range = q_block_range(spec, cta_k, mp.CONSUMERS * block_kv, block_q)
   # Ranges per query head (a block mask's) differ within the group: the CTA streams
   # their union, each head's own range is narrowed inside the loop over heads.
-  per_head = ranges_ref is not None and ranges_ref.shape[1] > 1
   if ranges_ref is not None:
-    heads = [kv_head * group + g for g in range(group)] if per_head else [kv_head]
-    given = [given_range(ranges_ref, batch, h, tile * mp.CONSUMERS, mp.CONSUMERS)
-             for h in heads]
-    union = (functools.reduce(jnp.minimum, [r[0] for r in given]),) * 3 + (
-        functools.reduce(jnp.maximum, [r[3] for r in given]),)
-    cta_range = narrow(cta_range, union)
+    per_head = ranges_ref.shape[1] > 1
+    heads = [kv_head * group + g for g in range(group)] if per_head else kv_head
+    cta_range = narrow(cta_range, given_range(ranges_ref, batch, heads, tile * mp.CONSUMERS,
+                                              mp.CONSUMERS))
   c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], q_ref.shape[1] // block_q)
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
   dtype = q_ref.dtype
@@ -188,13 +182,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
     kv_ready = smem["kv_ready"].at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[keys], my(k_smem), kv_ready)
     plgpu.copy_gmem_to_smem(v_ref.at[keys], my(v_smem), kv_ready)
-    for i, ref in enumerate(col_refs):
-      plgpu.copy_gmem_to_smem(mp.vector_slice(ref, batch, k_start, block_kv),
-                              my(smem[f"col{i}"]), kv_ready)
+    mp.copy_vectors(col_refs, [my(b) for b in positions.buffers(smem, COL)], batch, k_start,
+                    block_kv, kv_ready)
     plgpu.barrier_wait(kv_ready)
     # transposed scores: keys on rows, so the key vectors are per row here
-    col_vectors = tuple(plgpu.load(my(smem[f"col{i}"]), layout=mp.ROW)
-                        for i in range(positions.n_cols))
+    col_vectors = positions.load(smem, COL, my, mp.ROW)
     shape = (block_kv, block_q)
     static_own = q_block_range(spec, k_start, block_kv, block_q)
 
@@ -249,8 +241,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
                                 _zeros(shape), my(v_smem), do_smem.at[slot].transpose((1, 0)))
         row_vectors = ()
         if positions.needs(ROW, masked):
-          row_vectors = tuple(plgpu.load(smem[f"row{i}"].at[slot], layout=mp.COL)
-                              for i in range(positions.n_rows))
+          row_vectors = positions.load(smem, ROW, lambda b: b.at[slot], mp.COL)
         at = Tile(shape, 1, j * block_q, k_start, batch, q_head, row_vectors, col_vectors,
                   scalars)
         s_t, c, g_t = positions.logits(s_t, scale, softcap, at, with_grad=True)
@@ -321,9 +312,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
       plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
-      for i, ref in enumerate(row_refs):
-        plgpu.copy_gmem_to_smem(mp.vector_slice(ref, batch, start, block_q),
-                                smem[f"row{i}"].at[slot], barrier)
+      mp.copy_vectors(row_refs, [b.at[slot] for b in positions.buffers(smem, ROW)], batch, start,
+                      block_q, barrier)
 
     mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
 
@@ -350,9 +340,7 @@ def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: flo
       rows_ready=_barrier(mp.CONSUMERS, 4 + positions.n_rows),
       k_ready=_barrier(stages, 1 + positions.n_cols), v_ready=_barrier(stages),
       k_free=_barrier(stages, mp.CONSUMERS), v_free=_barrier(stages, mp.CONSUMERS))
-  rows, cols = inputs[:positions.n_rows], inputs[positions.n_rows:][:positions.n_cols]
-  smem.update({f"row{i}": plgpu.SMEM((mp.CONSUMERS, block_q), x.dtype) for i, x in enumerate(rows)})
-  smem.update({f"col{i}": plgpu.SMEM((stages, block_kv), x.dtype) for i, x in enumerate(cols)})
+  smem.update(positions.scratch(inputs, (mp.CONSUMERS, block_q), (stages, block_kv)))
   return mp.kernel(
       functools.partial(_dq_kernel, spec=spec, positions=positions, scale=scale,
                         softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
@@ -386,10 +374,7 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
       delta=plgpu.SMEM((stages, block_q), jnp.float32),
       kv_ready=_barrier(mp.CONSUMERS, 2 + positions.n_cols),
       q_ready=_barrier(stages, 4 + positions.n_rows), q_free=_barrier(stages, mp.CONSUMERS))
-  rows, cols = inputs[:positions.n_rows], inputs[positions.n_rows:][:positions.n_cols]
-  smem.update({f"row{i}": plgpu.SMEM((stages, block_q), x.dtype) for i, x in enumerate(rows)})
-  smem.update({f"col{i}": plgpu.SMEM((mp.CONSUMERS, block_kv), x.dtype)
-               for i, x in enumerate(cols)})
+  smem.update(positions.scratch(inputs, (stages, block_q), (mp.CONSUMERS, block_kv)))
   if fuse_dq:
     f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),

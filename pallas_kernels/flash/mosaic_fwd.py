@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from jattn.kernels.common.factored_functions import COL
+from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
 from jattn.kernels.flash import mosaic_pipeline as mp
@@ -186,9 +186,8 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
       q_start, rows = rows_of(it)
       ready = smem["q_ready"].at[buf * mp.CONSUMERS + wg]
       plgpu.copy_gmem_to_smem(q_ref.at[rows], smem["q"].at[buf, wg], ready)
-      for i, ref in enumerate(row_refs):
-        plgpu.copy_gmem_to_smem(mp.vector_slice(ref, it.batch, q_start, block_q),
-                                smem[f"row{i}"].at[buf, wg], ready)
+      mp.copy_vectors(row_refs, [b.at[buf, wg] for b in positions.buffers(smem, ROW)],
+                      it.batch, q_start, block_q, ready)
 
     def load_next_q(t, buf):
       @pl.when(t + 1 < n_local)
@@ -205,8 +204,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
       q_smem = smem["q"].at[buf, wg]
       q_start, rows = rows_of(it)
       plgpu.barrier_wait(smem["q_ready"].at[buf * mp.CONSUMERS + wg])
-      row_vectors = tuple(plgpu.load(smem[f"row{i}"].at[buf, wg], layout=mp.ROW)
-                          for i in range(positions.n_rows))
+      row_vectors = positions.load(smem, ROW, lambda b: b.at[buf, wg], mp.ROW)
       scalars = positions.read_scalars(scalar_refs, it.batch, it.head)
       if persistent and q_buffers == 2:
         load_next_q(t, 1 - buf)
@@ -242,8 +240,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
         s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         col_vectors = ()
         if positions.needs(COL, masked):  # read before the slot is released
-          col_vectors = tuple(plgpu.load(smem[f"col{i}"].at[slot], layout=mp.COL)
-                              for i in range(positions.n_cols))
+          col_vectors = positions.load(smem, COL, lambda b: b.at[slot], mp.COL)
         plgpu.barrier_arrive(k_free.at[slot])
         tile = Tile(s.shape, 0, q_start, j * block_kv, it.batch, it.head, row_vectors,
                     col_vectors, scalars)
@@ -315,7 +312,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
       mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                     batch=it.batch, head=it.head, group=group, first_block=it.c_lo,
                     n_steps=it.c_hi - it.c_lo, block_kv=block_kv, stages=stages,
-                    cols=[(ref, smem[f"col{i}"]) for i, ref in enumerate(col_refs)],
+                    cols=(col_refs, positions.buffers(smem, COL)),
                     first_slot_use=first_use)
       return first_use + (it.c_hi - it.c_lo)
 
@@ -366,10 +363,7 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   if dv != dk:  # the output tile cannot reuse the Q tile
     smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), q.dtype)
-  for i, x in enumerate(inputs[:positions.n_rows]):
-    smem[f"row{i}"] = plgpu.SMEM((q_buffers, mp.CONSUMERS, block_q), x.dtype)
-  for i, x in enumerate(inputs[positions.n_rows:positions.n_rows + positions.n_cols]):
-    smem[f"col{i}"] = plgpu.SMEM((stages, block_kv), x.dtype)
+  smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions,
                              block_q=block_q, block_kv=block_kv,
                              stages=stages, group=q_heads // k.shape[2],

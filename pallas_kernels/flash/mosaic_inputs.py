@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
@@ -109,7 +110,22 @@ class PositionInputs:
     return score or (masked and mask)
 
   def read_scalars(self, refs, b, h) -> tuple:
-    return tuple(ref[mp.leading_index(ref, b), h if ref.shape[1] > 1 else 0] for ref in refs)
+    return tuple(ref[mp.shared_index(ref, 0, b), mp.shared_index(ref, 1, h)] for ref in refs)
+
+  def scratch(self, inputs, row_shape: tuple, col_shape: tuple) -> dict:
+    """Shared memory for the row and col vectors of ``inputs`` (``position_arrays``'
+    order): ``row{i}`` of ``row_shape``, ``col{i}`` of ``col_shape``."""
+    rows, cols = inputs[:self.n_rows], inputs[self.n_rows:self.n_rows + self.n_cols]
+    return {**{f"row{i}": plgpu.SMEM(row_shape, x.dtype) for i, x in enumerate(rows)},
+            **{f"col{i}": plgpu.SMEM(col_shape, x.dtype) for i, x in enumerate(cols)}}
+
+  def buffers(self, smem: dict, kind: str) -> list:
+    """The ``scratch`` buffers of ``kind`` (``ROW`` or ``COL``)."""
+    return [smem[f"{kind}{i}"] for i in range(self.n_rows if kind == ROW else self.n_cols)]
+
+  def load(self, smem: dict, kind: str, at, layout) -> tuple:
+    """The vectors of ``kind`` in registers: ``at(buffer)`` of each, in ``layout``."""
+    return tuple(plgpu.load(at(buf), layout=layout) for buf in self.buffers(smem, kind))
 
   def _parts(self, fn: FactoredFunction, tile: Tile) -> tuple:
     before = () if fn is self.mask else tuple(f for f in (self.mask,) if f is not None)
@@ -141,18 +157,21 @@ class PositionInputs:
                       bh=(tile.b, tile.h))
 
 
-def given_range(ranges_ref, b, h, first_block, n_blocks: int):
-  """The ``(lo, full_lo, full_hi, hi)`` of row block ``first_block`` (``n_blocks == 1``),
-  or the union ``(lo, lo, lo, hi)`` of ``n_blocks`` blocks from ``first_block`` (what
-  a CTA streams)."""
-  at = lambda i, c: ranges_ref[mp.leading_index(ranges_ref, b), h if ranges_ref.shape[1] > 1 else 0,
-                               first_block + i, c]
-  if n_blocks == 1:
-    return tuple(at(0, c) for c in range(4))
-  lo = at(0, 0)
-  hi = at(0, 3)
-  for i in range(1, n_blocks):
-    lo, hi = jnp.minimum(lo, at(i, 0)), jnp.maximum(hi, at(i, 3))
+def given_range(ranges_ref, b, heads, first_block, n_blocks: int):
+  """The ``(lo, full_lo, full_hi, hi)`` of row block ``first_block`` of head ``heads``
+  (one head, ``n_blocks == 1``), or the union ``(lo, lo, lo, hi)`` over ``n_blocks``
+  blocks from ``first_block`` and the heads in ``heads`` (one or a list: what a CTA
+  streams)."""
+  heads = heads if isinstance(heads, (list, tuple)) else [heads]
+  at = lambda h, i, c: ranges_ref[mp.shared_index(ranges_ref, 0, b),
+                                  mp.shared_index(ranges_ref, 1, h), first_block + i, c]
+  if n_blocks == 1 and len(heads) == 1:
+    return tuple(at(heads[0], 0, c) for c in range(4))
+  # Unions of the raw ends: an empty block's (n, n, n, 0) widens nothing.
+  pairs = [(h, i) for h in heads for i in range(n_blocks)]
+  lo, hi = at(*pairs[0], 0), at(*pairs[0], 3)
+  for h, i in pairs[1:]:
+    lo, hi = jnp.minimum(lo, at(h, i, 0)), jnp.maximum(hi, at(h, i, 3))
   return lo, lo, lo, jnp.maximum(hi, lo)
 
 

@@ -69,25 +69,28 @@ def produce(n_steps, stages: int, streams, first_slot_use=0):
   lax.fori_loop(jnp.int32(0), n_steps, fill, None)
 
 
-def leading_index(ref, index):
-  """``index`` into ``ref``'s leading axis, or 0 where that axis is 1 (values shared,
-  e.g. by every batch row)."""
-  return index if ref.shape[0] > 1 else 0
+def shared_index(ref, axis: int, index):
+  """``index`` into ``ref``'s ``axis``, or 0 where that axis is 1 (values shared, e.g.
+  by every batch row or head)."""
+  return index if ref.shape[axis] > 1 else 0
 
 
-def vector_slice(ref, b, start, size: int):
-  """``ref[b, start:start + size]`` of a ``[B', length]`` per-position array."""
-  return ref.at[leading_index(ref, b), pl.ds(start, size)]
+def copy_vectors(refs, smems, b, start, size: int, barrier):
+  """TMA copies of ``ref[b, start:start + size]`` of each ``[B', length]`` per-position
+  array in ``refs`` into the matching one of ``smems``, completing on ``barrier``."""
+  for ref, smem in zip(refs, smems):
+    plgpu.copy_gmem_to_smem(ref.at[shared_index(ref, 0, b), pl.ds(start, size)], smem, barrier)
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,
-               first_block, n_steps, block_kv: int, stages: int, cols=(),
+               first_block, n_steps, block_kv: int, stages: int, cols=((), ()),
                first_slot_use=0):
   """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
   blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``.
-  ``cols``: ``(ref [B', kv_len_p], smem [stages, block_kv])`` per key-position input
-  (``mosaic_inputs``), copied with each K tile (its ready barrier counts those copies
-  too). ``first_slot_use`` as ``produce``. The caller lowers the warpgroup's registers."""
+  ``cols = (refs, smems)``: the key-position inputs ``[B', kv_len_p]``
+  (``mosaic_inputs``) and their ``[stages, block_kv]`` buffers, copied with each K tile
+  (its ready barrier counts those copies too). ``first_slot_use`` as ``produce``. The
+  caller lowers the warpgroup's registers."""
   kv_head = lax.div(head, jnp.int32(group))
   k_ready, v_ready, k_free, v_free = barriers
 
@@ -96,9 +99,9 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
       start = (first_block + i) * block_kv
       plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(start, block_kv), kv_head], smem.at[slot],
                               barrier)
-      for col_ref, col_smem in (cols if with_cols else ()):
-        plgpu.copy_gmem_to_smem(vector_slice(col_ref, batch, start, block_kv),
-                                col_smem.at[slot], barrier)
+      if with_cols:
+        copy_vectors(cols[0], [smem.at[slot] for smem in cols[1]], batch, start, block_kv,
+                     barrier)
     return copy
 
   produce(n_steps, stages, [(copy_from(k_ref, k_smem, True), k_ready, k_free),

@@ -17,7 +17,7 @@ from jattn.kernels.common.block_sparsity import retile, tile_lists
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.element_functions import TileFunction, kernel_array
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import (PADDED_ROW_LSE, ScoreFunction, Softcap, backward_delta,
+from jattn.kernels.common.softmax import (ScoreFunction, Softcap, backward_delta, backward_lse,
                                           kernel_sinks)
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 
@@ -137,9 +137,7 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
   d_p, dv_p = padded_head_dim(head_dim), padded_head_dim(dv_width)
   delta = backward_delta(o, do, dlse)
-  lse = pad_rows(lse, q_len_p)
-  if mods.score is not None and q_len_p != q_len:
-    lse = lse.at[..., q_len:].set(PADDED_ROW_LSE)
+  lse = backward_lse(lse, q_len_p, mods.score is not None)
   padded, lengths = (q_len_p, kv_len_p), (q_len, kv_len)
   lists = None
   if mods.block_kinds is not None:
