@@ -3,9 +3,11 @@
 - ``value_head_dim``: dk = 192, dv = 128 against our own dk = dv = 128 at the same
   shape, in TFLOP/s (FLOPs ``2 B H Sq Sk (dk + dv)`` forward, 2.5x that for the
   backward; causal halves them);
-- ``dropout``: rate 0.1 against the same call without dropout, and against torch's
+- ``dropout``: rate 0.1 against the same call without dropout (``auto``: the Hopper
+  kernels on an H100; the Triton kernels alongside), and against torch's
   ``scaled_dot_product_attention`` with ``dropout_p=0.1`` on its flash backend (same
-  GPU, same inputs through the DLPack bridge).
+  GPU, same inputs through the DLPack bridge);
+- ``sinks``: a learned sink logit per head against the same call without sinks.
 
     python bench/flash_features.py --out bench/results
 """
@@ -74,13 +76,11 @@ def dropout_rows(dtypes, modes, save, rows):
     q, k, v, do = _inputs(128, 128, DTYPES[dname])
     qt, kt, vt, dot = (to_torch(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v, do))
     qt, kt, vt = (x.detach().requires_grad_(mode != "fwd") for x in (qt, kt, vt))
-    impls = {
-        "jattn_dropout": lambda q, k, v: jattn.flash_attention(
-            q, k, v, causal=causal, dropout_rate=RATE, dropout_key=key),
-        "jattn_no_dropout_same_kernels": lambda q, k, v: jattn.flash_attention(
-            q, k, v, causal=causal, backend="pallas_triton"),
-        "jattn_no_dropout": lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal),
-    }
+    call = lambda rate, backend: lambda q, k, v: jattn.flash_attention(
+        q, k, v, causal=causal, dropout_rate=rate, dropout_key=key, backend=backend)
+    impls = {"jattn_dropout": call(RATE, "auto"), "jattn_no_dropout": call(0.0, "auto"),
+             "jattn_triton_dropout": call(RATE, "pallas_triton"),
+             "jattn_triton_no_dropout": call(0.0, "pallas_triton")}
     for name, fn in impls.items():
       row = dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode)
       try:
@@ -105,11 +105,29 @@ def dropout_rows(dtypes, modes, save, rows):
     save(rows)
 
 
+def sink_rows(dtypes, modes, save, rows):
+  sinks = jax.random.normal(jax.random.PRNGKey(2), (HEADS,), jnp.float32)
+  for dname, causal, mode in itertools.product(dtypes, (False, True), modes):
+    q, k, v, do = _inputs(128, 128, DTYPES[dname])
+    for name, s in (("jattn_sinks", sinks), ("jattn_no_sinks", None)):
+      fn = lambda q, k, v, s=s: jattn.flash_attention(q, k, v, causal=causal, sinks=s)
+      row = dict(study="sinks", impl=name, dtype=dname, causal=causal, mode=mode)
+      try:
+        seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
+        row.update(ms=seconds * 1e3)
+      except Exception as e:
+        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+      rows.append(row)
+      print(row, flush=True)
+    save(rows)
+
+
 def markdown(rows) -> str:
   key = [("dtype", lambda r: r["dtype"]), ("causal", lambda r: str(r["causal"])),
          ("mode", lambda r: r["mode"])]
   heads = [r for r in rows if r["study"] == "head_dims"]
   drops = [r for r in rows if r["study"] == "dropout"]
+  sinks = [r for r in rows if r["study"] == "sinks"]
   out = [f"# flash_attention features, ({BATCH}, {SEQ}, {HEADS}), one GPU\n"]
   if heads:
     out += ["## dk = 192, dv = 128 against dk = dv = 128 (TFLOP/s; ratio > 1: dk192 faster "
@@ -121,11 +139,16 @@ def markdown(rows) -> str:
   if drops:
     out += [f"## dropout {RATE} (median ms; ratio = peer ms / ours, > 1: ours faster)\n",
             results_table(drops, key, lambda r: f"{r['ms']:.3f} ms",
-                          [("vs no dropout, same kernels", "jattn_dropout",
-                            "jattn_no_dropout_same_kernels"),
-                           ("vs no dropout (auto)", "jattn_dropout", "jattn_no_dropout"),
-                           ("vs torch SDPA dropout", "jattn_dropout", "torch_sdpa_dropout")],
+                          [("vs no dropout", "jattn_dropout", "jattn_no_dropout"),
+                           ("vs torch SDPA dropout", "jattn_dropout", "torch_sdpa_dropout"),
+                           ("Triton: vs no dropout", "jattn_triton_dropout",
+                            "jattn_triton_no_dropout")],
                           lambda a, b: f"{b['ms'] / a['ms']:.2f}x")]
+  if sinks:
+    out += ["## sinks (median ms; ratio = without / with, 1.00x: free)\n",
+            results_table(sinks, key, lambda r: f"{r['ms']:.3f} ms",
+                          [("vs no sinks", "jattn_sinks", "jattn_no_sinks")],
+                          lambda a, b: f"{b['ms'] / a['ms']:.3f}x")]
   return "\n".join(out)
 
 
@@ -133,7 +156,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--stem", default="flash_features")
-  parser.add_argument("--studies", default="head_dims,dropout")
+  parser.add_argument("--studies", default="head_dims,dropout,sinks")
   parser.add_argument("--dtypes", default="fp16,bf16")
   parser.add_argument("--modes", default="fwd,fwd+bwd")
   args = parser.parse_args()
@@ -145,6 +168,8 @@ def main():
     head_dim_rows(dtypes, modes, save, rows)
   if "dropout" in args.studies:
     dropout_rows(dtypes, modes, save, rows)
+  if "sinks" in args.studies:
+    sink_rows(dtypes, modes, save, rows)
 
 
 if __name__ == "__main__":

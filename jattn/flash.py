@@ -247,9 +247,6 @@ class MosaicFlash(MosaicImpl):
   def tuning_stages(self):
     return MOSAIC_STAGES
 
-  def gaps(self, p):
-    return super().gaps(p) + (("dropout",) if p.dropout_rate else ())
-
   def fits(self, config, p, info):
     # Heads wider than the Hopper backward takes run the Triton backward (its own tiles);
     # the cost model's register counts hold up to MOSAIC_MODELLED_BWD_WIDTH (beyond, the
@@ -262,7 +259,8 @@ class MosaicFlash(MosaicImpl):
     p = call.problem
     o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
-                                  config=call.config, sinks=sinks)
+                                  config=call.config, sinks=sinks,
+                                  dropout_rate=p.dropout_rate, dropout_seed=seed)
     return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
 
   def backward(self, call, residuals, cotangents):
@@ -272,7 +270,8 @@ class MosaicFlash(MosaicImpl):
     dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
                                        causal=p.causal, scale=p.scale,
                                        local_window=p.local_window, softcap=p.softcap,
-                                       config=config)
+                                       config=config, dropout_rate=p.dropout_rate,
+                                       dropout_seed=seed)
     return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 

@@ -6,13 +6,11 @@ place of Philox). Pure jnp on uint32: it runs inside kernels and on the host.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-# Keep-decisions resolve rates in steps of 2^-24.
-_RATE_BITS = 24
-
 
 def _mix(x):
   """MurmurHash3's 32-bit finalizer: every input bit flips each output bit with
@@ -26,6 +24,11 @@ def _mix(x):
 
 def _u32(x):
   return lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.uint32)
+
+
+def _bits(x):
+  """A hash as uint32 (kernels read stored hashes as int32 bit patterns)."""
+  return x if x.dtype == jnp.uint32 else lax.bitcast_convert_type(x, jnp.uint32)
 
 
 def seed_of(key):
@@ -48,15 +51,35 @@ def col_hash(seed, k_idx):
 
 def keep(row, col, rate: float):
   """Boolean keep-mask of a tile from its rows' and columns' hashes (broadcast against
-  each other), each weight kept with probability ``1 - rate``. Per weight only one
-  multiply and xor-shift mixes the two well-mixed halves: the kernels pay it on every
-  weight of every tile, three times (the forward and both backward kernels)."""
-  x = (row ^ col) * jnp.uint32(0x9E3779B1)
-  x = x ^ (x >> 16)
-  threshold = round(rate * (1 << _RATE_BITS))
-  return lax.bitcast_convert_type(x >> (32 - _RATE_BITS), jnp.int32) >= threshold
+  each other), each weight kept with probability ``1 - rate``. Per weight only a xor,
+  a multiply and an unsigned compare join the two well-mixed halves: the kernels pay
+  them on every weight of every tile, three times (the forward and both backward
+  kernels). The multiply carries every bit of ``row ^ col`` into the top bits the
+  compare reads, so that no 2x2 block of keep-bits is linearly dependent."""
+  x = (_bits(row) ^ _bits(col)) * jnp.uint32(0x9E3779B1)
+  return x >= jnp.uint32(min(round(rate * 2.0**32), 2**32 - 1))
 
 
 def keep_mask(seed, rate: float, b, h, q_idx, k_idx):
   """The keep-mask at broadcastable int32 positions (the reference's dense call)."""
   return keep(row_hash(seed[0], b, h, q_idx), col_hash(seed[1], k_idx), rate)
+
+
+def hash_arrays(seed, batch: int, heads: int, q_len: int, kv_len: int):
+  """The hashes as kernels that cannot compute them cheaply read them: ``(rows
+  [batch, heads, q_len], cols [1, kv_len])``, int32 bit patterns."""
+  as_i32 = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+  rows = row_hash(seed[0], jnp.arange(batch, dtype=jnp.int32)[:, None, None],
+                  jnp.arange(heads, dtype=jnp.int32)[None, :, None],
+                  jnp.arange(q_len, dtype=jnp.int32)[None, None, :])
+  return as_i32(rows), as_i32(col_hash(seed[1], jnp.arange(kv_len, dtype=jnp.int32)))[None]
+
+
+def backward_rows(lse, delta, rate: float):
+  """The backward's row terms with dropout's ``1 / (1 - rate)`` folded in, so that the
+  kernels only select by the keep-mask: ``p' = exp(s - lse')`` is ``P / (1 - rate)``
+  (the weight that multiplied V where kept) and ``p' * (kept * dP - delta')`` is
+  ``P * (kept * dP / (1 - rate) - delta)``. ``lse`` natural log, any shape."""
+  if not rate:
+    return lse, delta
+  return lse + math.log1p(-rate), delta * (1.0 - rate)

@@ -11,6 +11,7 @@ block mask becomes each kernel's block ranges (``mosaic_inputs``).
 from __future__ import annotations
 
 from jattn.kernels.common.config import default_block_config
+from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse, kernel_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
@@ -39,15 +40,17 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
   return q_len_p, kv_len_p, mosaic_head_dim(head_dim), spec
 
 
-def _positions(q_seg, mods: FlexMods) -> PositionInputs:
+def _positions(q_seg, mods: FlexMods, dropout_rate: float) -> PositionInputs:
   return PositionInputs(segments=q_seg is not None, mask=mods.mask, score=mods.score,
-                        ranges=q_seg is not None or mods.block_kinds is not None)
+                        ranges=q_seg is not None or mods.block_kinds is not None,
+                        dropout=dropout_rate)
 
 
 def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, tiles, spec,
-                   padded, transpose: bool = False) -> tuple:
-  """One kernel's per-position arrays: segment ids or the functions' parts, and the
-  block ranges of its ``tiles = (tile_q, tile_kv)`` (``transpose``: per key tile)."""
+                   padded, transpose: bool = False, hashes=None) -> tuple:
+  """One kernel's per-position arrays: segment ids or the functions' parts, dropout's
+  ``hashes``, and the block ranges of its ``tiles = (tile_q, tile_kv)``
+  (``transpose``: per key tile)."""
   lengths = (spec.q_len, spec.kv_len)
   segments = ranges = None
   if q_seg is not None:
@@ -58,12 +61,20 @@ def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, til
   elif mods.block_kinds is not None:
     ranges = mask_ranges(mods.block_kinds, mods.block, tiles, padded, lengths, transpose)
   return position_arrays(positions, segments, mods.mask_arrays, mods.score_arrays, ranges,
-                         padded=padded)
+                         hashes, padded=padded)
+
+
+def _hashes(q, dropout_rate: float, dropout_seed, padded):
+  """Dropout's row and col hashes at the padded lengths, or None."""
+  if not dropout_rate:
+    return None
+  return hash_arrays(dropout_seed, q.shape[0], q.shape[2], *padded)
 
 
 def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          softcap: float | None, config: MosaicBlockConfig,
-                         mods: FlexMods = FlexMods(), sinks=None):
+                         mods: FlexMods = FlexMods(), sinks=None, dropout_rate: float = 0.0,
+                         dropout_seed=None):
   """Flash attention forward on Hopper.
 
   Args:
@@ -75,6 +86,8 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
     mods: FlexAttention's functions (``FactoredFunction``s and their part arrays) and
       block mask; none with segment ids or a soft-cap.
     sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
+    dropout_rate, dropout_seed: dropout of the weights (rate > 0) and its ``[2]``
+      int32 seed (``dropout.seed_of``).
 
   Returns:
     ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; ``lse:
@@ -84,9 +97,10 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None)
-  positions = _positions(q_seg, mods)
+  positions = _positions(q_seg, mods, dropout_rate)
+  padded = (q_len_p, kv_len_p)
   inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (config.block_q, config.block_kv),
-                          spec, (q_len_p, kv_len_p))
+                          spec, padded, hashes=_hashes(q, dropout_rate, dropout_seed, padded))
   dv = v.shape[-1]
   o, lse = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
                           pad_to(v, kv_len_p, mosaic_head_dim(dv)), inputs, spec=spec,
@@ -99,34 +113,38 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
                           scale: float, local_window, softcap: float | None,
-                          config: MosaicBlockConfig, mods: FlexMods = FlexMods()):
+                          config: MosaicBlockConfig, mods: FlexMods = FlexMods(),
+                          dropout_rate: float = 0.0, dropout_seed=None):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
-  ``do``, ``dlse``. Shapes as ``flash_mosaic_forward``. ``config.fused_dq`` computes dQ
-  inside the dK/dV kernel (atomic adds: not bitwise repeatable; not with ``mods``).
-  Heads wider than ``mosaic_backward_runs`` takes run the Triton backward, without
-  ``mods``."""
+  ``do``, ``dlse``. Shapes and dropout as ``flash_mosaic_forward``. ``config.fused_dq``
+  computes dQ inside the dK/dV kernel (atomic adds: not bitwise repeatable; not with
+  ``mods``). Heads wider than ``mosaic_backward_runs`` takes run the Triton backward,
+  without ``mods``."""
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   do = do.astype(q.dtype)
   if not mosaic_backward_runs(head_dim, dv):
     return flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal=causal,
                                  scale=scale, local_window=local_window, softcap=softcap,
                                  config=default_block_config(max(head_dim, dv), q.dtype.itemsize),
-                                 interpret=False)
+                                 interpret=False, dropout_rate=dropout_rate,
+                                 dropout_seed=dropout_seed)
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None)
   c = config
-  positions = _positions(q_seg, mods)
+  positions = _positions(q_seg, mods, dropout_rate)
   padded = (q_len_p, kv_len_p)
+  hashes = _hashes(q, dropout_rate, dropout_seed, padded)
   dq_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dq, c.block_kv_dq),
-                             spec, padded)
+                             spec, padded, hashes=hashes)
   dkv_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dkv, c.block_kv_dkv),
-                              spec, padded, transpose=True)
+                              spec, padded, transpose=True, hashes=hashes)
+  lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
   lse2 = backward_lse(lse * LOG2E, q_len_p, mods.score is not None)
   dv_p = mosaic_head_dim(dv)
   dq, dk, dv_grad = mosaic_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
-      pad_to(do, q_len_p, dv_p), lse2, pad_rows(backward_delta(o, do, dlse), q_len_p),
+      pad_to(do, q_len_p, dv_p), lse2, pad_rows(delta, q_len_p),
       dq_inputs, dkv_inputs, spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
       stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap, positions=positions)

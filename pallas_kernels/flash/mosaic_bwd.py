@@ -79,7 +79,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], my(smem["lse"]), ready)
     plgpu.copy_gmem_to_smem(delta_ref.at[row_stats], my(smem["delta"]), ready)
     mp.copy_vectors(row_refs, [my(b) for b in positions.buffers(smem, ROW)], batch, q_start,
-                    block_q, ready)
+                    block_q, ready, head)
     plgpu.barrier_wait(ready)
     lse = plgpu.load(my(smem["lse"]), layout=mp.ROW)
     delta = plgpu.load(my(smem["delta"]), layout=mp.ROW)
@@ -102,6 +102,8 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       if masked:
         s = positions.apply_mask(s, spec, at)
       p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
+      if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
+        dp = jnp.where(positions.kept(at), dp, 0.0)
       ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), g)
 
       def acc_dq(acc_ref):
@@ -250,8 +252,13 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         lse = plgpu.load(smem["lse"].at[slot], layout=mp.COL)
         delta = plgpu.load(smem["delta"].at[slot], layout=mp.COL)
         p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
+        if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
+          kept = positions.kept(at)
+          dp_t = jnp.where(kept, dp_t, 0.0)
         ds_t = logit_grad(p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1])), g_t)
         p_lo, ds_lo = p_t.astype(dtype), ds_t.astype(dtype)
+        if positions.dropout:  # selected in 16 bits, as in the forward
+          p_lo = jnp.where(kept, p_lo, jnp.zeros((), dtype))
         if not fuse_dq:
           dv, dk = _wgmma_pair(dv, p_lo, do_smem.at[slot], dk, ds_lo, q_smem.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
@@ -313,7 +320,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
       plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
       plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
       mp.copy_vectors(row_refs, [b.at[slot] for b in positions.buffers(smem, ROW)], batch, start,
-                      block_q, barrier)
+                      block_q, barrier, head)
 
     mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
 

@@ -12,7 +12,9 @@ The inputs, in this order:
   ``(lo, full_lo, full_hi, hi)`` blocks of the other axis it visits, as
   ``masking.kv_block_range`` returns them; they narrow the mask spec's own range.
 
-Segment ids are the first row and col arrays; then the mask's parts, then the score's.
+Segment ids are the first row and col arrays; then the mask's parts, then the score's,
+then dropout's hashes (``dropout.hash_arrays``: its row array is per head, ``[B, H,
+q_len_p]``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn.kernels.common.block_sparsity import EMPTY, FULL, retile
+from jattn.kernels.common.dropout import keep
 from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFunction
 from jattn.kernels.common.masking import MaskSpec, apply_mask, segment_block_ranges
 from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
@@ -68,6 +71,8 @@ class PositionInputs:
   mask: FactoredFunction | None = None
   score: FactoredFunction | None = None
   ranges: bool = False
+  dropout: float = 0.0  # the rate: weights kept where ``kept`` says
+
 
   @property
   def functions(self) -> tuple:
@@ -78,11 +83,11 @@ class PositionInputs:
 
   @property
   def n_rows(self) -> int:
-    return self.segments + self._count(ROW)
+    return self.segments + self._count(ROW) + (self.dropout > 0)
 
   @property
   def n_cols(self) -> int:
-    return self.segments + self._count(COL)
+    return self.segments + self._count(COL) + (self.dropout > 0)
 
   @property
   def n_scalars(self) -> int:
@@ -103,11 +108,11 @@ class PositionInputs:
     return rows, cols, scalars, ranges[0] if ranges else None, refs
 
   def needs(self, kind: str, masked: bool) -> bool:
-    """Whether a step reads the ``kind`` (``ROW`` or ``COL``) vectors: the score's
-    always, the mask's (and the segment ids) on masked tiles only."""
+    """Whether a step reads the ``kind`` (``ROW`` or ``COL``) vectors: the score's and
+    dropout's always, the mask's (and the segment ids) on masked tiles only."""
     score = self.score is not None and bool(self.score.of_kind(kind))
     mask = self.segments or (self.mask is not None and bool(self.mask.of_kind(kind)))
-    return score or (masked and mask)
+    return score or self.dropout > 0 or (masked and mask)
 
   def read_scalars(self, refs, b, h) -> tuple:
     return tuple(ref[mp.shared_index(ref, 0, b), mp.shared_index(ref, 1, h)] for ref in refs)
@@ -146,6 +151,10 @@ class PositionInputs:
     index = (tile.b, tile.h, tile.q_idx(), tile.k_idx())
     return log2_logits(qk, scale, ScoreFunction(self.score, self._parts(self.score, tile)), index,
                        with_grad)
+
+  def kept(self, tile: Tile):
+    """Dropout's keep-mask of the tile (its hashes are the last row and col vectors)."""
+    return keep(tile.row(self.n_rows - 1), tile.col(self.n_cols - 1), self.dropout)
 
   def apply_mask(self, s, spec: MaskSpec, tile: Tile):
     """``s`` with -inf where the spec, the segment ids or the mask function refuse."""
@@ -241,9 +250,10 @@ def as_scalar_array(x):
 
 
 def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_parts=(),
-                    ranges=None, *, padded: tuple[int, int]) -> tuple:
+                    ranges=None, hashes=None, *, padded: tuple[int, int]) -> tuple:
   """The kernel's per-position input arrays in ``PositionInputs`` order: ``segments``
-  ``(q_seg, kv_seg)`` (padded), the functions' parts (``part_arrays``) and ``ranges``."""
+  ``(q_seg, kv_seg)`` (padded), the functions' parts (``part_arrays``), dropout's
+  ``hashes`` (``dropout.hash_arrays`` at the padded lengths) and ``ranges``."""
   rows, cols, scalars = [], [], []
   if inputs.segments:
     rows.append(segments[0])
@@ -258,4 +268,7 @@ def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_
         cols.append(as_vector_array(x, padded[1]))
       else:
         scalars.append(as_scalar_array(x))
+  if inputs.dropout:
+    rows.append(hashes[0])
+    cols.append(hashes[1])
   return (*rows, *cols, *scalars, *(() if ranges is None else (ranges,)))

@@ -75,11 +75,14 @@ def shared_index(ref, axis: int, index):
   return index if ref.shape[axis] > 1 else 0
 
 
-def copy_vectors(refs, smems, b, start, size: int, barrier):
+def copy_vectors(refs, smems, b, start, size: int, barrier, h=None):
   """TMA copies of ``ref[b, start:start + size]`` of each ``[B', length]`` per-position
-  array in ``refs`` into the matching one of ``smems``, completing on ``barrier``."""
+  array in ``refs`` (``ref[b, h, start:start + size]`` of a ``[B', H', length]`` one)
+  into the matching one of ``smems``, completing on ``barrier``."""
   for ref, smem in zip(refs, smems):
-    plgpu.copy_gmem_to_smem(ref.at[shared_index(ref, 0, b), pl.ds(start, size)], smem, barrier)
+    head = (shared_index(ref, 1, h),) if ref.ndim == 3 else ()
+    plgpu.copy_gmem_to_smem(ref.at[shared_index(ref, 0, b), *head, pl.ds(start, size)], smem,
+                            barrier)
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,

@@ -16,6 +16,7 @@ import jax
 from jattn.kernels.common.block_sparsity import retile, tile_lists
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.element_functions import TileFunction, kernel_array
+from jattn.kernels.common.dropout import backward_rows
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import (ScoreFunction, Softcap, backward_delta, backward_lse,
                                           kernel_sinks)
@@ -136,7 +137,7 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
   d_p, dv_p = padded_head_dim(head_dim), padded_head_dim(dv_width)
-  delta = backward_delta(o, do, dlse)
+  lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
   lse = backward_lse(lse, q_len_p, mods.score is not None)
   padded, lengths = (q_len_p, kv_len_p), (q_len, kv_len)
   lists = None

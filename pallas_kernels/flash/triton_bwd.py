@@ -30,12 +30,12 @@ from jattn.kernels.common.softmax import LOG2E, dot, log2_logits, logit_grad
 
 def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
   """Dropout in the backward: ``(weights that multiplied V, dP through the mask)``,
-  the mask rebuilt from the positions as the forward drew it."""
+  the mask rebuilt from the positions as the forward drew it (``1 / (1 - rate)`` is
+  in the rows' lse and delta: ``dropout.backward_rows``)."""
   if not rate:
     return p, dp
   kept = keep(rows, col_hash(seed_ref[1], k_idx), rate)
-  return jnp.where(kept, p * (1.0 / (1.0 - rate)), 0.0), jnp.where(kept, dp * (1.0 / (1.0 - rate)),
-                                                                    0.0)
+  return jnp.where(kept, p, 0.0), jnp.where(kept, dp, 0.0)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
