@@ -48,6 +48,20 @@ def _flops(dk: int, dv: int, causal: bool, mode: str) -> float:
   return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
+def _timed(rows, row: dict, seconds_of, flops: float | None = None):
+  """Appends ``row`` with its median ms (``seconds_of()``) and TFLOP/s where ``flops``
+  is given; a failure is recorded in the row, not raised."""
+  try:
+    seconds = seconds_of()
+    row.update(ms=seconds * 1e3)
+    if flops is not None:
+      row.update(tflops=flops / seconds / 1e12)
+  except Exception as e:  # recorded, not fatal
+    row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+  rows.append(row)
+  print(row, flush=True)
+
+
 def head_dim_rows(dtypes, modes, save, rows):
   for dname, causal, mode, (dk, dv) in itertools.product(dtypes, (False, True), modes,
                                                           ((128, 128), (192, 128))):
@@ -55,13 +69,8 @@ def head_dim_rows(dtypes, modes, save, rows):
     fn = lambda q, k, v, causal=causal: jattn.flash_attention(q, k, v, causal=causal)
     row = dict(study="head_dims", impl=f"jattn_dk{dk}_dv{dv}", dtype=dname, causal=causal,
                mode=mode)
-    try:
-      seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
-      row.update(ms=seconds * 1e3, tflops=_flops(dk, dv, causal, mode) / seconds / 1e12)
-    except Exception as e:  # recorded, not fatal
-      row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    rows.append(row)
-    print(row, flush=True)
+    _timed(rows, row, lambda: time_jax_qkv(fn, mode, q, k, v, do)[0],
+           _flops(dk, dv, causal, mode))
     save(rows)
 
 
@@ -82,26 +91,18 @@ def dropout_rows(dtypes, modes, save, rows):
              "jattn_triton_dropout": call(RATE, "pallas_triton"),
              "jattn_triton_no_dropout": call(0.0, "pallas_triton")}
     for name, fn in impls.items():
-      row = dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode)
-      try:
-        seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
-        row.update(ms=seconds * 1e3)
-      except Exception as e:
-        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-      rows.append(row)
-      print(row, flush=True)
+      _timed(rows, dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode),
+             lambda: time_jax_qkv(fn, mode, q, k, v, do)[0])
+
+    def torch_seconds(p):
+      with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        fwd = lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=causal)
+        run = fwd if mode == "fwd" else (lambda: torch.autograd.grad(fwd(), (qt, kt, vt), dot))
+        return time_torch_qkv(run, (qt, kt, vt))[0]
+
     for name, p in (("torch_sdpa_dropout", RATE), ("torch_sdpa_no_dropout", 0.0)):
-      row = dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode)
-      try:
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-          fwd = lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=causal)
-          run = fwd if mode == "fwd" else (lambda: torch.autograd.grad(fwd(), (qt, kt, vt), dot))
-          seconds, _ = time_torch_qkv(run, (qt, kt, vt))
-        row.update(ms=seconds * 1e3)
-      except Exception as e:
-        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-      rows.append(row)
-      print(row, flush=True)
+      _timed(rows, dict(study="dropout", impl=name, dtype=dname, causal=causal, mode=mode),
+             lambda: torch_seconds(p))
     save(rows)
 
 
@@ -111,14 +112,8 @@ def sink_rows(dtypes, modes, save, rows):
     q, k, v, do = _inputs(128, 128, DTYPES[dname])
     for name, s in (("jattn_sinks", sinks), ("jattn_no_sinks", None)):
       fn = lambda q, k, v, s=s: jattn.flash_attention(q, k, v, causal=causal, sinks=s)
-      row = dict(study="sinks", impl=name, dtype=dname, causal=causal, mode=mode)
-      try:
-        seconds, _ = time_jax_qkv(fn, mode, q, k, v, do)
-        row.update(ms=seconds * 1e3)
-      except Exception as e:
-        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-      rows.append(row)
-      print(row, flush=True)
+      _timed(rows, dict(study="sinks", impl=name, dtype=dname, causal=causal, mode=mode),
+             lambda: time_jax_qkv(fn, mode, q, k, v, do)[0])
     save(rows)
 
 

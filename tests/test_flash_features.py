@@ -13,7 +13,7 @@ import pytest
 
 import jattn
 from conftest import rel_err
-from jattn.kernels.common.dropout import keep_mask, seed_of
+from jattn.kernels.common.dropout import hash_arrays, keep, keep_mask, seed_of
 from jattn.kernels.flash.mosaic_config import default_mosaic_config
 
 
@@ -72,6 +72,18 @@ def test_dropout_mask_keeps_the_rate_independently_of_position():
   for a, c in ((kept[..., 1:], kept[..., :-1]), (kept[:, :, 1:], kept[:, :, :-1]),
                (kept[:, 1:], kept[:, :-1]), (kept[1:], kept[:-1]), (kept, other_seed)):
     assert abs((a == c).mean() - agree) < 10 * sigma
+
+
+def test_hopper_hash_arrays_give_the_reference_mask():
+  """The hashes the Hopper kernels read (computed on the host, a row array per head and
+  one col array) select the reference's mask, weight by weight."""
+  seed, rate = seed_of(jax.random.PRNGKey(7)), 0.3
+  rows, cols = hash_arrays(seed, 2, 3, 40, 24)
+  assert rows.shape == (2, 3, 40) and cols.shape == (1, 24) and rows.dtype == jnp.int32
+  b, h, i, j = (jnp.arange(m).reshape(s) for m, s in
+                ((2, (-1, 1, 1, 1)), (3, (1, -1, 1, 1)), (40, (1, 1, -1, 1)), (24, (1, 1, 1, -1))))
+  np.testing.assert_array_equal(keep(rows[..., None], cols[None, None], rate),
+                                keep_mask(seed, rate, b, h, i, j))
 
 
 @pytest.mark.kernel
