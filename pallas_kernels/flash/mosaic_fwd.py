@@ -123,8 +123,9 @@ class SoftmaxRows:
       m, l = stats
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
-      o = acc * lax.broadcast_in_dim(1.0 / (l_safe * (1.0 - self.positions.dropout)),
-                                     acc.shape, [0])
+      # Dropout scales the kept weights by 1 / (1 - rate).
+      l_out = l_safe * (1.0 - self.positions.dropout) if self.positions.dropout else l_safe
+      o = acc * lax.broadcast_in_dim(1.0 / l_out, acc.shape, [0])
       return o, jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
 
     if self.sinks:  # every row's denominator starts at exp(sink)
