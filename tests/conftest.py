@@ -18,10 +18,11 @@ from jax.sharding import Mesh
 from jattn.core.device import compile_interpreted_programs_fast
 
 # XLA reads these once, when its backend starts (the first device query, not the
-# import): the ring-attention tests shard over 4 simulated CPU devices; on a GPU, XLA
+# import): the ring-attention tests shard over 4 (one case each over 8) simulated CPU
+# devices, as many as the 4- and 8-GPU machines the rings are measured on; on a GPU, XLA
 # does not time variants of each matmul (the tests compile hundreds of programs and
 # time none); and on CPU the interpret-mode programs compile without LLVM's optimisations.
-_DEVICES = "--xla_force_host_platform_device_count=4"
+_DEVICES = "--xla_force_host_platform_device_count=8"
 for _flag in (_DEVICES, "--xla_gpu_autotune_level=0"):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
@@ -47,12 +48,18 @@ def rel_err(ours, ref, floor: float = 0.0) -> float:
 RING_DEVICES = 4
 
 
+def ring_mesh(devices: int = RING_DEVICES) -> Mesh:
+  """A 1-D mesh ``("sp",)`` over the first ``devices`` devices (simulated CPU devices
+  here, real ones on a GPU machine); skips the test where there are fewer."""
+  if len(jax.devices()) < devices:
+    pytest.skip(f"needs {devices} devices ({_DEVICES})")
+  return Mesh(np.array(jax.devices()[:devices]), ("sp",))
+
+
 @pytest.fixture(scope="module")
 def mesh():
-  """A 1-D mesh ``("sp",)`` over the 4 simulated CPU devices (or 4 real ones)."""
-  if len(jax.devices()) < RING_DEVICES:
-    pytest.skip(f"needs {RING_DEVICES} devices ({_DEVICES})")
-  return Mesh(np.array(jax.devices()[:RING_DEVICES]), ("sp",))
+  """``ring_mesh()`` over 4 devices."""
+  return ring_mesh()
 
 
 def pytest_configure(config):

@@ -1,5 +1,5 @@
-"""jattn.parallel.dilated_ring_attention on 4 simulated CPU devices (see conftest)
-equals single-device dilated attention, forward and gradients: pairs whose segments
+"""jattn.parallel.dilated_ring_attention on 4 simulated CPU devices (see conftest; one
+case on 8) equals single-device dilated attention, forward and gradients: pairs whose segments
 stay on a device, span a group of devices, a short last group, and the whole
 sequence; causal; GQA / MQA."""
 
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jattn.parallel import dilated_ring_attention, sharded_dilated_ring_attention
 from jattn.parallel.dilated_ring import plan_pair
 from jattn.reference import dilated_attention_reference
-from conftest import rel_err
+from conftest import rel_err, ring_mesh
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim, seed):
@@ -41,13 +41,16 @@ def _check(mesh, pairs, causal, heads, kv_heads, backend, seq=64, seed=0, tol=1e
 # 48 spans 3 (the last group is device 3 alone: a partial segment), 64 and 128 span all.
 # One case runs the Pallas kernels (the on-device pairs in the dilated kernels, the
 # group rings' blocks in the flash kernels), the others the XLA blocks.
-@pytest.mark.parametrize("pairs,causal,heads,kv_heads,backend", [
-    ([(8, 1), (32, 2), (64, 4)], False, 4, 4, "xla"),
-    ([(16, 2), (32, 4)], True, 4, 2, "pallas_triton"),
-    ([(48, 2), (128, 4)], True, 4, 1, "xla"),
+# On 8 devices (8 positions each): w=16 spans 2 devices, 64 all 8.
+@pytest.mark.parametrize("devices,pairs,causal,heads,kv_heads,backend", [
+    (4, [(8, 1), (32, 2), (64, 4)], False, 4, 4, "xla"),
+    (4, [(16, 2), (32, 4)], True, 4, 2, "pallas_triton"),
+    (4, [(48, 2), (128, 4)], True, 4, 1, "xla"),
+    (8, [(16, 2), (64, 4)], True, 4, 2, "xla"),
 ])
-def test_dilated_ring_equals_single_device(mesh, pairs, causal, heads, kv_heads, backend):
-  _check(mesh, pairs, causal, heads, kv_heads, backend, seed=len(pairs) + int(causal))
+def test_dilated_ring_equals_single_device(devices, pairs, causal, heads, kv_heads, backend):
+  _check(ring_mesh(devices), pairs, causal, heads, kv_heads, backend,
+         seed=len(pairs) + int(causal))
 
 
 def test_inside_user_shard_map_on_sharded_inputs(mesh):

@@ -1,5 +1,5 @@
-"""jattn.parallel: ring attention over 4 simulated CPU devices (see conftest) equals
-single-device attention, forward and gradients, in both layouts."""
+"""jattn.parallel: ring attention over 4 simulated CPU devices (see conftest; one case
+over 8) equals single-device attention, forward and gradients, in both layouts."""
 
 import functools
 
@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn.parallel import ring_attention, sharded_ring_attention, zigzag_order, zigzag_restore
 from jattn.reference import flash_attention_reference
-from conftest import rel_err
+from conftest import rel_err, ring_mesh
 
 
 def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
@@ -31,12 +31,13 @@ def _check(fn, q, k, v, do, causal, tol=1e-5):
     assert rel_err(g, g_ref) < tol, name
 
 
-@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "contiguous"),
-                                           (True, "zigzag")])
-def test_ring_equals_single_device(mesh, causal, layout):
+@pytest.mark.parametrize("devices,causal,layout", [(4, False, "contiguous"),
+                                                   (4, True, "contiguous"), (4, True, "zigzag"),
+                                                   (8, True, "zigzag")])
+def test_ring_equals_single_device(devices, causal, layout):
   q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=int(causal))
-  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
-                         layout=layout, backend="xla")
+  fn = functools.partial(sharded_ring_attention, mesh=ring_mesh(devices), axis_name="sp",
+                         causal=causal, layout=layout, backend="xla")
   _check(fn, q, k, v, do, causal)
 
 
