@@ -76,13 +76,13 @@ def test_dropout_mask_keeps_the_rate_independently_of_position():
 
 def test_hopper_hash_arrays_give_the_reference_mask():
   """The hashes the Hopper kernels read (computed on the host, a row array per head and
-  one col array) select the reference's mask, weight by weight."""
+  a col array) select the reference's mask, weight by weight."""
   seed, rate = seed_of(jax.random.PRNGKey(7)), 0.3
   rows, cols = hash_arrays(seed, 2, 3, 40, 24)
-  assert rows.shape == (2, 3, 40) and cols.shape == (1, 24) and rows.dtype == jnp.int32
+  assert rows.shape == (2, 3, 40) and cols.shape == (2, 24) and rows.dtype == jnp.int32
   b, h, i, j = (jnp.arange(m).reshape(s) for m, s in
                 ((2, (-1, 1, 1, 1)), (3, (1, -1, 1, 1)), (40, (1, 1, -1, 1)), (24, (1, 1, 1, -1))))
-  np.testing.assert_array_equal(keep(rows[..., None], cols[None, None], rate),
+  np.testing.assert_array_equal(keep(rows[..., None], cols[:, None, None], rate),
                                 keep_mask(seed, rate, b, h, i, j))
 
 
@@ -143,7 +143,7 @@ GPU_FEATURE_CASES = [
                                        segments=True), id="mosaic-dropout-segments-padded"),
     pytest.param("pallas_mosaic", dict(shape=(1, 256, 4, 2, 192, 128), causal=True, dropout=0.1),
                  id="mosaic-dropout-dk192"),
-    pytest.param("pallas_mosaic", dict(shape=(1, 512, 4, 2, 128, 128), causal=True, dropout=0.1,
+    pytest.param("pallas_mosaic", dict(shape=(2, 512, 4, 2, 128, 128), causal=True, dropout=0.1,
                                        fused_dq=True), id="mosaic-dropout-fused-dq"),
 ]
 
@@ -181,3 +181,9 @@ def test_features_on_the_gpu(backend, case):
   for g, g_ref in zip(grads, grads_ref):
     if g_ref is not None:  # (no sinks: no sink gradient)
       assert rel_err(g, g_ref) < 2e-2
+  if config is not None:  # the fused kernel's vmap rule folds the mapped axis into the batch
+    grads_of = jax.jit(lambda q, k, v: run(backend, q, k, v, sinks)[2][:3])
+    mapped = jax.jit(jax.vmap(grads_of))(*(jnp.stack([x, x[::-1]]) for x in (q, k, v)))
+    for i, arrays in enumerate(((q, k, v), (q[::-1], k[::-1], v[::-1]))):
+      for g_map, g in zip(mapped, grads_of(*arrays)):
+        assert rel_err(g_map[i], g) < 1e-3

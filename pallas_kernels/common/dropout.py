@@ -67,12 +67,15 @@ def keep_mask(seed, rate: float, b, h, q_idx, k_idx):
 
 def hash_arrays(seed, batch: int, heads: int, q_len: int, kv_len: int):
   """The hashes as kernels that cannot compute them cheaply read them: ``(rows
-  [batch, heads, q_len], cols [1, kv_len])``, int32 bit patterns."""
+  [batch, heads, q_len], cols [batch, kv_len])``, int32 bit patterns. The cols are the
+  same for every batch row, but lead with the batch axis as every per-position array
+  of the fused-dQ Hopper backward must (its vmap rule folds a mapped axis into it)."""
   as_i32 = lambda x: lax.bitcast_convert_type(x, jnp.int32)
   rows = row_hash(seed[0], jnp.arange(batch, dtype=jnp.int32)[:, None, None],
                   jnp.arange(heads, dtype=jnp.int32)[None, :, None],
                   jnp.arange(q_len, dtype=jnp.int32)[None, None, :])
-  return as_i32(rows), as_i32(col_hash(seed[1], jnp.arange(kv_len, dtype=jnp.int32)))[None]
+  cols = col_hash(seed[1], jnp.arange(kv_len, dtype=jnp.int32))
+  return as_i32(rows), as_i32(jnp.broadcast_to(cols, (batch, kv_len)))
 
 
 def backward_rows(lse, delta, rate: float):
