@@ -415,7 +415,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       scale the kept ones by ``1 / (1 - rate)``; the mask is a hash of
       ``dropout_key`` (a ``jax.random`` key) and the position, so the backward
       rebuilds it and the same key gives bitwise the same outputs and gradients.
-      ``pallas_triton`` and ``xla`` only; 0 runs the kernels without it.
+      Every backend but ``cudnn``; 0 runs the kernels without it.
     backend: ``"auto"``, ``"pallas_mosaic"``, ``"pallas_triton"``, ``"cudnn"`` or
       ``"xla"``. ``"auto"``: of the backends this device runs that support the
       call, the measured fastest for it where jattn's shipped table or your cache

@@ -143,6 +143,9 @@ GPU_FEATURE_CASES = [
                                        segments=True), id="mosaic-dropout-segments-padded"),
     pytest.param("pallas_mosaic", dict(shape=(1, 256, 4, 2, 192, 128), causal=True, dropout=0.1),
                  id="mosaic-dropout-dk192"),
+    # dk + dv beyond the Hopper backward: the Mosaic forward's mask, the Triton backward's
+    pytest.param("pallas_mosaic", dict(shape=(1, 256, 4, 2, 256, 256), causal=True, dropout=0.1),
+                 id="mosaic-dropout-d256-triton-backward"),
     pytest.param("pallas_mosaic", dict(shape=(2, 512, 4, 2, 128, 128), causal=True, dropout=0.1,
                                        fused_dq=True), id="mosaic-dropout-fused-dq"),
 ]

@@ -1,7 +1,8 @@
 """Host side of the Hopper (Pallas Mosaic GPU) flash attention: pads inputs to the
 tile grid and runs the forward kernel, or the dQ and dK/dV kernels given the saved
-``(o, lse)``. Head dims above 128 take the Triton-lowered backward on the same
-``(o, lse)``: the wider dK and dV accumulators do not fit a warpgroup's registers.
+``(o, lse)``. Head dims whose padded ``head_dim + head_dim_v`` exceeds
+``MOSAIC_MAX_BWD_WIDTH`` take the Triton-lowered backward on the same ``(o, lse)``:
+the wider dK and dV accumulators do not fit a warpgroup's registers.
 
 FlexAttention's functions come as a ``FlexMods`` whose functions are split for
 these kernels (``factored_functions``: the parts computed here, outside) and whose

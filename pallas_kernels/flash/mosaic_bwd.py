@@ -429,6 +429,8 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
       kv_heads, d_p]``, v: ``[..., dv_p]``.
     lse2: ``[batch, q_heads, q_len_p]`` float32 log-sum-exp in base-2 units.
     delta: ``[batch, q_heads, q_len_p]`` float32, ``rowsum(o * do) - dlse``.
+      With dropout (``positions.dropout``) both carry ``1 / (1 - rate)``
+      (``dropout.backward_rows``).
     blocks: ``(block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv)``; lengths are
       padded so that ``2 * block_q_dq`` and ``block_q_dkv`` divide ``q_len_p``, and
       ``block_kv_dq`` and ``2 * block_kv_dkv`` divide ``kv_len_p``.

@@ -1,10 +1,11 @@
-"""What the Hopper kernels read beside Q, K and V: segment ids, and the parts of
-FlexAttention's score and mask functions (``factored_functions``), with the block
-ranges of segments or a block mask.
+"""What the Hopper kernels read beside Q, K and V: segment ids, the parts of
+FlexAttention's score and mask functions (``factored_functions``) and dropout's hashes,
+with the block ranges of segments or a block mask.
 
 The inputs, in this order:
-- *row* arrays ``[B', q_len_p]``, one value per query position (``B'`` is 1 or the
-  batch), copied by TMA with each query tile and held as one vector per tile;
+- *row* arrays ``[B', q_len_p]`` (or ``[B', H', q_len_p]``, per head), one value per
+  query position (``B'`` is 1 or the batch), copied by TMA with each query tile and
+  held as one vector per tile;
 - *col* arrays ``[B', kv_len_p]``, one value per key position, copied with each key tile;
 - *scalar* arrays ``[B', H']``, read from global memory per (batch row, query head);
 - optionally *ranges* ``[B', H', blocks, 4]``: per block of the kernel's own rows (query
@@ -65,14 +66,14 @@ class Tile(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class PositionInputs:
   """Which per-position inputs a kernel reads (static): segment ids, the functions'
-  parts, and whether block ranges narrow its mask spec's."""
+  parts, dropout's hashes (where ``dropout``, the rate, is > 0), and whether block
+  ranges narrow its mask spec's."""
 
   segments: bool = False
   mask: FactoredFunction | None = None
   score: FactoredFunction | None = None
   ranges: bool = False
   dropout: float = 0.0  # the rate: weights kept where ``kept`` says
-
 
   @property
   def functions(self) -> tuple:

@@ -137,7 +137,8 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     q: ``[batch, q_len_p, q_heads, d_p]``, do: ``[..., dv_p]``; k: ``[batch, kv_len_p,
       kv_heads, d_p]``, v: ``[..., dv_p]``.
     lse, delta: ``[batch, q_heads, q_len_p]`` float32; delta is ``rowsum(o * do)``
-      minus any cotangent of the returned log-sum-exp.
+      minus any cotangent of the returned log-sum-exp. With dropout both carry
+      ``1 / (1 - rate)`` (``dropout.backward_rows``).
     blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``, dividing the
       padded lengths.
     arrays: the arrays the score function, then the mask function, read.
