@@ -1,6 +1,6 @@
 """jattn.parallel.dilated_ring_attention on 4 simulated CPU devices (see conftest; one
-case on 8) equals single-device dilated attention, forward and gradients: pairs whose segments
-stay on a device, span a group of devices, a short last group, and the whole
+case on 8) equals single-device dilated attention, forward and gradients: pairs whose
+segments stay on a device, span a group of devices, a short last group, and the whole
 sequence; causal; GQA / MQA."""
 
 import functools

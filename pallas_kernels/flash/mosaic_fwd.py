@@ -67,11 +67,11 @@ class Rows(NamedTuple):
   ``init``: the row statistics before the first key block. ``update(s, stats, j,
   masked, tile) -> (p, acc_scale, stats, late)``: ``s`` the fp32 ``q kᵀ`` tile of
   key block ``j`` (``masked``: it needs the element mask; ``tile``: its positions and
-  per-position inputs, a ``mosaic_inputs.Tile``), ``p`` the 16-bit tile multiplied with V, ``acc_scale`` a
-  per-row factor for the accumulator (or None), ``late`` None or a function of the
-  statistics that may run after the consumer's turn on the tensor cores. ``finish(acc,
-  stats) -> (o, row_stat)``: the rows' fp32 output and the ``[block_q]`` float32
-  statistic the kernel saves.
+  per-position inputs, a ``mosaic_inputs.Tile``), ``p`` the 16-bit tile multiplied
+  with V, ``acc_scale`` a per-row factor for the accumulator (or None), ``late`` None
+  or a function of the statistics that may run after the consumer's turn on the
+  tensor cores. ``finish(acc, stats) -> (o, row_stat)``: the rows' fp32 output and
+  the ``[block_q]`` float32 statistic the kernel saves.
   """
 
   init: tuple

@@ -134,9 +134,9 @@ class PositionInputs:
     return tuple(plgpu.load(at(buf), layout=layout) for buf in self.buffers(smem, kind))
 
   def _parts(self, fn: FactoredFunction, tile: Tile) -> tuple:
-    before = () if fn is self.mask else tuple(f for f in (self.mask,) if f is not None)
-    at = {ROW: self.segments + self._count(ROW, before), COL: self.segments + self._count(COL, before),
-          SCALAR: self._count(SCALAR, before)}
+    before = (self.mask,) if self.mask is not None and fn is not self.mask else ()
+    at = {ROW: self.segments + self._count(ROW, before),
+          COL: self.segments + self._count(COL, before), SCALAR: self._count(SCALAR, before)}
     out = []
     for part in fn.parts:
       i = at[part.kind]
