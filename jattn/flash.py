@@ -410,7 +410,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     return_lse: also return the log-sum-exp of each row.
     sinks: ``[q_heads]`` float logits (attention sinks): each row's softmax counts
       ``exp(sinks[h])`` in its denominator, a weight that attends to nothing. They
-      get gradients; ``lse`` includes them.
+      get gradients; ``lse`` includes them. A sink at or below ``EMPTY_ROW_LSE``
+      (-1e30; -inf too) counts as that: no sink, and no gradient.
     dropout_rate: drop each attention weight with this probability (in [0, 1)) and
       scale the kept ones by ``1 / (1 - rate)``; the mask is a hash of
       ``dropout_key`` (a ``jax.random`` key) and the position, so the backward

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jattn.core.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
 from jattn.kernels.common.dropout import keep_mask
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, floor_sinks
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
@@ -59,7 +59,8 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
       v: ``[batch, kv_len, kv_heads, head_dim_v]``.
-    sinks: ``[q_heads]``: a logit per head in every row's softmax denominator, or None.
+    sinks: ``[q_heads]``: a logit per head in every row's softmax denominator, or None;
+      floored at ``EMPTY_ROW_LSE`` (``softmax.floor_sinks``: -inf is no sink).
     dropout_rate, dropout_seed: weights dropped where ``dropout.keep_mask(dropout_seed,
       ...)`` says (the kernels' mask), the kept ones scaled by ``1 / (1 - rate)``.
 
@@ -82,7 +83,7 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
   if sinks is not None:  # one more logit per row, always allowed, attending to nothing
-    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1, 1)
+    sink = floor_sinks(sinks).reshape(1, kv_heads, group, 1, 1)
     logits = jnp.concatenate([logits, jnp.broadcast_to(sink, logits.shape[:-1] + (1,))], -1)
     mask = jnp.concatenate([jnp.broadcast_to(mask, logits.shape[:-1] + (kv_len,)),
                             jnp.ones(logits.shape[:-1] + (1,), bool)], -1)

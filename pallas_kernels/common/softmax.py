@@ -50,11 +50,11 @@ def online_softmax_init(rows: int, width: int, sink=None):
   return acc, m, jnp.ones((rows,), jnp.float32)
 
 
-def kernel_sinks(sinks):
-  """Sink logits as the kernels take them: float32, at least ``EMPTY_ROW_LSE``. A sink
-  of -inf is no sink, and as a running max it would make the first rescale
-  ``exp2(-inf - -inf)``; at ``EMPTY_ROW_LSE`` its weight is 0 and empty rows take the
-  usual ``EMPTY_ROW_LSE``."""
+def floor_sinks(sinks):
+  """Sink logits as every backend takes them: float32, at least ``EMPTY_ROW_LSE``. A sink
+  at or below it (-inf included) is no sink: its weight is 0 and empty rows take the
+  usual ``EMPTY_ROW_LSE`` (in the kernels a -inf running max would make the first
+  rescale ``exp2(-inf - -inf)``)."""
   return jnp.maximum(sinks.astype(jnp.float32), EMPTY_ROW_LSE)
 
 

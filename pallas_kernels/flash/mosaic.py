@@ -14,7 +14,7 @@ from __future__ import annotations
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse, kernel_sinks
+from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse, floor_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, mosaic_backward_runs,
@@ -108,7 +108,7 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
                           scale=scale, block_q=config.block_q, block_kv=config.block_kv,
                           stages=config.stages, softcap=softcap,
                           persistent=config.persistent, positions=positions,
-                          sinks=None if sinks is None else kernel_sinks(sinks))
+                          sinks=None if sinks is None else floor_sinks(sinks))
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
 

@@ -19,7 +19,7 @@ from jattn.kernels.common.element_functions import TileFunction, kernel_array
 from jattn.kernels.common.dropout import backward_rows
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import (ScoreFunction, Softcap, backward_delta, backward_lse,
-                                          kernel_sinks)
+                                          floor_sinks)
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 
 
@@ -121,7 +121,7 @@ def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
       score=_score(softcap, mods), config=config, block_q=bq[0], block_k=bk[0],
       interpret=interpret, arrays=mods.arrays,
       lists=mods.lists((bq[0], bk[0]), (q_len_p, kv_len_p), (q_len, kv_len)),
-      sinks=None if sinks is None else kernel_array(kernel_sinks(sinks)),
+      sinks=None if sinks is None else kernel_array(floor_sinks(sinks)),
       dropout_rate=dropout_rate, dropout_seed=dropout_seed)
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
