@@ -39,7 +39,7 @@ def _unwrap(obj, path):
     if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
       return obj[key]
   if not isinstance(obj, dict):
-    raise CheckpointError(f"{path}: expected a state dict (name -> tensor), "
+    raise CheckpointError(f"{path!r}: expected a state dict (name -> tensor), "
                           f"got {type(obj).__name__}")
   return obj
 
@@ -54,8 +54,13 @@ def checkpoint_format(path) -> str:
   if os.path.isdir(path):
     raise CheckpointError(f"checkpoint {path!r} is a folder; expected a .pth or "
                           ".safetensors file")
-  with open(path, "rb") as f:
-    head = f.read(9)
+  if not os.path.isfile(path):  # a pipe or a device: reading would block or never end
+    raise CheckpointError(f"checkpoint {path!r} is not a regular file")
+  try:
+    with open(path, "rb") as f:
+      head = f.read(9)
+  except OSError as e:
+    raise CheckpointError(f"checkpoint {path!r} cannot be read ({e.strerror})") from None
   if head.startswith(b"PK\x03\x04"):
     try:
       zipfile.ZipFile(path).close()  # reads the directory at the end: finds truncation
@@ -126,6 +131,19 @@ def _key_summary(state) -> str:
           + (", ..." if len(keys) > 3 else ""))
 
 
+def tensor_of(state, key: str, ndim: int, model: str):
+  """``state[key]``, a tensor of ``ndim`` dimensions, none empty; a ``CheckpointError``
+  naming the key otherwise (what a config is read off must be what the model stores)."""
+  if key not in state:
+    raise CheckpointError(f"not a {model} checkpoint: key {key!r} is missing "
+                          f"({_key_summary(state)})")
+  shape = tuple(np.shape(state[key]))
+  if len(shape) != ndim or 0 in shape:
+    raise CheckpointError(f"not a {model} checkpoint: {key!r} has shape {shape}, expected "
+                          f"{ndim} non-empty dimensions")
+  return state[key]
+
+
 def _count(state, prefix: str) -> int:
   """How many ``prefix.<i>.`` entries there are (``i`` = 0, 1, ...)."""
   pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.")
@@ -140,13 +158,10 @@ def infer_dat_config(state, **overrides):
   any field. ``img_size`` is the size the stored shift masks were built for (None
   without them); it does not change the model's output.
   """
-  def need(key):
-    if key not in state:
-      raise CheckpointError(f"not a DAT checkpoint: key {key!r} is missing "
-                            f"({_key_summary(state)})")
-    return state[key]
+  def need(key, ndim):
+    return tensor_of(state, key, ndim, "DAT")
 
-  conv_first = need("conv_first.weight")
+  conv_first = need("conv_first.weight", 4)
   in_chans, embed_dim = int(conv_first.shape[1]), int(conv_first.shape[0])
   groups = _count(state, "layers")
   if not groups:
@@ -156,11 +171,16 @@ def infer_dat_config(state, **overrides):
   heads = []
   for i, d in enumerate(depth):
     if d >= 2:  # a channel-attention block stores one temperature per head
-      heads.append(int(need(f"layers.{i}.blocks.1.attn.temperature").shape[0]))
+      heads.append(int(need(f"layers.{i}.blocks.1.attn.temperature", 3).shape[0]))
     else:  # a spatial branch has half the heads
-      heads.append(2 * int(need(f"layers.{i}.blocks.0.attn.attns.0.pos.pos3.2.weight").shape[0]))
-  rpe = state.get("layers.0.blocks.0.attn.attns.0.rpe_biases")
-  if rpe is not None:  # offsets run up to (split_h - 1, split_w - 1)
+      heads.append(2 * int(need(f"layers.{i}.blocks.0.attn.attns.0.pos.pos3.2.weight",
+                                2).shape[0]))
+  rpe_key = "layers.0.blocks.0.attn.attns.0.rpe_biases"
+  if rpe_key in state:  # offsets run up to (split_h - 1, split_w - 1)
+    rpe = need(rpe_key, 2)
+    if rpe.shape[1] != 2:
+      raise CheckpointError(f"not a DAT checkpoint: {rpe_key!r} has shape {rpe.shape}, "
+                            "expected [offsets, 2]")
     split = (int(rpe[-1][0]) + 1, int(rpe[-1][1]) + 1)
   elif "split_size" in overrides:
     split = tuple(overrides["split_size"])
@@ -169,17 +189,18 @@ def infer_dat_config(state, **overrides):
                      "from: pass split_size=(h, w)")
   if "conv_last.weight" in state:
     upsampler = "pixelshuffle"
-    num_feat = int(need("conv_before_upsample.0.weight").shape[0])
+    num_feat = int(need("conv_before_upsample.0.weight", 4).shape[0])
     # Each upsample conv feeds a pixel shuffle: 4 * num_feat channels per x2, 9 per x3.
-    upscale = math.prod(int(round(math.sqrt(state[f"upsample.{i}.weight"].shape[0] // num_feat)))
+    upscale = math.prod(int(round(math.sqrt(need(f"upsample.{i}.weight", 4).shape[0]
+                                            // num_feat)))
                         for i in range(0, _count(state, "upsample"), 2))
   else:
     upsampler = "pixelshuffledirect"
-    upscale = int(round(math.sqrt(need("upsample.0.weight").shape[0] // in_chans)))
+    upscale = int(round(math.sqrt(need("upsample.0.weight", 4).shape[0] // in_chans)))
   fields = dict(
       in_chans=in_chans, embed_dim=embed_dim, split_size=split, depth=depth,
       num_heads=tuple(heads), upscale=upscale, upsampler=upsampler,
-      expansion_factor=float(need("layers.0.blocks.0.ffn.fc1.weight").shape[0]) / embed_dim,
+      expansion_factor=float(need("layers.0.blocks.0.ffn.fc1.weight", 2).shape[0]) / embed_dim,
       qkv_bias="layers.0.blocks.0.attn.qkv.bias" in state,
       resi_connection="1conv" if "conv_after_body.weight" in state else "3conv")
   fields.update(overrides)

@@ -11,14 +11,15 @@ import argparse
 import os
 import sys
 
-from jattn.command_line import (Parser, UsageError, add_verbose, atomic_folder, check_choices,
-                                comma_list, positive_int, run_tool)
+from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_folder,
+                                check_choices, comma_list, positive_float, positive_int,
+                                run_tool, writable_folder)
 from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_programs_fast,
                                current_device)
 from jattn.interop.check import CHECK_OPS, main_check, plan
 from jattn.interop.checkpoints import (checkpoint_format, dat_from_state_dict, infer_dat_config,
                                        read_state_dict)
-from jattn.interop.converted import save_converted
+from jattn.interop.converted import CONVERTED_FILES, save_converted
 from jattn.interop.retnet_checkpoints import retnet_from_state_dict
 from jattn.interop.harness import TOLERANCE
 from jattn.interop.upscale_cli import DESCRIPTION as UPSCALE_DESCRIPTION
@@ -61,7 +62,7 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the architecture: DAT, or torchscale's RetNetDecoder")
   parser.add_argument("checkpoint", help=".pth (torch.load weights_only) or .safetensors")
   parser.add_argument("out_dir", help="writes params.safetensors and config.json here")
-  parser.add_argument("--img-range", type=float, help="dat: img_range if not 1.0")
+  parser.add_argument("--img-range", type=positive_float, help="dat: img_range if not 1.0")
   parser.add_argument("--num-heads", type=positive_int,
                       help="retnet: the head count, if the checkpoint has no decay buffer")
   parser.add_argument("--activation", choices=("gelu", "swish"),
@@ -84,9 +85,17 @@ def _converted_model(args):
   return model, f"RetNet {model.config}"
 
 
+# The options that only one model type reads: given for the other, they are mistakes.
+MODEL_OPTIONS = {"dat": ("img_range",), "retnet": ("num_heads", "activation")}
+
+
 def run_convert(args) -> int:
-  if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-    raise UsageError(f"out_dir {args.out_dir!r} is a file; expected a folder")
+  for model_type, names in MODEL_OPTIONS.items():
+    for name in names:
+      if model_type != args.model_type and getattr(args, name) is not None:
+        raise UsageError(f"--{name.replace('_', '-')} applies to {model_type} checkpoints, "
+                         f"not {args.model_type}")
+  writable_folder("out_dir", args.out_dir, CONVERTED_FILES)
   try:
     checkpoint_format(args.checkpoint)
   except ValueError as e:
@@ -94,7 +103,7 @@ def run_convert(args) -> int:
   try:
     model, description = _converted_model(args)
   except ValueError as e:  # not a checkpoint of that model, or not matching its config
-    raise UsageError(f"{args.checkpoint!r}: {e}") from None
+    raise UsageError(about(args.checkpoint, e)) from None
   with atomic_folder(args.out_dir) as tmp:
     save_converted(model, tmp)
   print(f"{args.checkpoint}: {description}")

@@ -8,12 +8,15 @@ import dataclasses
 import json
 import os
 
+from jattn.command_line import first_line
 from jattn.interop.checkpoints import CheckpointError, dat_from_state_dict
 from jattn.interop.convert import to_torch_state_dict
 from jattn.interop.retnet_checkpoints import retnet_from_state_dict
 
 # The model name config.json gives -> how to build it from the params and the config.
 BUILDERS = {"DAT": dat_from_state_dict, "RetNet": retnet_from_state_dict}
+PARAMS_FILE, CONFIG_FILE = "params.safetensors", "config.json"
+CONVERTED_FILES = (PARAMS_FILE, CONFIG_FILE)
 
 
 def save_converted(model, out_dir) -> tuple[str, str]:
@@ -22,8 +25,7 @@ def save_converted(model, out_dir) -> tuple[str, str]:
   from safetensors.numpy import save_file
 
   os.makedirs(out_dir, exist_ok=True)
-  params = os.path.join(out_dir, "params.safetensors")
-  config = os.path.join(out_dir, "config.json")
+  params, config = (os.path.join(out_dir, name) for name in CONVERTED_FILES)
   save_file(to_torch_state_dict(model), params)
   with open(config, "w") as f:
     json.dump({"model": type(model).__name__, "config": dataclasses.asdict(model.config)}, f,
@@ -31,21 +33,33 @@ def save_converted(model, out_dir) -> tuple[str, str]:
   return params, config
 
 
-def load_converted(out_dir, *, dtype=None, backend: str = "auto"):
-  """The model ``save_converted`` (or ``jattn-convert``) wrote to ``out_dir``."""
+def load_converted(out_dir, *, dtype=None, backend: str = "auto", model: str | None = None):
+  """The model ``save_converted`` (or ``jattn-convert``) wrote to ``out_dir``; ``model``
+  (``"DAT"``, ``"RetNet"``): the kind it must be. A ``CheckpointError`` (one line naming
+  the folder) for a folder that does not hold one."""
   from safetensors.numpy import load_file
 
   try:
-    with open(os.path.join(out_dir, "config.json")) as f:
+    with open(os.path.join(out_dir, CONFIG_FILE)) as f:
       meta = json.load(f)
   except (OSError, ValueError) as e:
-    raise CheckpointError(f"{out_dir}: no readable config.json ({e})") from None
-  build = BUILDERS.get(meta.get("model") if isinstance(meta, dict) else None)
-  if build is None:
-    raise CheckpointError(f"{out_dir}: config.json describes {meta.get('model')!r}, expected "
-                          f"one of {sorted(BUILDERS)}")
-  state = load_file(os.path.join(out_dir, "params.safetensors"))
-  return build(state, dtype=dtype, backend=backend, **meta["config"])
+    raise CheckpointError(f"{out_dir!r}: no readable {CONFIG_FILE} ({first_line(e)})") from None
+  kind = meta.get("model") if isinstance(meta, dict) else None
+  if kind not in BUILDERS or not isinstance(meta.get("config"), dict):
+    raise CheckpointError(f"{out_dir!r}: {CONFIG_FILE} is not what jattn-convert writes "
+                          '({"model": one of ' + f"{sorted(BUILDERS)}, " + '"config": {...}})')
+  if model is not None and kind != model:
+    raise CheckpointError(f"{out_dir!r} holds a converted {kind}, expected a {model}")
+  try:
+    state = load_file(os.path.join(out_dir, PARAMS_FILE))
+  except Exception as e:  # safetensors raises its own error type for a bad header
+    raise CheckpointError(f"{out_dir!r}: {PARAMS_FILE} is not a valid .safetensors file "
+                          f"(truncated or corrupt: {first_line(e)})") from None
+  try:
+    return BUILDERS[kind](state, dtype=dtype, backend=backend, **meta["config"])
+  except TypeError as e:  # a config field the model does not have
+    raise CheckpointError(f"{out_dir!r}: {CONFIG_FILE} does not describe a {kind} "
+                          f"({first_line(e)})") from None
 
 
-__all__ = ["load_converted", "save_converted"]
+__all__ = ["CONVERTED_FILES", "load_converted", "save_converted"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 
@@ -58,21 +59,29 @@ def _pil():
 
 @contextlib.contextmanager
 def _reading(path: str):
-  """Turns PIL's errors while reading ``path`` into one ``ImageError`` naming it."""
+  """Turns PIL's errors while reading ``path`` into one ``ImageError`` naming it. PIL's
+  warning for images past its pixel limit is not printed (the error, at twice that
+  limit, is the one that matters); the tools' stderr is their one-line message."""
   Image = _pil()
   try:
-    yield Image
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+      yield Image
   except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
     raise ImageError(f"{path!r} is not an image that can be read ({first_line(e, 120)})"
                      ) from None
 
 
 def inspect_image(path: str) -> tuple[int, int, bool]:
-  """``(width, height, has_alpha)`` of an image file without decoding it all; an
-  ``ImageError`` naming the file if it is not an image."""
-  with _reading(path) as Image, Image.open(path) as img:
-    img.verify()  # the header and, for PNG, the chunks' checksums
-    mode, size, info = img.mode, img.size, dict(img.info)
+  """``(width, height, has_alpha)`` of an image file, decoded once so that a file
+  whose pixels cannot be read is found before any slow work; an ``ImageError`` naming
+  the file if it is not an image."""
+  with _reading(path) as Image:
+    with Image.open(path) as img:
+      img.verify()  # the header and, for PNG, the chunks' checksums
+    with Image.open(path) as img:  # verify() leaves the file unusable: open it again
+      img.load()
+      mode, size, info = img.mode, img.size, dict(img.info)
   has_alpha = mode in ("RGBA", "RGBa") + GREY_ALPHA_MODES or (
       mode == "P" and "transparency" in info)
   return size[0], size[1], has_alpha

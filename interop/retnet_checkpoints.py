@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from jattn.interop.checkpoints import CheckpointError, read_state_dict
+from jattn.interop.checkpoints import CheckpointError, read_state_dict, tensor_of
 from jattn.interop.convert import load_torch_state_dict
 from jattn.nn.retention import RetNet, RetNetConfig
 from jattn.reference import default_decay
@@ -42,9 +42,10 @@ def infer_retnet_config(state, *, num_heads: int | None = None, **options) -> Re
                           "'layers.0.retention.q_proj.weight' (it holds "
                           f"{len(keys)} tensors: {', '.join(map(repr, keys[:3]))}"
                           f"{', ...' if len(keys) > 3 else ''})")
-  vocab_size, embed_dim = (int(n) for n in state["embed_tokens.weight"].shape)
-  decay = state.get("retnet_rel_pos.decay")
-  if decay is not None:
+  need = lambda key, ndim: tensor_of(state, key, ndim, "RetNet")
+  vocab_size, embed_dim = (int(n) for n in need("embed_tokens.weight", 2).shape)
+  if "retnet_rel_pos.decay" in state:
+    decay = need("retnet_rel_pos.decay", 1)
     stored = int(np.shape(decay)[0])
     if num_heads is not None and num_heads != stored:
       raise CheckpointError(f"num_heads={num_heads} but the checkpoint's decay buffer has "
@@ -63,8 +64,8 @@ def infer_retnet_config(state, *, num_heads: int | None = None, **options) -> Re
   tied = output is None or np.array_equal(np.asarray(output), np.asarray(state["embed_tokens.weight"]))
   fields = dict(
       vocab_size=vocab_size, embed_dim=embed_dim, num_heads=num_heads, num_layers=layers,
-      value_dim=int(state["layers.0.retention.v_proj.weight"].shape[0]),
-      ffn_dim=int(state["layers.0.ffn.fc1.weight"].shape[0]),
+      value_dim=int(need("layers.0.retention.v_proj.weight", 2).shape[0]),
+      ffn_dim=int(need("layers.0.ffn.fc1.weight", 2).shape[0]),
       layernorm_embedding="layernorm_embedding.weight" in state, tie_embeddings=bool(tied))
   fields.update(options)
   return RetNetConfig(**fields)

@@ -14,8 +14,9 @@ import os
 import sys
 import time
 
-from jattn.command_line import (Parser, UsageError, add_verbose, atomic_output, existing_file,
-                                non_negative_int, positive_int, run_tool, writable_destination)
+from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_output,
+                                existing_file, non_negative_int, positive_int, run_tool,
+                                writable_destination, writable_folder)
 from jattn.interop.images import (IMAGE_SUFFIXES, ImageError, inspect_image, output_format,
                                   read_image, write_image)
 
@@ -69,17 +70,30 @@ def plan_jobs(args) -> list[tuple[str, str, str]]:
   if not os.path.exists(src):
     raise UsageError(f"input {src!r}: no such file or folder")
   if os.path.isdir(src):
-    names = sorted(n for n in os.listdir(src) if n.lower().endswith(IMAGE_SUFFIXES))
+    try:
+      names = sorted(n for n in os.listdir(src) if n.lower().endswith(IMAGE_SUFFIXES))
+    except OSError as e:
+      raise UsageError(f"input folder {src!r} cannot be read ({e.strerror})") from None
     if not names:
       raise UsageError(f"input folder {src!r} has no images ({', '.join(IMAGE_SUFFIXES)})")
     if os.path.exists(dst) and not os.path.isdir(dst):
       raise UsageError(f"output {dst!r} is a file; with an input folder it must be a folder")
-    pairs = [(os.path.join(src, n), os.path.join(dst, os.path.splitext(n)[0] + ".png"))
-             for n in names]
+    outputs = {}
+    for n in names:  # a.png and a.jpg would both become a.png
+      outputs.setdefault(os.path.splitext(n)[0] + ".png", []).append(n)
+    clash = next((given for given in outputs.values() if len(given) > 1), None)
+    if clash:
+      raise UsageError(f"input folder {src!r}: {' and '.join(map(repr, clash))} would both "
+                       f"be written to {os.path.splitext(clash[0])[0] + '.png'!r}")
+    writable_folder("output", dst, list(outputs))
+    pairs = [(existing_file("input", os.path.join(src, n)),
+              os.path.join(dst, os.path.splitext(n)[0] + ".png")) for n in names]
   else:
     pairs = [(existing_file("input", src), writable_destination("output", dst))]
   jobs = []
   for image_in, image_out in pairs:
+    if os.path.exists(image_out) and os.path.samefile(image_in, image_out):
+      raise UsageError(f"output {image_out!r} is the input: give another name or folder")
     try:
       _, _, has_alpha = inspect_image(image_in)
       jobs.append((image_in, image_out, output_format(image_out, has_alpha)))
@@ -115,10 +129,10 @@ def load_model(path: str, precision: str):
   dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
   try:
     if os.path.isdir(path):
-      return load_converted(path, dtype=dtype)
+      return load_converted(path, dtype=dtype, model="DAT")
     return load_dat(path, dtype=dtype)
   except ValueError as e:  # not a DAT checkpoint, or not matching the model it describes
-    raise UsageError(f"--model {path!r}: {e}") from None
+    raise UsageError(f"--model {about(path, e)}") from None
 
 
 def _progress_bar(name: str, stream=sys.stderr):

@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--max-candidates", type=int, help="time at most this many per stage")
   parser.add_argument("--dry-run", action="store_true",
                       help="list the candidates and the pruned ones, time nothing")
-  parser.add_argument("--list", action="store_true", help="list what can be tuned and exit")
-  parser.add_argument("--show-cache", action="store_true", help="print the cache and exit")
+  listing = parser.add_mutually_exclusive_group()
+  listing.add_argument("--list", action="store_true", help="list what can be tuned and exit")
+  listing.add_argument("--show-cache", action="store_true", help="print the cache and exit")
   add_verbose(parser)
   return parser
 

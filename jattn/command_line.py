@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import sys
@@ -84,6 +85,12 @@ def first_line(error: BaseException, limit: int = 160) -> str:
   return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 
 
+def about(path: str, error: BaseException) -> str:
+  """``error``'s message, led by ``path`` unless it names it already."""
+  text = str(error)
+  return text if repr(path) in text else f"{path!r}: {text}"
+
+
 def positive_int(text: str) -> int:
   """An argparse type: an int >= 1."""
   return _bounded_int(text, 1)
@@ -92,6 +99,17 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
   """An argparse type: an int >= 0."""
   return _bounded_int(text, 0)
+
+
+def positive_float(text: str) -> float:
+  """An argparse type: a finite float > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+  return value
 
 
 def _bounded_int(text: str, low: int) -> int:
@@ -105,8 +123,12 @@ def _bounded_int(text: str, low: int) -> int:
 
 
 def comma_list(text: str) -> list[str]:
-  """An argparse type: ``a,b,c`` -> ``["a", "b", "c"]`` (empty items dropped)."""
-  return [item.strip() for item in text.split(",") if item.strip()]
+  """An argparse type: ``a,b,c`` -> ``["a", "b", "c"]`` (empty items dropped; at least
+  one item: an empty list is not the option's default)."""
+  items = [item.strip() for item in text.split(",") if item.strip()]
+  if not items:
+    raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+  return items
 
 
 def check_choices(option: str, given, allowed) -> None:
@@ -119,11 +141,14 @@ def check_choices(option: str, given, allowed) -> None:
 
 
 def existing_file(option: str, path: str) -> str:
-  """``path`` if it is a readable file, else a ``UsageError`` naming ``option``."""
+  """``path`` if it is a readable regular file, else a ``UsageError`` naming ``option``
+  (a pipe or a device would block or never end)."""
   if not os.path.exists(path):
     raise UsageError(f"{option} {path!r}: no such file")
   if os.path.isdir(path):
     raise UsageError(f"{option} {path!r} is a folder; expected a file")
+  if not os.path.isfile(path):
+    raise UsageError(f"{option} {path!r} is not a regular file")
   if not os.access(path, os.R_OK):
     raise UsageError(f"{option} {path!r}: permission denied")
   return path
@@ -132,18 +157,60 @@ def existing_file(option: str, path: str) -> str:
 def writable_destination(option: str, path: str) -> str:
   """``path`` if a file can be written there (its folder exists, or can be made, and
   ``path`` is not a folder), else a ``UsageError`` naming ``option``."""
+  if not path:
+    raise UsageError(f"{option} is empty; expected a file name")
   if os.path.isdir(path):
     raise UsageError(f"{option} {path!r} is a folder; expected a file name")
-  folder = _first_existing(os.path.dirname(os.path.abspath(path)))
-  if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-    raise UsageError(f"{option} {path!r}: cannot write in {folder!r}")
+  _check_can_make(option, path, os.path.dirname(os.path.abspath(path)))
   return path
 
 
-def _first_existing(folder: str) -> str:
+def writable_folder(option: str, path: str, names=()) -> str:
+  """``path`` if it is a folder, or one can be made there, whose files ``names`` can be
+  written (none of them a folder), else a ``UsageError`` naming ``option``."""
+  if not path:
+    raise UsageError(f"{option} is empty; expected a folder")
+  if os.path.isdir(path):
+    if not os.access(path, os.W_OK | os.X_OK):
+      raise UsageError(f"{option} {path!r}: cannot write in it (permission denied)")
+    taken = [n for n in names if os.path.isdir(os.path.join(path, n))]
+    if taken:
+      raise UsageError(f"{option} {path!r} holds a folder named {taken[0]!r} where a file "
+                       "is to be written")
+    return path
+  if os.path.exists(path) or os.path.islink(path):
+    raise UsageError(f"{option} {path!r} is not a folder")
+  _check_can_make(option, path, path)
+  return path
+
+
+def _check_can_make(option: str, path: str, folder: str) -> None:
+  """A ``UsageError`` unless ``folder`` exists, or can be made below the first of its
+  parents that exists, and can be written in."""
   while not os.path.exists(folder):
+    if os.path.islink(folder):
+      raise UsageError(f"{option} {path!r}: {folder!r} is a broken link")
     folder = os.path.dirname(folder)
-  return folder
+  if not os.path.isdir(folder):
+    raise UsageError(f"{option} {path!r}: {folder!r} is not a folder")
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise UsageError(f"{option} {path!r}: cannot write in {folder!r} (permission denied)")
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+  """Turns an ``OSError`` of making, renaming or removing files for ``path`` into a
+  one-line ``UsageError`` (a full disk, a read-only or special file system)."""
+  try:
+    yield
+  except OSError as e:
+    raise UsageError(f"cannot write {path!r}: {e.strerror or first_line(e)}") from None
 
 
 @contextlib.contextmanager
@@ -151,13 +218,16 @@ def atomic_output(path: str) -> Iterator[str]:
   """Yields a temporary file name beside ``path``; on success it is renamed to ``path``,
   on any error removed (as are the folders made for it)."""
   folder = os.path.dirname(os.path.abspath(path))
-  made = _make_folders(folder)
-  base = os.path.basename(path)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".partial")
-  os.close(fd)
+  with _writing(path):
+    made = _make_folders(folder)
+    base = os.path.basename(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".partial")
+    os.close(fd)
   try:
     yield tmp
-    os.replace(tmp, path)
+    with _writing(path):
+      os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for the unfinished file
+      os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
@@ -170,17 +240,24 @@ def atomic_folder(path: str) -> Iterator[str]:
   """Yields a temporary folder beside ``path``; on success its files move into ``path``
   (made if missing, other files there kept), on any error it is removed."""
   parent = os.path.dirname(os.path.abspath(path))
-  made = _make_folders(parent)
-  tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(path))}.",
-                         suffix=".partial")
+  with _writing(path):
+    made = _make_folders(parent)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(path))}.",
+                           suffix=".partial")
   try:
     yield tmp
-    if not os.path.exists(path):
-      os.replace(tmp, path)
-      return
-    for name in os.listdir(tmp):
-      os.replace(os.path.join(tmp, name), os.path.join(path, name))
-    os.rmdir(tmp)
+    with _writing(path):
+      names = os.listdir(tmp)
+      for name in names:
+        os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+      if not os.path.exists(path):
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 is for the unfinished folder
+        os.replace(tmp, path)
+        return
+      writable_folder(path, path, names)  # no file moves unless every one can
+      for name in names:
+        os.replace(os.path.join(tmp, name), os.path.join(path, name))
+      os.rmdir(tmp)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     _remove_empty(made)
@@ -193,8 +270,12 @@ def _make_folders(folder: str) -> list[str]:
   while not os.path.exists(folder):
     made.append(folder)
     folder = os.path.dirname(folder)
-  for f in reversed(made):
-    os.mkdir(f)
+  try:
+    for f in reversed(made):
+      os.mkdir(f)
+  except OSError:
+    _remove_empty(made)
+    raise
   return made
 
 
@@ -204,6 +285,7 @@ def _remove_empty(folders: list[str]) -> None:
       os.rmdir(f)
 
 
-__all__ = ["HelpFormatter", "Parser", "UsageError", "add_verbose", "atomic_folder", "atomic_output",
-           "check_choices", "comma_list", "existing_file", "first_line", "non_negative_int", "positive_int",
-           "run_tool", "writable_destination"]
+__all__ = ["HelpFormatter", "Parser", "UsageError", "about", "add_verbose", "atomic_folder",
+           "atomic_output", "check_choices", "comma_list", "existing_file", "first_line",
+           "non_negative_int", "positive_float", "positive_int", "run_tool",
+           "writable_destination", "writable_folder"]

@@ -5,9 +5,11 @@ working runs write what they say, grey and alpha images kept as such."""
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import zipfile
+import zlib
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ torch = pytest.importorskip("torch")
 Image = pytest.importorskip("PIL.Image")
 
 from conftest import ON_GPU  # noqa: E402
-from jattn.command_line import atomic_folder, atomic_output  # noqa: E402
+from jattn.command_line import UsageError, atomic_folder, atomic_output  # noqa: E402
 from jattn.interop.dat_torch import dat_torch  # noqa: E402
 from jattn.nn import DATConfig  # noqa: E402
 
@@ -51,9 +53,23 @@ def files(tmp_path_factory):
   torch.save({"model": torch.nn.Linear(2, 2)}, d / "pickled.pth")  # a module, not weights
   torch.save({"encoder.weight": torch.ones(3, 3)}, d / "other.pth")
   (d / "notes.txt").write_text("not a checkpoint\n")
+  state = torch.load(d / "tiny.pth")
+  torch.save({**state, "conv_first.weight": torch.tensor(1.0)}, d / "scalar.pth")
+  os.mkfifo(d / "fifo.pth")  # reading it would block forever
+  (d / "listed").mkdir()  # a converted folder whose config.json is not jattn-convert's
+  (d / "listed/config.json").write_text("[1, 2]")
+  (d / "listed/params.safetensors").write_bytes(b"")
   rng = np.random.default_rng(0)
   (d / "in").mkdir()
   Image.fromarray((rng.uniform(size=(20, 27, 3)) * 255).astype(np.uint8)).save(d / "in/rgb.png")
+  (d / "clash").mkdir()  # both would be written to a.png
+  for name in ("a.png", "a.jpg"):
+    Image.fromarray((rng.uniform(size=(9, 9, 3)) * 255).astype(np.uint8)).save(d / "clash" / name)
+  chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data
+                              + struct.pack(">I", zlib.crc32(kind + data)))
+  (d / "short.png").write_bytes(  # a valid header and checksums, too few pixels
+      b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20, 20, 8, 2, 0, 0, 0))
+      + chunk(b"IDAT", zlib.compress(b"\0" * 10)) + chunk(b"IEND", b""))
   Image.fromarray((rng.uniform(size=(17, 19)) * 255).astype(np.uint8)).save(d / "in/grey.png")
   Image.fromarray((rng.uniform(size=(18, 16, 4)) * 255).astype(np.uint8), "RGBA").save(
       d / "in/rgba.png")
@@ -100,6 +116,18 @@ MISTAKES = {
                         ["o.jpg", "stores no alpha channel"]),
     "bad precision": (["--model", "{d}/tiny.pth", "--precision", "fp8", "{d}/in/rgb.png",
                        "{out}/o.png"], ["--precision", "invalid choice: 'fp8'"]),
+    "image without its pixels": (["--model", "{d}/tiny.pth", "{d}/short.png", "{out}/o.png"],
+                                 ["short.png", "not an image that can be read"]),
+    "pipe as checkpoint": (["--model", "{d}/fifo.pth", "{d}/in/rgb.png", "{out}/o.png"],
+                           ["fifo.pth", "not a regular file"]),
+    "foreign converted folder": (["--model", "{d}/listed", "{d}/in/rgb.png", "{out}/o.png"],
+                                 ["listed", "config.json is not what jattn-convert writes"]),
+    "two inputs one output": (["--model", "{d}/tiny.pth", "{d}/clash", "{out}"],
+                              ["'a.jpg' and 'a.png' would both be written to 'a.png'"]),
+    "output is the input": (["--model", "{d}/tiny.pth", "{d}/in/rgb.png", "{d}/in/rgb.png"],
+                            ["rgb.png", "is the input"]),
+    "output under a file": (["--model", "{d}/tiny.pth", "{d}/in", "{d}/notes.txt/out"],
+                            ["notes.txt", "is not a folder"]),
 }
 
 
@@ -118,8 +146,18 @@ def test_upscale_mistakes_exit_2_with_one_line_and_write_nothing(files, tmp_path
     (["check", "--ops", "flash"], ["--ops: 'flash' is not one of"]),
     (["convert", "dat", "{d}/notes.txt", "{out}"], ["notes.txt", "is not a checkpoint"]),
     (["convert", "dat", "{d}/other.pth", "{out}"], ["other.pth", "not a DAT checkpoint"]),
+    (["convert", "dat", "{d}/scalar.pth", "{out}"],
+     ["scalar.pth", "'conv_first.weight' has shape (), expected 4"]),
+    (["convert", "dat", "{d}/tiny.pth", "{out}", "--img-range", "nan"],
+     ["--img-range", "finite number > 0"]),
+    (["convert", "dat", "{d}/tiny.pth", "{out}", "--num-heads", "2"],
+     ["--num-heads applies to retnet checkpoints, not dat"]),
+    (["convert", "dat", "{d}/tiny.pth", "{d}/notes.txt/sub"], ["notes.txt", "is not a folder"]),
+    (["check", "--ops", ""], ["--ops", "expected a comma-separated list"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
-], ids=["dtype", "reps", "backend", "op", "convert-text", "convert-other-model", "command"])
+], ids=["dtype", "reps", "backend", "op", "convert-text", "convert-other-model",
+        "convert-malformed", "convert-img-range", "convert-other-option", "convert-out-dir",
+        "empty-ops", "command"])
 def test_jattn_mistakes_exit_2_with_one_line(files, tmp_path, argv, needles):
   if "cudnn" in argv and ON_GPU:
     pytest.skip("cudnn is usable on this machine")
@@ -194,9 +232,18 @@ def test_outputs_appear_only_when_complete(tmp_path):
   with atomic_output(str(target)) as tmp:
     open(tmp, "w").write("whole")
   assert target.read_text() == "whole" and os.listdir(target.parent) == ["out.png"]
+  umask = os.umask(0o022)
+  os.umask(umask)
+  assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # the umask's, not mkstemp's 0600
   folder = tmp_path / "conv"
   with pytest.raises(RuntimeError):
     with atomic_folder(str(folder)) as tmp:
       open(os.path.join(tmp, "params"), "w").write("half")
       raise RuntimeError
   assert os.listdir(tmp_path) == ["a"]
+  (folder / "config").mkdir(parents=True)  # in the way of one of the files
+  with pytest.raises(UsageError, match="holds a folder named 'config'"):
+    with atomic_folder(str(folder)) as tmp:
+      for name in ("params", "config"):
+        open(os.path.join(tmp, name), "w").write("whole")
+  assert os.listdir(folder) == ["config"] and sorted(os.listdir(tmp_path)) == ["a", "conv"]

@@ -309,3 +309,18 @@ def test_every_package_folder_is_installed():
     for init in (root / folder).rglob("__init__.py"):
       parts = init.parent.relative_to(root / folder).parts
       assert ".".join((name,) + parts) in listed, f"{init.parent} is not in pyproject's packages"
+
+
+@pytest.mark.parametrize("op,fields,match", [
+    ("flash_attention", dict(causal="maybe"), "causal must be True or False, got 'maybe'"),
+    ("flash_attention", dict(dtype="int8"), "dtype must be one of float32, float16, bfloat16"),
+    ("flash_attention", dict(q_len=0), "q_len must be a positive int, got 0"),
+    ("retention_chunkwise", dict(chunk_size=0), "chunk_size must be a positive int"),
+    ("dilated_attention", dict(segment_lengths=(0, 4), dilation_rates=(1, 2)),
+     r"segment_lengths must be positive ints, got \(0, 4\)"),
+])
+def test_problems_from_keywords_check_their_fields(op, fields, match):
+  """What jattn.gpu and `python -m jattn.autotune --set` build problems from is checked
+  like arrays would be: sizes positive ints, flags bools, a dtype the kernels take."""
+  with pytest.raises(ValueError, match=match):
+    OPS[op].problem(**fields)

@@ -26,9 +26,11 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUInfo,
                                current_device, interpret_mode)
+from jattn.core.validation import FLOAT_DTYPES
 from jattn.kernels.common.config import MAX_HEAD_DIM
 from jattn.tuning.cache import RANKING, TuningKey, backend_times, lookup
 
@@ -47,11 +49,31 @@ class Problem:
   def _normalize(self, scale_dim: int, **defaults) -> None:
     """In ``__post_init__``: ``dtype`` as a numpy dtype, ``scale`` defaulting to
     ``scale_dim ** -0.5``, and each field named in ``defaults`` that is None set to
-    its default."""
+    its default; then ``_check_fields``."""
     self._set(**{name: value for name, value in defaults.items()
                  if getattr(self, name) is None})
     self._set(dtype=jnp.dtype(self.dtype),
               scale=scale_dim ** -0.5 if self.scale is None else float(self.scale))
+    self._check_fields()
+
+  def _check_fields(self) -> None:
+    """A problem built from keywords (``jattn.gpu``, ``python -m jattn.autotune
+    --set``) holds what its ops' arrays would give: sizes (``int`` fields and
+    ``tuple[int, ...]`` ones) positive ints, flags (``bool`` fields) bools, a dtype
+    the kernels take. A ``ValueError`` naming the field otherwise."""
+    if self.dtype not in FLOAT_DTYPES:
+      raise ValueError(f"dtype must be one of {', '.join(d.name for d in FLOAT_DTYPES)}, "
+                       f"got {self.dtype.name}")
+    for field in dataclasses.fields(self):
+      value, kind = getattr(self, field.name), str(field.type)
+      if kind in ("int", "int | None", "tuple[int, ...]") and value is not None:
+        sizes = value if kind.startswith("tuple") else (value,)
+        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1
+                   for n in sizes):
+          what = "positive ints" if kind.startswith("tuple") else "a positive int"
+          raise ValueError(f"{field.name} must be {what}, got {value!r}")
+      elif kind == "bool" and not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{field.name} must be True or False, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
