@@ -12,8 +12,8 @@ import os
 import sys
 
 from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_folder,
-                                check_choices, comma_list, positive_float, positive_int,
-                                run_tool, writable_folder)
+                                check_choices, comma_list, first_line, positive_float,
+                                positive_int, run_tool, writable_folder)
 from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_programs_fast,
                                current_device)
 from jattn.interop.check import CHECK_OPS, main_check, plan
@@ -104,8 +104,13 @@ def run_convert(args) -> int:
     model, description = _converted_model(args)
   except ValueError as e:  # not a checkpoint of that model, or not matching its config
     raise UsageError(about(args.checkpoint, e)) from None
-  with atomic_folder(args.out_dir) as tmp:
-    save_converted(model, tmp)
+  from safetensors import SafetensorError
+
+  try:
+    with atomic_folder(args.out_dir) as tmp:
+      save_converted(model, tmp)
+  except SafetensorError as e:  # its writer's OSErrors (a full disk) come as this type
+    raise UsageError(f"cannot write {args.out_dir!r}: {first_line(e)}") from None
   print(f"{args.checkpoint}: {description}")
   print(f"wrote {os.path.join(args.out_dir, 'params.safetensors')} and "
         f"{os.path.join(args.out_dir, 'config.json')}")

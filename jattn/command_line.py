@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import traceback
@@ -187,7 +189,8 @@ def writable_folder(option: str, path: str, names=()) -> str:
 def _check_can_make(option: str, path: str, folder: str) -> None:
   """A ``UsageError`` unless ``folder`` exists, or can be made below the first of its
   parents that exists, and can be written in."""
-  while not os.path.exists(folder):
+  folder = os.path.abspath(folder)  # a relative name's parents end at the working folder
+  while not os.path.exists(folder) and os.path.dirname(folder) != folder:
     if os.path.islink(folder):
       raise UsageError(f"{option} {path!r}: {folder!r} is a broken link")
     folder = os.path.dirname(folder)
@@ -197,10 +200,22 @@ def _check_can_make(option: str, path: str, folder: str) -> None:
     raise UsageError(f"{option} {path!r}: cannot write in {folder!r} (permission denied)")
 
 
+@functools.cache
 def _umask() -> int:
-  mask = os.umask(0)
+  """The process's umask, read once (reading it means setting it for a moment)."""
+  mask = os.umask(0o022)
   os.umask(mask)
   return mask
+
+
+def _finished_mode(path: str, temporary: str) -> None:
+  """Gives ``temporary`` (made 0600 / 0700 by ``tempfile``) the mode it will have as
+  ``path``: an existing file's own, else what the umask gives a new file or folder."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+  else:
+    mode = (0o777 if os.path.isdir(temporary) else 0o666) & ~_umask()
+  os.chmod(temporary, mode)
 
 
 @contextlib.contextmanager
@@ -224,9 +239,9 @@ def atomic_output(path: str) -> Iterator[str]:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".partial")
     os.close(fd)
   try:
-    yield tmp
-    with _writing(path):
-      os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for the unfinished file
+    with _writing(path):  # a full disk or a file-size limit while writing, too
+      yield tmp
+      _finished_mode(path, tmp)
       os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
@@ -245,13 +260,13 @@ def atomic_folder(path: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(path))}.",
                            suffix=".partial")
   try:
-    yield tmp
-    with _writing(path):
+    with _writing(path):  # a full disk or a file-size limit while writing, too
+      yield tmp
       names = os.listdir(tmp)
       for name in names:
-        os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+        _finished_mode(os.path.join(path, name), os.path.join(tmp, name))
       if not os.path.exists(path):
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 is for the unfinished folder
+        _finished_mode(path, tmp)
         os.replace(tmp, path)
         return
       writable_folder(path, path, names)  # no file moves unless every one can

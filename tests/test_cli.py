@@ -33,10 +33,14 @@ def tool(name: str) -> str:
   return found
 
 
-def run(*argv, cwd=None):
+def run(*argv, cwd=None, shell_prefix=None):
+  """``argv`` with its first item an installed tool; ``shell_prefix``: sh commands first
+  (``ulimit ...``)."""
   env = {k: v for k, v in os.environ.items() if k != "JATTN_INTERPRET"}
-  return subprocess.run([tool(argv[0]), *argv[1:]], capture_output=True, text=True, env=env,
-                        cwd=cwd, timeout=300)
+  command = [tool(argv[0]), *argv[1:]]
+  if shell_prefix:
+    command = ["sh", "-c", f'{shell_prefix}; exec "$0" "$@"', *command]
+  return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -185,13 +189,13 @@ def test_help_shows_every_default():
 
 
 def test_convert_then_upscale_keeps_grey_and_alpha(files, tmp_path):
-  conv = tmp_path / "conv"
-  done = run("jattn-convert", "dat", str(files / "tiny.pth"), str(conv))
+  conv = tmp_path / "conv"  # relative names, as typed
+  done = run("jattn-convert", "dat", str(files / "tiny.pth"), "conv", cwd=tmp_path)
   assert done.returncode == 0, done.stderr
   assert sorted(os.listdir(conv)) == ["config.json", "params.safetensors"]
   out = tmp_path / "out"
-  done = run("jattn", "upscale", "--model", str(conv), "--tile", "16", "--overlap", "4",
-             str(files / "in"), str(out))
+  done = run("jattn", "upscale", "--model", "conv", "--tile", "16", "--overlap", "4",
+             str(files / "in"), "out", cwd=tmp_path)
   assert done.returncode == 0, done.stderr
   assert sorted(os.listdir(out)) == ["grey.png", "rgb.png", "rgba.png"]
   expected = {"rgb.png": ("RGB", (54, 40)), "grey.png": ("L", (38, 34)),
@@ -204,6 +208,14 @@ def test_convert_then_upscale_keeps_grey_and_alpha(files, tmp_path):
     alpha = np.asarray(img)[:, :, 3].astype(np.float32)
     small = np.asarray(src)[:, :, 3].astype(np.float32)
     assert abs(alpha.mean() - small.mean()) < 8
+
+
+def test_a_write_that_fails_says_so_in_one_line_and_leaves_nothing(files, tmp_path):
+  """A full disk, as a file-size limit below the converted weights' size."""
+  done = run("jattn-convert", "dat", str(files / "tiny.pth"), str(tmp_path / "conv"),
+             shell_prefix="ulimit -f 100")  # at most 100 blocks of 512 or 1024 bytes
+  _one_line_error(done, "cannot write", "conv", "File too large")
+  assert os.listdir(tmp_path) == []
 
 
 def test_upscale_a_file_from_a_pth_checkpoint(files, tmp_path):

@@ -54,13 +54,14 @@ class Problem:
                  if getattr(self, name) is None})
     self._set(dtype=jnp.dtype(self.dtype),
               scale=scale_dim ** -0.5 if self.scale is None else float(self.scale))
-    self._check_fields()
 
-  def _check_fields(self) -> None:
-    """A problem built from keywords (``jattn.gpu``, ``python -m jattn.autotune
-    --set``) holds what its ops' arrays would give: sizes (``int`` fields and
-    ``tuple[int, ...]`` ones) positive ints, flags (``bool`` fields) bools, a dtype
-    the kernels take. A ``ValueError`` naming the field otherwise."""
+  def check_fields(self) -> None:
+    """A problem built from keywords (``Op.problem``: ``jattn.gpu``, ``python -m
+    jattn.autotune --set``) holds what its op's checked arrays would give: sizes
+    (``int`` fields and ``tuple[int, ...]`` ones) positive ints, flags (``bool``
+    fields) bools, a dtype the kernels take. A ``ValueError`` naming the field
+    otherwise. (Problems bound from arrays are not checked again: their sizes may be
+    ``jax.export`` symbolic dimensions.)"""
     if self.dtype not in FLOAT_DTYPES:
       raise ValueError(f"dtype must be one of {', '.join(d.name for d in FLOAT_DTYPES)}, "
                        f"got {self.dtype.name}")
@@ -294,8 +295,11 @@ class Op:
     return outputs[0] if isinstance(outputs, tuple) else outputs
 
   def problem(self, **keywords):
-    """A problem from keywords (its dataclass fields), for choosing or tuning without arrays."""
-    return self.problem_cls(**keywords)
+    """A problem from keywords (its dataclass fields), for choosing or tuning without
+    arrays; a ``ValueError`` naming a field of the wrong kind (``Problem.check_fields``)."""
+    problem = self.problem_cls(**keywords)
+    problem.check_fields()
+    return problem
 
   def __call__(self, *args, backend: str = "auto", config=None, **kwargs):
     problem, arrays = self.bind(*args, **kwargs)
