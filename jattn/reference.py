@@ -136,13 +136,23 @@ def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=No
   return o.astype(q.dtype), lse[..., 0]
 
 
+# Additive mask values at or below this mean "masked" (torch code writes -1e9 or the
+# dtype's lowest) and become -inf: a row masked everywhere then gives zeros on every
+# backend. Left finite, such a row's log-sum-exp (near the mask value) cannot hold the
+# log of its weights' sum in float32, and a backward that recomputes exp(s - lse) would
+# miss the forward's softmax by up to that sum.
+MASKED_LOGIT = -1e5
+
+
 def additive_window_mask(mask):
   """A window mask as float32 logit offsets: boolean (True = may attend) becomes
-  0 / -inf, a float mask (e.g. Swin's 0 / -100) is taken as it is."""
+  0 / -inf, a float mask (e.g. Swin's 0 / -100) is taken as it is, but for values at
+  or below ``MASKED_LOGIT`` (-1e5), which become -inf."""
   mask = jnp.asarray(mask)
   if mask.dtype == jnp.bool_:
     return jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32)
-  return mask.astype(jnp.float32)
+  mask = mask.astype(jnp.float32)
+  return jnp.where(mask <= MASKED_LOGIT, -jnp.inf, mask)
 
 
 def window_attention_reference(q, k, v, bias, *, mask=None, scale=None, return_lse=False):

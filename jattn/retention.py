@@ -82,20 +82,27 @@ class RetentionProblem(Problem):
 
 def _check_decay(decay, heads: int):
   """``decay`` is None or ``[heads]``, and where its values are known (not traced)
-  in (0, 1]: the kernels work with log2 γ and factor γ^(n-m) into parts <= 1."""
+  in (0, 1] and a normal float32 (the kernels work with log2 γ in float32, and factor
+  γ^(n-m) into parts <= 1; a γ that rounds or flushes to 0 would make log2 γ = -inf)."""
   if decay is None:
     return
   if tuple(np.shape(decay)) != (heads,):
     raise ValueError(f"decay must have shape [heads] = ({heads},), got {np.shape(decay)}")
   if not isinstance(decay, jax.core.Tracer):
     values = np.asarray(decay, np.float64)
-    if not np.all((values > 0) & (values <= 1)):
-      raise ValueError(f"decay must be in (0, 1] for every head, got {values.tolist()}")
+    if not np.all((values >= np.finfo(np.float32).tiny) & (values <= 1)):
+      raise ValueError(f"decay must be in (0, 1] for every head (at least float32's "
+                       f"smallest normal, {np.finfo(np.float32).tiny:.3g}), got "
+                       f"{values.tolist()}")
 
 
 def _decay_array(decay, heads: int):
+  """The decay the kernels take: float32, and a constant (no backend gives it a
+  gradient, as the Pallas backward kernels do not)."""
   _check_decay(decay, heads)
-  return default_decay(heads) if decay is None else jnp.asarray(decay, jnp.float32)
+  if decay is None:
+    return default_decay(heads)
+  return jax.lax.stop_gradient(jnp.asarray(decay, jnp.float32))
 
 
 def _state_array(initial_state, batch, heads, dk, dv):

@@ -340,6 +340,7 @@ def test_default_config_cuts_the_state_finer_for_few_heads():
     (dict(decay=jnp.ones((2,))), ValueError, r"decay must have shape \[heads\] = \(3,\)"),
     (dict(decay=jnp.array([0.9, 0.0, 0.5])), ValueError, r"decay must be in \(0, 1\]"),
     (dict(decay=[0.9, 1.5, 0.5]), ValueError, r"decay must be in \(0, 1\]"),
+    (dict(decay=np.array([0.9, 1e-50, 0.5])), ValueError, "at least float32's smallest normal"),
     (dict(normalize="l2"), ValueError, "normalize must be one of"),
     (dict(mode="fast"), ValueError, "mode must be one of"),
     (dict(backend="pallas_triton", mode="recurrent"), ValueError, "has no recurrent kernel"),
@@ -355,6 +356,18 @@ def test_bad_inputs(kwargs, error, match):
   q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
   with pytest.raises(error, match=match):
     jattn.retention(q, k, v, **args)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+def test_no_backend_gives_the_decay_a_gradient(backend):
+  """The Pallas backward kernels give none, so neither does autodiff of the XLA forms:
+  a model trains the same on every backend."""
+  q, k, v, state, decay = _inputs(batch=1, q_len=8, heads=2)
+  loss = lambda d: (jattn.retention(q, k, v, decay=d, mode="parallel", backend=backend).sum()
+                    + jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, decay=d,
+                                           backend=backend)[0].sum())
+  assert not np.asarray(jax.grad(loss)(decay)).any()
 
 
 def test_retention_step_checks_its_decay():

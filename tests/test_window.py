@@ -107,6 +107,21 @@ def test_boolean_and_additive_masks_agree():
   chex.assert_trees_all_close(run(allowed), run(additive), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("masked", [-1e9, float(np.finfo(np.float32).min)])
+def test_huge_negative_mask_values_mask(masked):
+  """Torch-style masks (-1e9, the dtype's lowest): a row masked everywhere gives zeros
+  on both backends, and the kernels' gradients follow their forward (a finite -1e9 row
+  had lse = -1e9 in float32, without the log of its weights' sum)."""
+  q, k, v, bias, _, do = _inputs(windows=2, tokens=6, heads=1, head_dim=8)
+  allowed = jax.random.uniform(jax.random.PRNGKey(3), (1, 6, 6)) < 0.6
+  allowed = allowed.at[:, 0, :].set(False).at[:, 1:, 1].set(True)  # row 0: no key
+  mask = jnp.where(allowed, 0.0, masked)
+  check_against_reference(q, k, v, bias, mask, do, 1e-5)
+  for backend in ("pallas_triton", "xla"):
+    o = jattn.window_attention(q, k, v, bias, mask=mask, backend=backend)
+    assert not np.asarray(o[:, 0]).any() and np.asarray(o[:, 1:]).all()
+
+
 @pytest.mark.parametrize("backend", ["pallas_triton", "xla"])
 def test_the_mask_gets_no_gradient(backend):
   q, k, v, bias, mask, _ = _inputs(windows=2, tokens=8, heads=1, head_dim=8, mask_windows=2)
