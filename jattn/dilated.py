@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.core.op import Problem, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, scale_of
@@ -60,12 +61,16 @@ class DilatedProblem(Problem):
 
 def check_pairs(segment_lengths, dilation_rates) -> None:
   """LongNet's pairs: non-empty, matched, positive ints, ``w`` a multiple of ``r``."""
+  for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+    if np.ndim(values) != 1:
+      raise TypeError(f"{name} must be a sequence of ints (one per pair), got {values!r}")
   segment_lengths, dilation_rates = list(segment_lengths), list(dilation_rates)
   if not segment_lengths or len(segment_lengths) != len(dilation_rates):
     raise ValueError(f"segment_lengths {segment_lengths} and dilation_rates {dilation_rates} "
                      "must be non-empty and of the same length (one (w, r) pair each)")
   for w, r in zip(segment_lengths, dilation_rates):
-    if int(w) != w or int(r) != r or w < 1 or r < 1 or w % r:
+    if (isinstance(w, (bool, np.bool_)) or isinstance(r, (bool, np.bool_)) or int(w) != w
+        or int(r) != r or w < 1 or r < 1 or w % r):
       raise ValueError(f"each pair needs positive integers with the segment length a "
                        f"multiple of the dilation rate, got (w={w}, r={r})")
 

@@ -155,6 +155,10 @@ def test_errors_particular_to_the_pairs():
     call(q, k, v, segment_lengths=[6], dilation_rates=[4])
   with pytest.raises(ValueError, match="same length"):
     call(q, k, v, segment_lengths=[8, 16], dilation_rates=[2])
+  with pytest.raises(TypeError, match="segment_lengths must be a sequence of ints"):
+    call(q, k, v, segment_lengths=8, dilation_rates=2)
+  with pytest.raises(ValueError, match=r"positive integers .* got \(w=True, r=2\)"):
+    call(q, k, v, segment_lengths=[True])
   with pytest.raises(ValueError, match=r"q's heads \(4\) must be a multiple of k's heads \(3\)"):
     three = jnp.concatenate([k, k[:, :, :1]], axis=2)
     call(q, three, three)

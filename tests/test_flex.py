@@ -5,6 +5,7 @@ force, and the errors. (The op-wide guarantees are tests/test_contract.py's.)"""
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -73,8 +74,10 @@ def _bias_ref(bias_of):
 DIST = jnp.arange(SK)[None, :] - jnp.arange(SQ)[:, None]  # kv_idx - q_idx
 
 
-@pytest.mark.parametrize("name", ["alibi", "relative-table", "bias"])
-def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name):
+@pytest.mark.parametrize("name,x64", [("alibi", False), ("relative-table", False),
+                                      ("bias", False), ("alibi", True)],
+                         ids=["alibi", "relative-table", "bias", "alibi-x64"])
+def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name, x64):
   q, k, v, do = _inputs(1)
   key = jax.random.PRNGKey(5)
   if name == "alibi":
@@ -88,8 +91,9 @@ def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name):
   else:
     param = jax.random.normal(key, (B, HQ, SQ, SK))
     make, dense = flex.bias_score, lambda b: b
-  ours = _out_and_grads(lambda q, k, v, p: jattn.flex_attention(
-      q, k, v, score_mod=make(p), return_lse=True), q, k, v, do, param)
+  with jax.enable_x64(x64):  # the arrays' backward walks tiles with int32 indices then too
+    ours = _out_and_grads(lambda q, k, v, p: jattn.flex_attention(
+        q, k, v, score_mod=make(p), return_lse=True), q, k, v, do, param)
   ref = _out_and_grads(_bias_ref(dense), q, k, v, do, param)
   _assert_close(ours, ref, 2e-5)
 
@@ -367,14 +371,21 @@ def test_block_mask_tiles_are_skipped_and_full_tiles_unmasked():
   _assert_close(ours, ref, 1e-5)
 
 
-def test_functions_the_tiles_cannot_evaluate_go_to_xla():
+SLOPES = flex.alibi_slopes(HQ)
+
+
+@pytest.mark.parametrize("score_mod,gap", [
+    (lambda s, b, h, i, j: s + jnp.sum(SLOPES * h), "computes mul on whole"),
+    # Loops and branches: their inner jaxprs run n times or one of several, never once.
+    (lambda s, b, h, i, j: lax.fori_loop(0, 3, lambda _, x: x * 0.9, s), "runs a scan"),
+    (lambda s, b, h, i, j: lax.cond(h > 0, lambda x: x * 0.5, lambda x: x, s), "runs a cond"),
+], ids=["whole-array", "fori-loop", "cond"])
+def test_functions_the_tiles_cannot_evaluate_go_to_xla(score_mod, gap):
   q, k, v, _ = _inputs()
-  slopes = flex.alibi_slopes(HQ)
-  whole = lambda s, b, h, i, j: s + jnp.sum(slopes * h)  # arithmetic on a whole array
-  problem, _ = flex.FLEX.bind(q, k, v, score_mod=whole)
-  assert "computes mul on whole arrays" in dict(flex.FLEX.choices(problem))["pallas_triton"]
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=score_mod)
+  assert gap in dict(flex.FLEX.choices(problem))["pallas_triton"]
   assert flex.FLEX.select(problem) == "xla"
-  problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.alibi_score(slopes))
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.alibi_score(SLOPES))
   assert flex.FLEX.select(problem) == "pallas_triton"
 
 

@@ -70,6 +70,6 @@ def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -
     return [a + g.astype(jnp.float32) for a, g in zip(acc, grads)], None
 
   zeros = [jnp.zeros(c.shape, jnp.float32) for c, w in zip(fixed, wanted) if w]
-  grads, _ = lax.scan(step, zeros, jnp.arange(steps))
+  grads, _ = lax.scan(step, zeros, jnp.arange(steps, dtype=jnp.int32))  # int32 under x64 too
   it = iter(grads)
   return [next(it) if w else None for w in wanted]

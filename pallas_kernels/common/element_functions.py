@@ -31,6 +31,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 _STORED_AS_INT32 = (np.dtype(np.bool_),)
 _SHAPE_PRIMITIVES = {"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p"}
 _SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Primitives whose inner jaxprs run several times or one of several: inlined once they
+# would compute something else (a fori_loop, searchsorted's scan, a cond).
+_CONTROL_FLOW = ("scan", "while", "cond")
 
 
 class UnsupportedFunction(NotImplementedError):
@@ -208,6 +211,8 @@ def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list) -> list:
   for eqn in jaxpr.eqns:
     values = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
+    if name in _CONTROL_FLOW or "branches" in eqn.params:
+      raise UnsupportedFunction(f"it runs a {name} (a loop or a branch) on the tiles")
     inner = _sub_jaxpr(eqn.params)
     if inner is not None:
       if any(np.size(np.shape(c)) and np.prod(np.shape(c)) > 1 for c in inner.consts):
