@@ -21,6 +21,7 @@ import stat
 import sys
 import tempfile
 import traceback
+import warnings
 from typing import Callable, Iterator
 
 
@@ -61,10 +62,20 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
 def run_tool(prog: str, parser: argparse.ArgumentParser, handler: Callable[[argparse.Namespace], int],
              argv=None) -> int:
   """Parses ``argv`` and runs ``handler(args)``, turning its errors into exit statuses:
-  0 (or the handler's own), 2 for a ``UsageError``, 1 for a bug, 130 on Ctrl-C."""
+  0 (or the handler's own), 2 for a ``UsageError``, 1 for a bug or a closed output
+  pipe, 130 on Ctrl-C; warnings print as one line each."""
   verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
   try:
-    return handler(parser.parse_args(argv))
+    with warnings.catch_warnings():
+      # A warning (a corrupt tuning cache, say) is one line too, not Python's two.
+      warnings.showwarning = lambda message, *_, **__: print(
+          f"{prog}: warning: {first_line(message, 300)}", file=sys.stderr)
+      status = handler(parser.parse_args(argv))
+      sys.stdout.flush()  # a closed pipe found here, not in the interpreter's last flush
+      return status
+  except BrokenPipeError:  # the reader went away (`... | head`): nothing left to say
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
   except UsageError as e:
     if verbose:
       traceback.print_exc()

@@ -418,3 +418,23 @@ def test_cli_show_cache(capsys, cache_dir):
   out = capsys.readouterr().out
   assert out.startswith(f"{cache_dir / 'autotune.json'}: 1 entries\n")
   assert f"{key()} 1.250 ms (fwd+bwd)" in out and '"block_q": 32' in out
+
+
+def test_cli_warns_in_one_line_and_ends_quietly_when_its_reader_goes(cache_dir):
+  """A corrupt cache is a one-line warning (not Python's two); a closed output pipe
+  (`... | head -1`) ends the tool without a traceback."""
+  cache_dir.mkdir()
+  (cache_dir / "autotune.json").write_text("{corrupt")
+  command = [sys.executable, "-m", "jattn.autotune", "--show-cache"]
+  done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+  lines = done.stderr.strip().splitlines()
+  assert done.returncode == 0 and len(lines) == 1, done.stderr
+  assert lines[0].startswith("python -m jattn.autotune: warning: ignoring the autotune cache")
+  read, write = os.pipe()
+  os.close(read)  # a reader that has gone: every write fails
+  try:
+    done = subprocess.run([*command[:3], "--list"], stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+  finally:
+    os.close(write)
+  assert done.returncode == 1 and done.stderr == "", done.stderr
