@@ -118,8 +118,12 @@ def _show_cache(stream) -> int:
   entries = load_cache(path)
   stream.write(f"{path}: {len(entries)} entries\n")
   for key, entry in sorted(entries.items()):
+    if not isinstance(entry, dict):  # hand-edited: lookups skip it too
+      stream.write(f"{key} (not an entry: {json.dumps(entry)[:80]})\n")
+      continue
     ms = entry.get("ms")
-    timing = "" if ms is None else f" {ms:.3f} ms ({entry.get('mode')})"
+    timing = (f" {ms:.3f} ms ({entry.get('mode')})" if isinstance(ms, (int, float))
+              and not isinstance(ms, bool) else "")
     stream.write(f"{key}{timing} jax {entry.get('jax')} {entry.get('tuned_at')}\n"
                  f"  {json.dumps(entry.get('config'), sort_keys=True)}\n")
   return 0

@@ -408,6 +408,9 @@ class Op:
     if not runnable:
       raise self._error("auto", "finds no backend that can", problem, info, config)
     first = runnable[0]
+    if not info.is_gpu:  # the search stopped at the first
+      return first + ("the first in the op's order that can run it (times are kept for GPUs "
+                      "only)",)
     if len(runnable) == 1:
       return first + ("the only backend that can run it",)
     key = self.speed_tuning_key(problem, info)

@@ -19,6 +19,7 @@ counts as empty.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -94,7 +95,8 @@ def load_cache(path: str | None = None) -> dict:
   try:
     with open(path, encoding="utf-8") as f:
       entries = _parse_entries(f.read())
-  except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError;
+    # RecursionError: a file of deeply nested brackets
     # Remembered below as empty: the warning comes once per version of the file.
     warnings.warn(f"ignoring the autotune cache {path}: {e}", RuntimeWarning, stacklevel=2)
     entries = {}
@@ -128,33 +130,61 @@ def save_backend_times(key: TuningKey, times: dict[str, float], *, mode: str,
                            "mode": mode}, path)
 
 
+@contextlib.contextmanager
+def _locked(path: str):
+  """Holds an exclusive lock on ``path + ".lock"``: writers of the cache (tuning runs
+  in several processes) read, change and replace the file one at a time, so none loses
+  another's entries."""
+  import fcntl
+
+  with open(path + ".lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    yield
+
+
 def _save_entry(key: TuningKey, entry: dict, path: str | None) -> str:
   path = cache_path() if path is None else path
-  entries = dict(load_cache(path))
-  entries[str(key)] = {
-      **entry, "jax": jax.__version__,
-      "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
   directory = os.path.dirname(path) or "."
   os.makedirs(directory, exist_ok=True)
-  # A reader (another process) sees either the old file or the new one, never half.
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autotune.", suffix=".json")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
-  st = os.stat(path)
-  _LOADED[path] = ((st.st_mtime_ns, st.st_size), entries)
+  with _locked(path):
+    _LOADED.pop(path, None)  # read afresh: another process may have written a moment ago
+    entries = dict(load_cache(path))
+    entries[str(key)] = {
+        **entry, "jax": jax.__version__,
+        "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    # A reader (another process) sees either the old file or the new one, never half.
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autotune.", suffix=".json")
+    try:
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+      os.replace(tmp, path)
+    except BaseException:
+      os.unlink(tmp)
+      raise
+    st = os.stat(path)
+    _LOADED[path] = ((st.st_mtime_ns, st.st_size), entries)
   return path
 
 
+def _same_kind(value, default) -> bool:
+  """A stored field's value is of its default's type (bool, int, float, str; None where
+  the default is None): a hand-edited or stale entry never reaches a kernel launch."""
+  if default is None or value is None:
+    return value is None or isinstance(value, (bool, int, float, str))
+  if isinstance(default, bool) or isinstance(value, bool):
+    return type(value) is type(default)
+  return type(value) is type(default) or (type(default) is float and type(value) is int)
+
+
 def config_from_entry(config_cls: type, entry):
-  """The entry's config, or None if it does not match ``config_cls`` exactly."""
-  fields = {f.name for f in dataclasses.fields(config_cls)}
+  """The entry's config, or None if it does not match ``config_cls`` exactly (its
+  fields, each of its default's type, and the class's own checks)."""
+  fields = {f.name: f.default for f in dataclasses.fields(config_cls)}
   config = entry.get("config") if isinstance(entry, dict) else None
-  if not isinstance(config, dict) or set(config) != fields:
+  if not isinstance(config, dict) or set(config) != set(fields):
+    return None
+  if not all(_same_kind(value, fields[name]) and not (type(value) is int and value < 1)
+             for name, value in config.items()):  # sizes, warps and stages are >= 1
     return None
   try:
     return config_cls(**config)
