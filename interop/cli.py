@@ -112,8 +112,7 @@ def run_convert(args) -> int:
   except SafetensorError as e:  # its writer's OSErrors (a full disk) come as this type
     raise UsageError(f"cannot write {args.out_dir!r}: {first_line(e)}") from None
   print(f"{args.checkpoint}: {description}")
-  print(f"wrote {os.path.join(args.out_dir, 'params.safetensors')} and "
-        f"{os.path.join(args.out_dir, 'config.json')}")
+  print("wrote " + " and ".join(os.path.join(args.out_dir, name) for name in CONVERTED_FILES))
   return 0
 
 

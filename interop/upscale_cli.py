@@ -78,16 +78,16 @@ def plan_jobs(args) -> list[tuple[str, str, str]]:
       raise UsageError(f"input folder {src!r} has no images ({', '.join(IMAGE_SUFFIXES)})")
     if os.path.exists(dst) and not os.path.isdir(dst):
       raise UsageError(f"output {dst!r} is a file; with an input folder it must be a folder")
-    outputs = {}
-    for n in names:  # a.png and a.jpg would both become a.png
+    outputs = {}  # output name -> its inputs (a.png and a.jpg would both become a.png)
+    for n in names:
       outputs.setdefault(os.path.splitext(n)[0] + ".png", []).append(n)
-    clash = next((given for given in outputs.values() if len(given) > 1), None)
-    if clash:
-      raise UsageError(f"input folder {src!r}: {' and '.join(map(repr, clash))} would both "
-                       f"be written to {os.path.splitext(clash[0])[0] + '.png'!r}")
+    for out, given in outputs.items():
+      if len(given) > 1:
+        raise UsageError(f"input folder {src!r}: {' and '.join(map(repr, given))} would both "
+                         f"be written to {out!r}")
     writable_folder("output", dst, list(outputs))
-    pairs = [(existing_file("input", os.path.join(src, n)),
-              os.path.join(dst, os.path.splitext(n)[0] + ".png")) for n in names]
+    pairs = [(existing_file("input", os.path.join(src, given[0])), os.path.join(dst, out))
+             for out, given in outputs.items()]
   else:
     pairs = [(existing_file("input", src), writable_destination("output", dst))]
   jobs = []

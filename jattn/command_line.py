@@ -280,7 +280,7 @@ def atomic_folder(path: str) -> Iterator[str]:
         _finished_mode(path, tmp)
         os.replace(tmp, path)
         return
-      writable_folder(path, path, names)  # no file moves unless every one can
+      writable_folder("folder", path, names)  # no file moves unless every one can
       for name in names:
         os.replace(os.path.join(tmp, name), os.path.join(path, name))
       os.rmdir(tmp)

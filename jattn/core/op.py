@@ -49,7 +49,7 @@ class Problem:
   def _normalize(self, scale_dim: int, **defaults) -> None:
     """In ``__post_init__``: ``dtype`` as a numpy dtype, ``scale`` defaulting to
     ``scale_dim ** -0.5``, and each field named in ``defaults`` that is None set to
-    its default; then ``_check_fields``."""
+    its default."""
     self._set(**{name: value for name, value in defaults.items()
                  if getattr(self, name) is None})
     self._set(dtype=jnp.dtype(self.dtype),

@@ -95,8 +95,8 @@ def load_cache(path: str | None = None) -> dict:
   try:
     with open(path, encoding="utf-8") as f:
       entries = _parse_entries(f.read())
-  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError;
-    # RecursionError: a file of deeply nested brackets
+  # JSONDecodeError is a ValueError; RecursionError: a file of deeply nested brackets.
+  except (OSError, ValueError, RecursionError) as e:
     # Remembered below as empty: the warning comes once per version of the file.
     warnings.warn(f"ignoring the autotune cache {path}: {e}", RuntimeWarning, stacklevel=2)
     entries = {}

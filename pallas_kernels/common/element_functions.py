@@ -32,7 +32,7 @@ _STORED_AS_INT32 = (np.dtype(np.bool_),)
 _SHAPE_PRIMITIVES = {"squeeze", "reshape", "broadcast_in_dim", "expand_dims", "copy", "copy_p"}
 _SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose inner jaxprs run several times or one of several: inlined once they
-# would compute something else (a fori_loop, searchsorted's scan, a cond).
+# would compute something else (a fori_loop, searchsorted's scan, a cond or switch).
 _CONTROL_FLOW = ("scan", "while", "cond")
 
 
@@ -211,7 +211,7 @@ def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list) -> list:
   for eqn in jaxpr.eqns:
     values = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
-    if name in _CONTROL_FLOW or "branches" in eqn.params:
+    if name in _CONTROL_FLOW:
       raise UnsupportedFunction(f"it runs a {name} (a loop or a branch) on the tiles")
     inner = _sub_jaxpr(eqn.params)
     if inner is not None:
