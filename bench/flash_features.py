@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
@@ -154,8 +155,15 @@ def main():
   parser.add_argument("--studies", default="head_dims,dropout,sinks")
   parser.add_argument("--dtypes", default="fp16,bf16")
   parser.add_argument("--modes", default="fwd,fwd+bwd")
+  parser.add_argument("--keep-other-studies", action="store_true",
+                      help="keep the rows of the studies not run now from the existing results "
+                           "(a run split over several device calls)")
   args = parser.parse_args()
   rows = []
+  existing = os.path.join(args.out, f"{args.stem}.json")
+  if args.keep_other_studies and os.path.exists(existing):
+    with open(existing) as f:
+      rows = [r for r in json.load(f)["rows"] if r["study"] not in args.studies.split(",")]
   save = lambda rows: write_results(args.out, args.stem, {"env": environment(), "rows": rows},
                                     markdown(rows))
   dtypes, modes = args.dtypes.split(","), args.modes.split(",")

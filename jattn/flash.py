@@ -239,7 +239,7 @@ class MosaicFlash(MosaicImpl):
   config_cls = MosaicBlockConfig
 
   def heuristic_config(self, p, info):
-    return default_mosaic_config(max(p.head_dims))
+    return default_mosaic_config(*p.head_dims)
 
   def cache_key(self, p):
     return _cache_key(p)

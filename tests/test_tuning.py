@@ -18,6 +18,7 @@ from jattn.core.op import OPS, Impl, Op
 from jattn.flash import FLASH, MOSAIC_STAGES, FlashProblem, mosaic_fits
 from jattn.kernels.common.config import BlockConfig, default_block_config
 from jattn.kernels.flash import MosaicBlockConfig, default_mosaic_config
+from jattn.kernels.flash.mosaic_config import output_view_rows
 from jattn.tuning import cache, search
 from jattn.tuning.spaces import BLOCK_STAGES, REGISTER_BUDGET, block_fits
 
@@ -111,6 +112,26 @@ def test_mosaic_cost_model_matches_what_failed_or_spilled_on_the_h100():
   # 128x128 logits next to a 128x128 accumulator spilled (270 vs 527 TFLOP/s).
   assert "forward registers" in fits(MosaicBlockConfig(block_q=128, block_kv=128), p128)
   assert "dK/dV registers" in fits(MosaicBlockConfig(block_q_dkv=128, block_kv_dkv=64), p128)
+
+
+@pytest.mark.parametrize("dk, dv, block_kv", [(192, 128, 128), (160, 96, 128), (192, 192, 64),
+                                              (256, 128, 64), (128, 256, 64)])
+def test_wide_heads_take_128_key_forward_tiles_where_the_shared_memory_allows(dk, dv, block_kv):
+  """The H100 ran dk = 192, dv = 128 forwards on 128-key tiles (the output in a view of
+  the Q tile: 208 KiB); wider pairs would need 240 KiB or more and keep 64-key tiles."""
+  config = default_mosaic_config(dk, dv)
+  assert config.block_kv == block_kv
+  wide = problem(head_dim=dk, value_head_dim=dv, causal=False)
+  assert mosaic_fits("forward")(config, wide, FAKE_H100) is None
+  if block_kv == 64:
+    assert "forward shared memory" in mosaic_fits("forward")(
+        dataclasses.replace(config, block_kv=128), wide, FAKE_H100)
+
+
+@pytest.mark.parametrize("dk, dv, rows", [(192, 128, 96), (128, 64, 128), (256, 128, 128),
+                                          (128, 128, 64), (256, 192, None), (128, 192, None)])
+def test_the_forward_output_takes_a_view_of_the_q_tile_of_exactly_its_bytes(dk, dv, rows):
+  assert output_view_rows(64, dk, dv) == rows
 
 
 def test_fused_dq_is_costed_and_tuned_only_for_calls_that_allow_any_order():

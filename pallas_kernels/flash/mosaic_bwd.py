@@ -57,6 +57,8 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
   head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
   tile = lax.axis_index("q_tiles")
+  if spec.right is not None:  # heavy (late) query tiles first: a lighter tail, as forward
+    tile = lax.axis_size("q_tiles") - 1 - tile
   cta_q = tile * (mp.CONSUMERS * block_q)
   cta_range = kv_block_range(spec, cta_q, mp.CONSUMERS * block_q, block_kv)
   if ranges_ref is not None:

@@ -77,12 +77,22 @@ MOSAIC_SMEM_OVERHEAD = 4 * 1024  # barriers and alignment
 HOPPER_SMEM_BYTES = 232448 - MOSAIC_SMEM_OVERHEAD
 
 
+def output_view_rows(block_q: int, dk: int, dv: int) -> int | None:
+  """Rows of the ``dv``-wide view under which a consumer's Q tile (``block_q x dk``)
+  takes the forward's output tile: the view has exactly the tile's bytes, so each
+  consumer's output lands in its own Q tile (``block_q`` for ``dv == dk``). None where
+  no such view exists (``dv > dk``, or rows that are not whole 8-row swizzle tiles):
+  the output then has a tile of its own."""
+  rows, rest = divmod(block_q * dk, dv)
+  return rows if dv <= dk and not rest and rows % 8 == 0 else None
+
+
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
                        nbytes: int, q_buffers: int) -> int:
   """Shared memory of the Hopper forward kernel's tiles: ``q_buffers`` Q tiles per
-  consumer (and an output tile when ``dv != dk``, else the Q tile takes the output),
-  ``stages`` K and V slots."""
-  out = CONSUMERS * block_q * dv if dv != dk else 0
+  consumer (which take the output tile where ``output_view_rows`` says so, else an
+  output tile of its own), ``stages`` K and V slots."""
+  out = CONSUMERS * block_q * dv if output_view_rows(block_q, dk, dv) is None else 0
   return (q_buffers * CONSUMERS * block_q * dk + out + stages * block_kv * (dk + dv)) * nbytes
 
 
@@ -98,14 +108,21 @@ def mosaic_head_dim(head_dim: int) -> int:
   return -(-head_dim // MOSAIC_BLOCK) * MOSAIC_BLOCK
 
 
-def default_mosaic_config(head_dim: int) -> MosaicBlockConfig:
-  """Hopper tiles by padded head dim: the winners of ``bench/flash.py --sweep-mosaic``
-  on an H100 (bench/results/flash_sweep_mosaic.json), within 227 KB of shared memory."""
-  d = mosaic_head_dim(head_dim)
+def default_mosaic_config(head_dim: int, value_head_dim: int | None = None) -> MosaicBlockConfig:
+  """Hopper tiles by padded head dims (``value_head_dim``: V's, default ``head_dim``):
+  the winners of ``bench/flash.py --sweep-mosaic`` on an H100
+  (bench/results/flash_sweep_mosaic.json), within 227 KB of shared memory. Heads wider
+  than 128 take 128-key forward tiles where those fit the shared memory (dk = 192 with
+  dv = 128, whose output takes a view of the Q tile: 1.15-1.17x the forward's TFLOP/s
+  of 64-key tiles on the H100, bench/results/flash_dk192_tiles.md), else 64."""
+  dk = mosaic_head_dim(head_dim)
+  dv = mosaic_head_dim(head_dim if value_head_dim is None else value_head_dim)
+  d = max(dk, dv)
   if d <= 64:  # small accumulators: 128 rows per warpgroup fit in registers
     return MosaicBlockConfig(block_q=128, block_kv=128, stages=2, block_q_dq=64,
                              block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=3)
   if d <= 128:
     return MosaicBlockConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                              block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=2)
-  return MosaicBlockConfig(block_q=64, block_kv=64, stages=2)
+  wide_tiles = forward_smem_bytes(64, 128, 2, dk, dv, 2, 1) <= HOPPER_SMEM_BYTES
+  return MosaicBlockConfig(block_q=64, block_kv=128 if wide_tiles else 64, stages=2)

@@ -42,7 +42,7 @@ from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
 from jattn.kernels.flash import mosaic_pipeline as mp
-from jattn.kernels.flash.mosaic_config import forward_q_buffers
+from jattn.kernels.flash.mosaic_config import forward_q_buffers, output_view_rows
 from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
 
 
@@ -148,7 +148,7 @@ class _Item(NamedTuple):
 
 def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int, block_kv: int,
             stages: int, group: int, items: tuple[int, int, int], persistent: bool,
-            q_buffers: int, **smem):
+            q_buffers: int, q_view: bool, **smem):
   n_in = 3 + positions.n_refs + rule.n_inputs
   (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
   row_refs, col_refs, scalar_refs, ranges_ref, rule_inputs = positions.split(extra)
@@ -163,6 +163,9 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
   width = v_ref.shape[-1]  # the output's head dim
   schedule, k_ready, v_ready = smem["schedule"], smem["k_ready"], smem["v_ready"]
   k_free, v_free, k_smem, v_smem = smem["k_free"], smem["v_free"], smem["k"], smem["v"]
+  # The output goes to the Q tile (dv == dk), to a view of it ("q" is then a union of
+  # the two), or to a tile of its own ("o").
+  q_tiles, out_tiles = smem["q"] if q_view else (smem["q"], None)
 
   def item(t) -> _Item:
     w = t * n_ctas + cta
@@ -193,7 +196,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
       it = item(t)
       q_start, rows = rows_of(it)
       ready = smem["q_ready"].at[buf * mp.CONSUMERS + wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], smem["q"].at[buf, wg], ready)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tiles.at[buf, wg], ready)
       mp.copy_vectors(row_refs, [b.at[buf, wg] for b in positions.buffers(smem, ROW)],
                       it.batch, q_start, block_q, ready, it.head)
 
@@ -209,7 +212,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
       it = item(t)
       c_lo, c_hi = it.c_lo, it.c_hi
       buf = lax.rem(t, jnp.int32(q_buffers)) if persistent else 0
-      q_smem = smem["q"].at[buf, wg]
+      q_smem = q_tiles.at[buf, wg]
       q_start, rows = rows_of(it)
       plgpu.barrier_wait(smem["q_ready"].at[buf * mp.CONSUMERS + wg])
       row_vectors = positions.load(smem, ROW, lambda b: b.at[buf, wg], mp.ROW)
@@ -293,7 +296,12 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
 
       o, row_stat = row_rule.finish(acc, stats)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
-      o_smem = smem["o"].at[wg] if "o" in smem else q_smem
+      if "o" in smem:
+        o_smem = smem["o"].at[wg]
+      elif out_tiles is not None:
+        o_smem = out_tiles.at[buf, wg, pl.ds(0, block_q)]
+      else:
+        o_smem = q_smem
       o_smem[...] = o.astype(dtype)
       smem["stat"].at[wg][...] = row_stat
       plgpu.commit_smem()
@@ -363,8 +371,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize) if (
       persistent) else 1
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype)
+  out_rows = output_view_rows(block_q, dk, dv)
+  q_view = out_rows is not None and dv != dk
   smem = dict(
-      q=mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype),
+      # A consumer writes its output once its last QKᵀ has run: the Q tile is free then.
+      q=plgpu.RefUnion(q_tiles, mp.tile_smem((q_buffers, mp.CONSUMERS, out_rows, dv),
+                                             q.dtype)) if q_view else q_tiles,
       k=mp.tile_smem((stages, block_kv, dk), q.dtype),
       v=mp.tile_smem((stages, block_kv, dv), q.dtype),
       stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
@@ -372,14 +385,14 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
       k_ready=barrier(stages, 1 + positions.n_cols),
       v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
-  if dv != dk:  # the output tile cannot reuse the Q tile
+  if out_rows is None:
     smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), q.dtype)
   smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions,
                              block_q=block_q, block_kv=block_kv,
                              stages=stages, group=q_heads // k.shape[2],
                              items=(n_q_tiles, q_heads, batch), persistent=persistent,
-                             q_buffers=q_buffers)
+                             q_buffers=q_buffers, q_view=q_view)
   return mp.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
