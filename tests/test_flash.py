@@ -170,6 +170,10 @@ def _gpu_inputs(case, dtype, seed=0):
   b, s, hq, hk, d = case["shape"]
   q, k, v, do = make_inputs(jax.random.PRNGKey(seed), b, s, case.get("kv_len", s), hq, hk, d,
                             dtype)
+  if "dv" in case:  # a value head dim of its own
+    kv, kdo = jax.random.split(jax.random.PRNGKey(seed + 2))
+    v, do = (jax.random.normal(key, (*x.shape[:-1], case["dv"]), jnp.float32).astype(dtype)
+             for key, x in ((kv, v), (kdo, do)))
   kwargs = {n: case[n] for n in ("causal", "local_window", "softcap") if n in case}
   if "softcap" in case:
     q = q * 3.0  # large logits, so that the cap matters
@@ -227,24 +231,28 @@ def test_hopper_kernels_with_other_tiles(config):
 
 
 # More work items than an H100 has SMs, so that each persistent CTA walks several:
-# GQA, segments, head dim 256 and a 3-deep ring (one Q buffer), a causal tail.
+# GQA, segments, head dim 256 and a 3-deep ring (one Q buffer), a causal tail, and
+# dk = 192 with dv = 128 (each output written into a view of its Q tile, then the next
+# item's Q loaded over it).
 PERSISTENT_CASES = [
     (dict(shape=(4, 1100, 16, 4, 64), causal=True), None),
     (dict(shape=(2, 2048, 16, 4, 128), segments="packed"), None),
     (dict(shape=(2, 1024, 32, 8, 256), causal=True), None),
     (dict(shape=(2, 2048, 16, 16, 128)), jattn.MosaicBlockConfig(block_kv=64, stages=3)),
+    (dict(shape=(2, 2048, 16, 4, 192), dv=128), None),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,config", PERSISTENT_CASES,
-                         ids=["d64-causal-gqa", "d128-packed", "d256-causal", "d128-kv64-3-stages"])
+                         ids=["d64-causal-gqa", "d128-packed", "d256-causal", "d128-kv64-3-stages",
+                              "dk192-dv128"])
 def test_hopper_persistent_forward(case, config):
   """The persistent forward (and the default, one CTA per work item) equals the
   reference; the two grids agree bitwise."""
   (q, k, v, _), kwargs = _gpu_inputs(case, jnp.bfloat16)
-  config = dataclasses.replace(config or default_mosaic_config(case["shape"][-1]),
-                               persistent=True)
+  config = dataclasses.replace(
+      config or default_mosaic_config(case["shape"][-1], case.get("dv")), persistent=True)
   _skip_unless_runnable("pallas_mosaic", q, k, v, **kwargs)
   outs = [jax.jit(lambda q, k, v, c=c: jattn.flash_attention(
       q, k, v, backend="pallas_mosaic", config=c, return_lse=True, **kwargs))(q, k, v)
