@@ -160,18 +160,19 @@ def main():
                            "(a run split over several device calls)")
   args = parser.parse_args()
   rows = []
+  studies = args.studies.split(",")
   existing = os.path.join(args.out, f"{args.stem}.json")
   if args.keep_other_studies and os.path.exists(existing):
     with open(existing) as f:
-      rows = [r for r in json.load(f)["rows"] if r["study"] not in args.studies.split(",")]
+      rows = [r for r in json.load(f)["rows"] if r["study"] not in studies]
   save = lambda rows: write_results(args.out, args.stem, {"env": environment(), "rows": rows},
                                     markdown(rows))
   dtypes, modes = args.dtypes.split(","), args.modes.split(",")
-  if "head_dims" in args.studies:
+  if "head_dims" in studies:
     head_dim_rows(dtypes, modes, save, rows)
-  if "dropout" in args.studies:
+  if "dropout" in studies:
     dropout_rows(dtypes, modes, save, rows)
-  if "sinks" in args.studies:
+  if "sinks" in studies:
     sink_rows(dtypes, modes, save, rows)
 
 

@@ -148,7 +148,7 @@ class _Item(NamedTuple):
 
 def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int, block_kv: int,
             stages: int, group: int, items: tuple[int, int, int], persistent: bool,
-            q_buffers: int, q_view: bool, **smem):
+            q_buffers: int, **smem):
   n_in = 3 + positions.n_refs + rule.n_inputs
   (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
   row_refs, col_refs, scalar_refs, ranges_ref, rule_inputs = positions.split(extra)
@@ -163,8 +163,9 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
   width = v_ref.shape[-1]  # the output's head dim
   schedule, k_ready, v_ready = smem["schedule"], smem["k_ready"], smem["v_ready"]
   k_free, v_free, k_smem, v_smem = smem["k_free"], smem["v_free"], smem["k"], smem["v"]
-  # The output goes to the Q tile (dv == dk), to a view of it ("q" is then a union of
-  # the two), or to a tile of its own ("o").
+  # The output goes to a tile of its own ("o"), to the Q tile (dv == dk), or to a view
+  # of it ("q" is then a union of the two).
+  q_view = "o" not in smem and width != q_ref.shape[-1]
   q_tiles, out_tiles = smem["q"] if q_view else (smem["q"], None)
 
   def item(t) -> _Item:
@@ -298,7 +299,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
       if "o" in smem:
         o_smem = smem["o"].at[wg]
-      elif out_tiles is not None:
+      elif q_view:
         o_smem = out_tiles.at[buf, wg, pl.ds(0, block_q)]
       else:
         o_smem = q_smem
@@ -392,7 +393,7 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
                              block_q=block_q, block_kv=block_kv,
                              stages=stages, group=q_heads // k.shape[2],
                              items=(n_q_tiles, q_heads, batch), persistent=persistent,
-                             q_buffers=q_buffers, q_view=q_view)
+                             q_buffers=q_buffers)
   return mp.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
