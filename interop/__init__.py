@@ -3,14 +3,21 @@ of every op, the cross-check harness (``crosscheck``, ``jattn check``), torch
 checkpoint loading into the Flax models (``load_dat``), and the command-line tools.
 
 jattn itself never imports this package; torch is imported lazily here, so
-``import jattn.interop`` works without it.
+``import jattn.interop`` works without it. Each public name is imported on first use
+(``jattn.lazy_exports``): the command-line tools start without JAX.
 """
 
-from jattn.interop.checkpoints import load_dat, read_state_dict
-from jattn.interop.dlpack import same_memory, to_jax, to_torch
-from jattn.interop.harness import CrosscheckReport, crosscheck
-from jattn.interop.retnet_checkpoints import load_retnet
-from jattn.interop.torch_reference import flash_attention_torch, retention_torch
+from jattn.lazy_exports import lazy_exports
 
-__all__ = ["CrosscheckReport", "crosscheck", "flash_attention_torch", "load_dat", "load_retnet",
-           "read_state_dict", "retention_torch", "same_memory", "to_jax", "to_torch"]
+lazy_exports(__name__, {
+    "CrosscheckReport": "jattn.interop.harness:CrosscheckReport",
+    "crosscheck": "jattn.interop.harness:crosscheck",
+    "flash_attention_torch": "jattn.interop.torch_reference:flash_attention_torch",
+    "load_dat": "jattn.interop.checkpoints:load_dat",
+    "load_retnet": "jattn.interop.retnet_checkpoints:load_retnet",
+    "read_state_dict": "jattn.interop.checkpoint_files:read_state_dict",
+    "retention_torch": "jattn.interop.torch_reference:retention_torch",
+    "same_memory": "jattn.interop.dlpack:same_memory",
+    "to_jax": "jattn.interop.dlpack:to_jax",
+    "to_torch": "jattn.interop.dlpack:to_torch",
+})

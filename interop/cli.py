@@ -2,7 +2,8 @@
 ``jattn-convert``) and ``jattn upscale`` (also ``jattn-upscale``).
 
 Every user mistake exits with status 2 and one line (``jattn.command_line``); options
-and files are checked before anything slow starts.
+and files are checked before anything slow starts: this module imports neither JAX nor
+torch until a command has checked what it was given.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ import sys
 from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_folder,
                                 check_choices, comma_list, first_line, positive_float,
                                 positive_int, run_tool, writable_folder)
-from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_programs_fast,
-                               current_device)
-from jattn.interop.check import CHECK_OPS, main_check, plan
-from jattn.interop.checkpoints import (checkpoint_format, dat_from_state_dict, infer_dat_config,
-                                       read_state_dict)
+from jattn.interop.checkpoint_files import checkpoint_format, read_state_dict
 from jattn.interop.converted import CONVERTED_FILES, save_converted
-from jattn.interop.retnet_checkpoints import retnet_from_state_dict
-from jattn.interop.harness import TOLERANCE
 from jattn.interop.upscale_cli import DESCRIPTION as UPSCALE_DESCRIPTION
 from jattn.interop.upscale_cli import add_upscale_arguments, run_upscale
 
@@ -41,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated dtypes of float32, bfloat16, float16 (default: "
                      "float32, and the 16-bit ones too on a GPU)")
   check.add_argument("--ops", type=comma_list,
-                     help="comma-separated ops (default: all: " + ", ".join(CHECK_OPS) + ")")
+                     help="comma-separated ops, as jattn.gpu.ops() names them (default: all)")
   check.add_argument("--no-torch", action="store_true", help="skip the torch reference")
   check.add_argument("--reps", type=positive_int,
                      help="timed repetitions per case (default: 5 on a GPU, 1 in interpret "
@@ -73,7 +68,10 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _converted_model(args):
   """The Flax model of ``args.checkpoint`` and a line describing it."""
-  state = read_state_dict(args.checkpoint)
+  state = read_state_dict(args.checkpoint)  # before JAX loads: a corrupt file is said at once
+  from jattn.interop.checkpoints import dat_from_state_dict, infer_dat_config
+  from jattn.interop.retnet_checkpoints import retnet_from_state_dict
+
   if args.model_type == "dat":
     overrides = {} if args.img_range is None else {"img_range": args.img_range}
     config, img_size = infer_dat_config(state, **overrides)
@@ -117,6 +115,11 @@ def run_convert(args) -> int:
 
 
 def run_check(args) -> int:
+  from jattn.core.device import (BACKEND_NAMES, BACKENDS, compile_interpreted_programs_fast,
+                                 current_device)
+  from jattn.interop.check import CHECK_OPS, main_check, plan
+  from jattn.interop.harness import TOLERANCE
+
   compile_interpreted_programs_fast()  # before JAX starts: the check is compile-bound
   check_choices("--dtypes", args.dtypes or (), tuple(TOLERANCE))
   check_choices("--ops", args.ops or (), CHECK_OPS)

@@ -1,20 +1,24 @@
 """Converted models: Flax params as ``params.safetensors`` (torch names and layouts)
 plus ``config.json`` in a folder, what ``jattn-convert`` writes; read back without
-torch."""
+torch.
+
+Light to import (the models load when a folder is read), so that the command-line
+tools check a converted folder before JAX loads."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 
 from jattn.command_line import first_line
-from jattn.interop.checkpoints import CheckpointError, dat_from_state_dict
-from jattn.interop.convert import to_torch_state_dict
-from jattn.interop.retnet_checkpoints import retnet_from_state_dict
+from jattn.interop.checkpoint_files import CheckpointError
 
-# The model name config.json gives -> how to build it from the params and the config.
-BUILDERS = {"DAT": dat_from_state_dict, "RetNet": retnet_from_state_dict}
+# The model name config.json gives -> the function that builds it from the params and
+# the config ("module:function", imported when a folder is loaded).
+BUILDERS = {"DAT": "jattn.interop.checkpoints:dat_from_state_dict",
+            "RetNet": "jattn.interop.retnet_checkpoints:retnet_from_state_dict"}
 PARAMS_FILE, CONFIG_FILE = "params.safetensors", "config.json"
 CONVERTED_FILES = (PARAMS_FILE, CONFIG_FILE)
 
@@ -23,6 +27,8 @@ def save_converted(model, out_dir) -> tuple[str, str]:
   """Writes ``model``'s weights to ``out_dir/params.safetensors`` and its config to
   ``out_dir/config.json``; returns both paths."""
   from safetensors.numpy import save_file
+
+  from jattn.interop.convert import to_torch_state_dict
 
   os.makedirs(out_dir, exist_ok=True)
   params, config = (os.path.join(out_dir, name) for name in CONVERTED_FILES)
@@ -33,12 +39,10 @@ def save_converted(model, out_dir) -> tuple[str, str]:
   return params, config
 
 
-def load_converted(out_dir, *, dtype=None, backend: str = "auto", model: str | None = None):
-  """The model ``save_converted`` (or ``jattn-convert``) wrote to ``out_dir``; ``model``
-  (``"DAT"``, ``"RetNet"``): the kind it must be. A ``CheckpointError`` (one line naming
-  the folder) for a folder that does not hold one."""
-  from safetensors.numpy import load_file
-
+def read_converted_config(out_dir, model: str | None = None) -> tuple[str, dict]:
+  """``(model name, config fields)`` of the converted folder ``out_dir``, read off its
+  ``config.json`` (quick: no weights, no JAX); a ``CheckpointError`` where that is not
+  what ``save_converted`` writes, or (given ``model``) of another model."""
   try:
     with open(os.path.join(out_dir, CONFIG_FILE)) as f:
       meta = json.load(f)
@@ -50,16 +54,28 @@ def load_converted(out_dir, *, dtype=None, backend: str = "auto", model: str | N
                           '({"model": one of ' + f"{sorted(BUILDERS)}, " + '"config": {...}})')
   if model is not None and kind != model:
     raise CheckpointError(f"{out_dir!r} holds a converted {kind}, expected a {model}")
+  return kind, meta["config"]
+
+
+def load_converted(out_dir, *, dtype=None, backend: str = "auto", model: str | None = None):
+  """The model ``save_converted`` (or ``jattn-convert``) wrote to ``out_dir``; ``model``
+  (``"DAT"``, ``"RetNet"``): the kind it must be. A ``CheckpointError`` (one line naming
+  the folder) for a folder that does not hold one."""
+  from safetensors.numpy import load_file
+
+  kind, config = read_converted_config(out_dir, model)
   try:
     state = load_file(os.path.join(out_dir, PARAMS_FILE))
   except Exception as e:  # safetensors raises its own error type for a bad header
     raise CheckpointError(f"{out_dir!r}: {PARAMS_FILE} is not a valid .safetensors file "
                           f"(truncated or corrupt: {first_line(e)})") from None
+  module, _, function = BUILDERS[kind].partition(":")
+  build = getattr(importlib.import_module(module), function)
   try:
-    return BUILDERS[kind](state, dtype=dtype, backend=backend, **meta["config"])
+    return build(state, dtype=dtype, backend=backend, **config)
   except TypeError as e:  # a config field the model does not have
     raise CheckpointError(f"{out_dir!r}: {CONFIG_FILE} does not describe a {kind} "
                           f"({first_line(e)})") from None
 
 
-__all__ = ["CONVERTED_FILES", "load_converted", "save_converted"]
+__all__ = ["CONVERTED_FILES", "load_converted", "read_converted_config", "save_converted"]

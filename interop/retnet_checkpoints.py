@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from jattn.interop.checkpoints import CheckpointError, read_state_dict, tensor_of
+from jattn.interop.checkpoint_files import CheckpointError, read_state_dict, tensor_of
 from jattn.interop.convert import load_torch_state_dict
 from jattn.nn.retention import RetNet, RetNetConfig
 from jattn.reference import default_decay

@@ -17,6 +17,8 @@ import time
 from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_output,
                                 existing_file, non_negative_int, positive_int, run_tool,
                                 writable_destination, writable_folder)
+from jattn.interop.checkpoint_files import checkpoint_format, read_state_dict
+from jattn.interop.converted import CONVERTED_FILES, read_converted_config
 from jattn.interop.images import (IMAGE_SUFFIXES, ImageError, inspect_image, output_format,
                                   read_image, write_image)
 
@@ -103,34 +105,37 @@ def plan_jobs(args) -> list[tuple[str, str, str]]:
 
 
 def _check_model_path(path: str) -> None:
-  from jattn.interop.checkpoints import checkpoint_format
-
+  """A checkpoint file's format, or a converted folder's files and config: checked
+  without loading JAX or torch."""
   if os.path.isdir(path):
-    missing = [n for n in ("config.json", "params.safetensors")
-               if not os.path.isfile(os.path.join(path, n))]
+    missing = [n for n in CONVERTED_FILES if not os.path.isfile(os.path.join(path, n))]
     if missing:
       raise UsageError(f"--model {path!r} is a folder without {' and '.join(missing)}: give a "
                        "checkpoint file or a folder written by `jattn convert dat`")
-    return
   try:
-    checkpoint_format(path)
+    if os.path.isdir(path):
+      read_converted_config(path, model="DAT")
+    else:
+      checkpoint_format(path)
   except ValueError as e:
-    raise UsageError(f"--model: {e}") from None
+    raise UsageError(f"--model: {about(path, e)}") from None
 
 
 def load_model(path: str, precision: str):
   """The DAT model of a checkpoint file or a converted folder; a ``UsageError`` for a
-  file that is not a DAT checkpoint."""
-  import jax.numpy as jnp
-
-  from jattn.interop.checkpoints import load_dat
-  from jattn.interop.converted import load_converted
-
-  dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+  file that is not a DAT checkpoint. A file's tensors are read before JAX loads, so
+  that a corrupt one is said at once."""
   try:
-    if os.path.isdir(path):
+    state = None if os.path.isdir(path) else read_state_dict(path)
+    import jax.numpy as jnp
+
+    from jattn.interop.checkpoints import dat_from_state_dict
+    from jattn.interop.converted import load_converted
+
+    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+    if state is None:
       return load_converted(path, dtype=dtype, model="DAT")
-    return load_dat(path, dtype=dtype)
+    return dat_from_state_dict(state, dtype=dtype)
   except ValueError as e:  # not a DAT checkpoint, or not matching the model it describes
     raise UsageError(f"--model {about(path, e)}") from None
 

@@ -7,34 +7,45 @@ Every op goes through one core (``jattn.core``): ``flash_attention``,
 modules, ``jattn.parallel`` the ring attentions over several devices, and
 ``jattn.kernels`` the Pallas kernels themselves. The PyTorch bridge is
 ``jattn.interop`` (imported on its own: jattn never imports torch).
+
+Each public name is imported on first use (``jattn.lazy_exports``), so ``import jattn``
+costs nothing until an op is called.
 """
 
-from jattn import flex, gpu, nn, parallel
-from jattn.core.device import BACKEND_NAMES
-from jattn.dilated import dilated_attention
-from jattn.flash import flash_attention
-from jattn.flex import BlockMask, create_block_mask, flex_attention
-from jattn.gpu import (backend_choices, benchmark_backends, gpu_info, recommended_dtype,
-                       select_backend, usable_backends)
-from jattn.kernels.common.config import BlockConfig
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE
-from jattn.kernels.flash import MosaicBlockConfig
-from jattn.reference import (dilated_attention_reference, flash_attention_reference,
-                             flex_attention_reference, retention_reference,
-                             window_attention_reference)
-from jattn.retention import retention, retention_step
-from jattn.window import window_attention
+from jattn.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
-BACKENDS = ("auto",) + BACKEND_NAMES  # what every op's ``backend=`` may name
-FlashBlockConfig = BlockConfig  # its name before it served every Triton-lowered family
-
-__all__ = ["BACKENDS", "BlockConfig", "BlockMask", "EMPTY_ROW_LSE", "FlashBlockConfig",
-           "MosaicBlockConfig", "backend_choices", "benchmark_backends",
-           "create_block_mask", "dilated_attention", "dilated_attention_reference",
-           "flash_attention", "flash_attention_reference", "flex", "flex_attention",
-           "flex_attention_reference", "gpu", "gpu_info", "nn", "parallel",
-           "recommended_dtype", "retention", "retention_reference", "retention_step",
-           "select_backend", "usable_backends", "window_attention",
-           "window_attention_reference"]
+# public name -> "module:attribute", or "module" for a module itself
+_EXPORTS = {
+    "BACKENDS": "jattn.core.device:BACKEND_ARGUMENTS",  # what every op's backend= may name
+    "BlockConfig": "jattn.kernels.common.config:BlockConfig",
+    "BlockMask": "jattn.flex:BlockMask",
+    "EMPTY_ROW_LSE": "jattn.kernels.common.softmax:EMPTY_ROW_LSE",
+    # BlockConfig's name before it served every Triton-lowered family
+    "FlashBlockConfig": "jattn.kernels.common.config:BlockConfig",
+    "MosaicBlockConfig": "jattn.kernels.flash:MosaicBlockConfig",
+    "backend_choices": "jattn.gpu:backend_choices",
+    "benchmark_backends": "jattn.gpu:benchmark_backends",
+    "create_block_mask": "jattn.flex:create_block_mask",
+    "dilated_attention": "jattn.dilated:dilated_attention",
+    "dilated_attention_reference": "jattn.reference:dilated_attention_reference",
+    "flash_attention": "jattn.flash:flash_attention",
+    "flash_attention_reference": "jattn.reference:flash_attention_reference",
+    "flex": "jattn.flex",
+    "flex_attention": "jattn.flex:flex_attention",
+    "flex_attention_reference": "jattn.reference:flex_attention_reference",
+    "gpu": "jattn.gpu",
+    "gpu_info": "jattn.gpu:gpu_info",
+    "nn": "jattn.nn",
+    "parallel": "jattn.parallel",
+    "recommended_dtype": "jattn.gpu:recommended_dtype",
+    "retention": "jattn.retention:retention",
+    "retention_reference": "jattn.reference:retention_reference",
+    "retention_step": "jattn.retention:retention_step",
+    "select_backend": "jattn.gpu:select_backend",
+    "usable_backends": "jattn.gpu:usable_backends",
+    "window_attention": "jattn.window:window_attention",
+    "window_attention_reference": "jattn.reference:window_attention_reference",
+}
+lazy_exports(__name__, _EXPORTS)

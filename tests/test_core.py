@@ -3,9 +3,13 @@ one error text for every op, config resolution (explicit, user cache, shipped ta
 heuristic), and that a call really runs the backend it resolves to."""
 
 import dataclasses
+import importlib
 import itertools
 import json
 import pathlib
+import pkgutil
+import subprocess
+import sys
 import tomllib
 
 import jax
@@ -16,7 +20,7 @@ import jattn
 import jattn.gpu as gpu
 from conftest import ON_GPU
 from jattn.core.device import BACKEND_NAMES
-from jattn.core.op import OPS
+from jattn.core.op import OP_MODULES, OPS
 from jattn.flash import FLASH, FlashProblem
 from jattn.kernels.common.config import default_block_config
 from jattn.tuning import cache
@@ -74,6 +78,27 @@ def test_every_op_is_known():
   for op in OPS.values():
     assert op.backends[0] == "auto" and op.backends[-1] == "xla"
     assert op.backends[1:] == tuple(b for b in BACKEND_NAMES if b in op.backends)
+
+
+def test_imports_are_lazy_and_the_registry_loads_every_op():
+  """``import jattn`` and the tools' modules load neither JAX nor torch (a tool checks
+  its options first); reading ``OPS`` imports every module that defines an op."""
+  code = ("import sys, jattn, jattn.interop, jattn.interop.cli, jattn.interop.upscale_cli\n"
+          "heavy = {'jax', 'flax', 'torch'} & set(sys.modules)\n"
+          "assert not heavy, heavy\n"
+          "from jattn.core.op import OPS\n"
+          "print(*sorted(OPS))")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+  for module in pkgutil.walk_packages(jattn.__path__, "jattn."):
+    importlib.import_module(module.name)  # every op there is, to compare with
+  assert all(type(op).__module__ in OP_MODULES for op in OPS.values())
+  assert done.stdout.split() == sorted(OPS)
+  assert set(jattn.__all__) <= set(dir(jattn))
+  for name in jattn.__all__:
+    getattr(jattn, name)
+  # the op, though its module jattn/retention.py has loaded by now
+  assert jattn.retention.__name__ == "retention" and callable(jattn.retention)
 
 
 FLASH_PROBLEMS = [dict(dtype=dtype, head_dim=d, q_len=128, kv_len=kv, causal=causal,

@@ -12,8 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 
+from jattn.interop.checkpoint_files import read_state_dict
 from jattn.interop.checkpoints import (DAT_DERIVED, dat_from_state_dict, dat_to_torch_state_dict,
-                                       infer_dat_config, load_dat, read_state_dict)
+                                       infer_dat_config, load_dat)
 from jattn.interop.converted import load_converted, save_converted
 from jattn.interop.convert import load_torch_state_dict
 from jattn.interop.dat_torch import dat_torch

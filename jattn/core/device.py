@@ -110,6 +110,7 @@ XLA = Backend("xla", lambda info: None)
 # "auto" prefers them in this order (an op lists its implementations in it).
 BACKENDS = (PALLAS_MOSAIC, PALLAS_TRITON, CUDNN, XLA)
 BACKEND_NAMES = tuple(b.name for b in BACKENDS)
+BACKEND_ARGUMENTS = ("auto",) + BACKEND_NAMES  # what every op's backend= may name
 
 
 @dataclasses.dataclass(frozen=True)

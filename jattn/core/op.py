@@ -20,8 +20,10 @@ of a larger softmax: what the rings compute their blocks with.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
+import importlib
 from typing import Any, ClassVar
 
 import jax
@@ -34,7 +36,50 @@ from jattn.core.validation import FLOAT_DTYPES
 from jattn.kernels.common.config import MAX_HEAD_DIM
 from jattn.tuning.cache import RANKING, TuningKey, backend_times, lookup
 
-OPS: dict[str, "Op"] = {}  # every op, by name: what lists ops iterates this
+# The modules that define the public ops (each creates its ``Op`` on import).
+OP_MODULES = ("jattn.flash", "jattn.flex.attention", "jattn.window", "jattn.dilated",
+              "jattn.retention")
+
+
+class OpRegistry(collections.abc.MutableMapping):
+  """Every op, by name. Reading it first imports ``OP_MODULES``, so that it lists every
+  op however little of jattn is loaded (``import jattn`` loads nothing); creating an
+  ``Op`` registers it without that."""
+
+  def __init__(self):
+    self._ops: dict[str, Op] = {}
+    self._loaded = False
+
+  def _load(self) -> dict[str, "Op"]:
+    if not self._loaded:
+      self._loaded = True  # first: the modules' own reads while they load see what is there
+      for module in OP_MODULES:
+        importlib.import_module(module)
+    return self._ops
+
+  def register(self, op: "Op") -> None:
+    self._ops[op.name] = op
+
+  def __getitem__(self, name: str) -> "Op":
+    return self._load()[name]
+
+  def __setitem__(self, name: str, op: "Op") -> None:
+    self._load()[name] = op
+
+  def __delitem__(self, name: str) -> None:
+    del self._load()[name]
+
+  def __iter__(self):
+    return iter(self._load())
+
+  def __len__(self) -> int:
+    return len(self._load())
+
+  def __repr__(self):
+    return f"OpRegistry({sorted(self)})"
+
+
+OPS = OpRegistry()  # what lists ops iterates this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +317,7 @@ class Op:
 
   def __init__(self, *impls: Impl):
     self.impls = impls
-    OPS[self.name] = self
+    OPS.register(self)
 
   def __repr__(self):
     return f"<op {self.name}: {', '.join(i.backend.name for i in self.impls)}>"
