@@ -115,6 +115,7 @@ def _torch_load(path: str):
 
 
 def key_summary(state) -> str:
+  """How many tensors ``state`` holds and its first few keys, for error messages."""
   keys = sorted(state)
   return (f"it holds {len(keys)} tensors: " + ", ".join(map(repr, keys[:3]))
           + (", ..." if len(keys) > 3 else ""))

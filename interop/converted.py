@@ -8,12 +8,12 @@ tools check a converted folder before JAX loads."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 
 from jattn.command_line import first_line
 from jattn.interop.checkpoint_files import CheckpointError
+from jattn.lazy_exports import import_attribute
 
 # The model name config.json gives -> the function that builds it from the params and
 # the config ("module:function", imported when a folder is loaded).
@@ -69,8 +69,7 @@ def load_converted(out_dir, *, dtype=None, backend: str = "auto", model: str | N
   except Exception as e:  # safetensors raises its own error type for a bad header
     raise CheckpointError(f"{out_dir!r}: {PARAMS_FILE} is not a valid .safetensors file "
                           f"(truncated or corrupt: {first_line(e)})") from None
-  module, _, function = BUILDERS[kind].partition(":")
-  build = getattr(importlib.import_module(module), function)
+  build = import_attribute(BUILDERS[kind])
   try:
     return build(state, dtype=dtype, backend=backend, **config)
   except TypeError as e:  # a config field the model does not have

@@ -12,10 +12,18 @@ import sys
 import types
 
 
+def import_attribute(where: str):
+  """What ``where`` names, imported now: ``"module:attribute"``, or ``"module"`` for a
+  module itself."""
+  module_name, _, attribute = where.partition(":")
+  module = importlib.import_module(module_name)
+  return getattr(module, attribute) if attribute else module
+
+
 def lazy_exports(package: str, exports: dict[str, str]) -> None:
   """Makes ``exports``' keys the public names of ``package`` (``__all__``), each
-  imported on first use and then kept. A value says where its name lives:
-  ``"module:attribute"``, or ``"module"`` for a module itself."""
+  imported on first use and then kept. A value says where its name lives, as
+  ``import_attribute`` reads it."""
   exported_attributes = {name for name, where in exports.items() if ":" in where}
 
   class LazyPackage(types.ModuleType):
@@ -23,9 +31,7 @@ def lazy_exports(package: str, exports: dict[str, str]) -> None:
       where = exports.get(name)
       if where is None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-      module_name, _, attribute = where.partition(":")
-      module = importlib.import_module(module_name)
-      value = getattr(module, attribute) if attribute else module
+      value = import_attribute(where)
       super().__setattr__(name, value)
       return value
 
