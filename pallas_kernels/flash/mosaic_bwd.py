@@ -10,6 +10,11 @@ With ``fused_dq`` (only for ``deterministic=False`` calls) the dK/dV kernel also
 computes each block pair's dQ tile (``dS K``, dS through shared memory) and adds it
 into an fp32 buffer in global memory with a TMA reduce-add: 5 matmuls per block pair
 instead of 7, in an order that varies from run to run (FlashAttention-3's scheme).
+Both grids vary the head fastest, then the tile, then the batch row: the CTAs running
+at once spread over the heads, and with a causal mask every head's heaviest tiles
+start first. On the H100 that measured 3-5% faster for dK/dV and 6-10% for dQ than
+tiles varying fastest (bench/results/flash_bwd_grid_order.md; the forward's
+preference is the other way round, mosaic_fwd.py).
 Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels).
@@ -356,8 +361,8 @@ def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: flo
                         group=q_heads // k.shape[2]),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=smem,
-      grid=(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch),
-      grid_names=("q_tiles", "heads", "batch"),
+      grid=(q_heads, q_len_p // (mp.CONSUMERS * block_q), batch),
+      grid_names=("heads", "q_tiles", "batch"),
   )(q, k, v, do, lse2, delta, *inputs)
 
 
@@ -394,8 +399,8 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
                            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
                            group=group, fuse_dq=fuse_dq)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-  grid = dict(grid=(kv_len_p // (mp.CONSUMERS * block_kv), kv_heads, batch),
-              grid_names=("kv_tiles", "heads", "batch"))
+  grid = dict(grid=(kv_heads, kv_len_p // (mp.CONSUMERS * block_kv), batch),
+              grid_names=("heads", "kv_tiles", "batch"))
   args = (q, k, v, do, lse2, delta, *inputs)
   if fuse_dq:
     return mp.kernel_writing_ref(body, out_type=out_type, scratch_types=smem, **grid)(
