@@ -13,8 +13,8 @@ instead of 7, in an order that varies from run to run (FlashAttention-3's scheme
 Both grids vary the head fastest, then the tile, then the batch row: the CTAs running
 at once spread over the heads, and with a causal mask every head's heaviest tiles
 start first. On the H100 that measured 3-5% faster for dK/dV and 6-10% for dQ than
-tiles varying fastest (bench/results/flash_bwd_grid_order.md; the forward's
-preference is the other way round, mosaic_fwd.py).
+tiles varying fastest (bench/results/flash_bwd_grid_order.md; the persistent
+forward's preference is the other way round, mosaic_fwd.py).
 Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels).
