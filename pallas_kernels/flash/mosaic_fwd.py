@@ -7,9 +7,11 @@ and V tiles by TMA through ``stages`` slots. A shared *schedule* barrier makes t
 consumers take turns on the tensor cores, so that one's row arithmetic overlaps
 the other's matmuls (the ping-pong schedule of FlashAttention-3).
 
-The grid is one-dimensional, query tiles varying fastest, so that the CTAs running
-at once work on few heads and share their K and V tiles in L2 (on the H100, 12-15%
-faster at (4, 4096, 16, 128) than a grid whose batch and head varied fastest).
+The grid is one-dimensional. Persistent CTAs (below) walk the items with query tiles
+varying fastest, so that the CTAs running at once work on few heads and share their
+K and V tiles in L2 (on the H100, 12-15% faster at (4, 4096, 16, 128) than a grid
+whose batch and head varied fastest). One CTA per item (causal masks, windows) takes
+the heads fastest, then the tiles: 1.02-1.06x the other order on the H100.
 
 One CTA runs one item, or, persistent (``MosaicBlockConfig.persistent``; by default
 where all items have the same work), one CTA per SM walks its share of the items.
@@ -154,8 +156,10 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
   row_refs, col_refs, scalar_refs, ranges_ref, rule_inputs = positions.split(extra)
   n_q_tiles, n_heads, n_batch = (jnp.int32(n) for n in items)
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
-  # This CTA's work items are cta, cta + n_ctas, ...; query tiles vary fastest, so the
-  # CTAs running together share K and V in L2.
+  # This CTA's work items are cta, cta + n_ctas, ... Persistent CTAs take query tiles
+  # fastest, so the CTAs running together share K and V in L2; one CTA per item takes
+  # heads fastest (uneven causal items: every head's heavy tiles start first), as the
+  # backward kernels do (bench/results/flash_fwd_grid_order.md).
   n_local = lax.div(n_q_tiles * n_heads * n_batch - cta + n_ctas - 1, n_ctas)
   wg = lax.axis_index("wg")
   n_kv_blocks = k_ref.shape[1] // block_kv
@@ -170,8 +174,12 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, block_q: int
 
   def item(t) -> _Item:
     w = t * n_ctas + cta
-    tile, rest = lax.rem(w, n_q_tiles), lax.div(w, n_q_tiles)
-    head, batch = lax.rem(rest, n_heads), lax.div(rest, n_heads)
+    if persistent:
+      tile, rest = lax.rem(w, n_q_tiles), lax.div(w, n_q_tiles)
+      head, batch = lax.rem(rest, n_heads), lax.div(rest, n_heads)
+    else:
+      head, rest = lax.rem(w, n_heads), lax.div(w, n_heads)
+      tile, batch = lax.rem(rest, n_q_tiles), lax.div(rest, n_q_tiles)
     if spec.right is not None:  # heavy (late) tiles first: better tail balance
       tile = n_q_tiles - 1 - tile
     cta_range = kv_block_range(spec, tile * (mp.CONSUMERS * block_q), mp.CONSUMERS * block_q,
