@@ -17,7 +17,9 @@ tiles varying fastest (bench/results/flash_bwd_grid_order.md; the persistent
 forward's preference is the other way round, mosaic_fwd.py).
 Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
-forward and the Triton kernels).
+forward and the Triton kernels). Where the mask has a right bound (causal) the dK/dV
+kernel walks its query blocks from the last one down
+(bench/results/flash_dkv_descending.md).
 """
 
 from __future__ import annotations
@@ -178,6 +180,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
                                               mp.CONSUMERS))
   c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], q_ref.shape[1] // block_q)
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
+  # With a causal mask (a right bound) the key tiles' query ranges start at different
+  # blocks and end at the same one: walking them down from the last block keeps the
+  # CTAs of a head reading the same Q/dO blocks at about the same time, so those are
+  # shared in L2 (on the H100 1.02-1.04x at 4096 tokens, 1.15x at dk192 and 8192).
+  descending = spec.right is not None
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   dq_cols = fused_dq_columns(head_dim)
@@ -239,13 +246,15 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
                               reduction_op="add")
 
     def over_head(g, carry):
-      first = g * n_blocks - c_lo  # stream position of block j is first + j
+      def position(j):  # of block j in the Q/dO stream
+        return g * n_blocks + (c_hi - 1 - j if descending else j - c_lo)
+
       q_head = kv_head * group + g
       scalars = positions.read_scalars(scalar_refs, batch, q_head)
 
       def step(j, carry, masked):
         dk, dv = carry
-        slot = lax.rem(first + j, jnp.int32(stages))
+        slot = lax.rem(position(j), jnp.int32(stages))
         plgpu.barrier_wait(q_ready.at[slot])
         lse = lambda: plgpu.load(smem["lse"].at[slot], layout=mp.COL)
         delta = lambda: plgpu.load(smem["delta"].at[slot], layout=mp.COL)
@@ -280,7 +289,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
           dv, dk = _wgmma_pair(dv, p_lo, do_smem.at[slot], dk, ds_lo, q_smem.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
           return dk, dv
-        buf = exchange_ds(first + j, ds_lo)
+        buf = exchange_ds(position(j), ds_lo)
 
         def run(refs):
           dv_ref, dk_ref, dq_ref_ = refs
@@ -295,11 +304,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         return dk, dv
 
       def skip(j):
-        slot = lax.rem(first + j, jnp.int32(stages))
+        slot = lax.rem(position(j), jnp.int32(stages))
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         if shared_dq:  # the other consumer may need the block: a zero dS keeps in step
-          buf = exchange_ds(first + j, plgpu.layout_cast(jnp.zeros(shape, dtype),
+          buf = exchange_ds(position(j), plgpu.layout_cast(jnp.zeros(shape, dtype),
                                                          plgpu.Layout.WGMMA))
 
           def dq_of_block(acc_ref):
@@ -309,7 +318,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
           add_dq(pl.run_scoped(dq_of_block, plgpu.ACC((block_q, dq_cols), jnp.float32)),
                  j, q_head)
 
-      return mp.visit_blocks((c_lo, c_hi), own_range(q_head), step, skip, carry)
+      return mp.visit_blocks((c_lo, c_hi), own_range(q_head), step, skip, carry, descending)
 
     dk, dv = lax.fori_loop(0, group, over_head, (_zeros((block_kv, head_dim)),
                                                  _zeros((block_kv, v_ref.shape[-1]))))
@@ -330,7 +339,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
 
     def copy(i, slot, barrier):
       head = kv_head * group + lax.div(i, n_blocks)
-      start = (c_lo + lax.rem(i, n_blocks)) * block_q
+      block = lax.rem(i, n_blocks)
+      start = (c_hi - 1 - block if descending else c_lo + block) * block_q
       rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
@@ -406,8 +416,9 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
                               transforms=f32_tiles),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   # Folding lse and delta into the accumulators' initial values frees their registers
-  # (5-7% faster at dk = dv = 128 without a mask on the H100); plain logits only, and not
-  # for wider heads, where it spilled (bench/results/flash_dkv_registers.md).
+  # (on the H100 1.05x at dk = dv = 128 without a mask, 1.03x causal:
+  # bench/results/flash_issue20_variants.md); plain logits only, and not for wider
+  # heads, where it spilled (bench/results/flash_dkv_registers.md).
   fold_stats = (positions.score is None and softcap is None and not positions.dropout
                 and d + v.shape[-1] <= MOSAIC_MODELLED_BWD_WIDTH)
   body = functools.partial(_dkv_kernel, spec=spec, positions=positions, scale=scale,

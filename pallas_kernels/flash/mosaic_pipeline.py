@@ -111,8 +111,9 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
                             (copy_from(v_ref, v_smem), v_ready, v_free)], first_slot_use)
 
 
-def visit_blocks(cta_range, own_range, step, skip, carry):
-  """Consumer loop over blocks ``[c_lo, c_hi)`` of the CTA, in order.
+def visit_blocks(cta_range, own_range, step, skip, carry, descending: bool = False):
+  """Consumer loop over blocks ``[c_lo, c_hi)`` of the CTA, in order (from ``c_hi - 1``
+  down with ``descending``; the producer must stream the blocks in the same order).
 
   ``own_range = (lo, full_lo, full_hi, hi)`` (from ``masking.kv_block_range`` or
   ``q_block_range``) says which blocks this consumer needs, and which of those
@@ -126,11 +127,16 @@ def visit_blocks(cta_range, own_range, step, skip, carry):
     skip(j)
     return carry
 
-  carry = lax.fori_loop(c_lo, lo, skipped, carry)
-  carry = lax.fori_loop(lo, full_lo, lambda j, c: step(j, c, True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, lambda j, c: step(j, c, False), carry)
-  carry = lax.fori_loop(full_hi, hi, lambda j, c: step(j, c, True), carry)
-  return lax.fori_loop(hi, c_hi, skipped, carry)
+  runs = [(c_lo, lo, skipped), (lo, full_lo, lambda j, c: step(j, c, True)),
+          (full_lo, full_hi, lambda j, c: step(j, c, False)),
+          (full_hi, hi, lambda j, c: step(j, c, True)), (hi, c_hi, skipped)]
+  for start, stop, body in reversed(runs) if descending else runs:
+    if descending:
+      carry = lax.fori_loop(0, stop - start, lambda i, c, stop=stop, body=body:
+                            body(stop - 1 - i, c), carry)
+    else:
+      carry = lax.fori_loop(start, stop, body, carry)
+  return carry
 
 
 def clamp_own(own_range, c_lo, c_hi):
