@@ -20,6 +20,8 @@ that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels). Where the mask has a right bound (causal) the dK/dV
 kernel walks its query blocks from the last one down
 (bench/results/flash_dkv_descending.md).
+Queries sit on the dK/dV kernel's score-tile columns, so its query blocks may be 32
+rows (the wide heads' default: ``mosaic_config.dkv_swizzle``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
 from jattn.kernels.common.softmax import LOG2E, logit_grad
 from jattn.kernels.flash import mosaic_pipeline as mp
-from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK, MOSAIC_MODELLED_BWD_WIDTH
+from jattn.kernels.flash.mosaic_config import (MOSAIC_BLOCK, MOSAIC_MODELLED_BWD_WIDTH,
+                                               dkv_swizzle)
 from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
 
 
@@ -399,11 +402,12 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   group = q_heads // kv_heads
   stages = max(1, min(stages, group * (q_len_p // block_q)))
   fuse_dq = dq_acc is not None
+  tiles = functools.partial(mp.tile_smem, swizzle=dkv_swizzle(block_q))
   smem = dict(
-      k=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
-      v=mp.tile_smem((mp.CONSUMERS, block_kv, v.shape[-1]), k.dtype),
-      q=mp.tile_smem((stages, block_q, d), q.dtype),
-      do=mp.tile_smem((stages, block_q, v.shape[-1]), q.dtype),
+      k=tiles((mp.CONSUMERS, block_kv, d), k.dtype),
+      v=tiles((mp.CONSUMERS, block_kv, v.shape[-1]), k.dtype),
+      q=tiles((stages, block_q, d), q.dtype),
+      do=tiles((stages, block_q, v.shape[-1]), q.dtype),
       lse=plgpu.SMEM((stages, block_q), jnp.float32),
       delta=plgpu.SMEM((stages, block_q), jnp.float32),
       kv_ready=_barrier(mp.CONSUMERS, 2 + positions.n_cols),
@@ -411,7 +415,7 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   smem.update(positions.scratch(inputs, (stages, block_q), (mp.CONSUMERS, block_kv)))
   if fuse_dq:
     f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
+    smem.update(ds=tiles((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
                 dq=plgpu.SMEM((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32,
                               transforms=f32_tiles),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))

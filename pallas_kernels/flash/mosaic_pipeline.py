@@ -28,10 +28,11 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
-def tile_smem(shape, dtype):
-  """Shared memory for 16-bit wgmma operands: 128-byte swizzled (8, 64) tiles."""
-  return plgpu.SMEM(shape, dtype,
-                    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+def tile_smem(shape, dtype, swizzle: int = 128):
+  """Shared memory for 16-bit wgmma operands: ``swizzle``-byte swizzled tiles of 8 rows
+  (64 columns with the default 128-byte swizzle)."""
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // 2)),
+                                              plgpu.SwizzleTransform(swizzle)))
 
 
 def row_vector(value, rows: int):
