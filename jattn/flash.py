@@ -228,7 +228,7 @@ MOSAIC_STAGES = (
     # The dK/dV kernel shares the backward ring depth.
     SearchStage("dQ", "fwd+bwd", {"block_q_dq": (64, 128), "block_kv_dq": (64, 128),
                                   "bwd_stages": (2, 3)}, mosaic_fits("dQ", "dK/dV")),
-    SearchStage("dK/dV", "fwd+bwd", {"block_q_dkv": (32, 64, 128), "block_kv_dkv": (64, 128)},
+    SearchStage("dK/dV", "fwd+bwd", {"block_q_dkv": (64, 128), "block_kv_dkv": (64, 128)},
                 mosaic_fits("dK/dV")),
     # deterministic=False calls: whether dQ fused into the dK/dV kernel is faster.
     SearchStage("fused dQ", "fwd+bwd", {"fused_dq": (False, True)}, _fused_dq_fits),

@@ -146,7 +146,8 @@ GPU_FEATURE_CASES = [
                                        segments=True), id="mosaic-dropout-segments-padded"),
     pytest.param("pallas_mosaic", dict(shape=(1, 256, 4, 2, 192, 128), causal=True, dropout=0.1),
                  id="mosaic-dropout-dk192"),
-    # dk + dv > 256: the dK/dV kernel's 32-row query blocks under segment ranges and GQA
+    # dk + dv > 256: the dK/dV kernel without a producer warpgroup, under segment ranges,
+    # GQA (its first consumer issues the copies of every query head's blocks) and padding
     pytest.param("pallas_mosaic", dict(shape=(2, 330, 8, 2, 192, 128), causal=True,
                                        segments=True), id="mosaic-dk192-segments-gqa-causal"),
     # dk + dv beyond the Hopper backward: the Mosaic forward's mask, the Triton backward's

@@ -13,8 +13,7 @@ blocks = st.sampled_from([64, 128, 192, 256])
 
 @settings(max_examples=60, deadline=None)
 @given(q_len=st.integers(1, 5000), kv_len=st.integers(1, 5000), head_dim=st.integers(1, 256),
-       bq=blocks, bkv=blocks, bq_dq=blocks, bkv_dq=blocks, bq_dkv=st.sampled_from([32, 64, 192]),
-       bkv_dkv=blocks,
+       bq=blocks, bkv=blocks, bq_dq=blocks, bkv_dq=blocks, bq_dkv=blocks, bkv_dkv=blocks,
        causal=st.booleans())
 def test_padding_fits_every_tile(q_len, kv_len, head_dim, bq, bkv, bq_dq, bkv_dq, bq_dkv,
                                  bkv_dkv, causal):

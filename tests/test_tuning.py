@@ -475,14 +475,3 @@ def test_cli_warns_in_one_line_and_ends_quietly_when_its_reader_goes(cache_dir):
   finally:
     os.close(write)
   assert done.returncode == 1 and done.stderr == "", done.stderr
-
-
-def test_hopper_plan_for_wide_heads_skips_what_the_config_refuses():
-  """dk + dv > 256 starts from 32-row dK/dV query blocks, which the fused dQ cannot take:
-  the fused stage keeps its unfused candidates instead of failing."""
-  wide = problem(head_dim=192, value_head_dim=128, deterministic=False)
-  cands = search.plan("flash_attention", "pallas_mosaic", wide, info=FAKE_H100)
-  assert cands[0].config.block_q_dkv == 32
-  assert {c.config.block_q_dkv for c in _stage(cands, "dK/dV")} == {32, 64, 128}
-  fused = _stage(cands, "fused dQ")
-  assert fused and not any(c.config.fused_dq for c in fused)

@@ -60,22 +60,13 @@ def tunable(op_name: str, backend: str) -> tuple[Op, Impl]:
   return op, impl
 
 
-def _replaced(base, changes: dict):
-  """``base`` with ``changes``, or None where the config class refuses the combination
-  (e.g. fields valid alone but not together)."""
-  try:
-    return dataclasses.replace(base, **changes)
-  except ValueError:
-    return None
-
-
 def _candidates(impl: Impl, problem, stage: SearchStage, base) -> list:
   """``base`` first, then the stage's grid around it, normalised, without duplicates."""
   names = list(stage.space)
-  grid = (_replaced(base, dict(zip(names, values)))
+  grid = (dataclasses.replace(base, **dict(zip(names, values)))
           for values in itertools.product(*stage.space.values()))
   return list(dict.fromkeys(impl.normalize_config(c, problem)
-                            for c in itertools.chain([base], grid) if c is not None))
+                            for c in itertools.chain([base], grid)))
 
 
 def _start(impl: Impl, problem, info: GPUInfo):

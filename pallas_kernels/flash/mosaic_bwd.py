@@ -19,9 +19,8 @@ Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels). Where the mask has a right bound (causal) the dK/dV
 kernel walks its query blocks from the last one down
-(bench/results/flash_dkv_descending.md).
-Queries sit on the dK/dV kernel's score-tile columns, so its query blocks may be 32
-rows (the wide heads' default: ``mosaic_config.dkv_swizzle``).
+(bench/results/flash_dkv_descending.md). Past dk + dv = 256 the dK/dV kernel has no
+producer warpgroup, for the consumers' registers (``mosaic_dkv``).
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
 from jattn.kernels.common.softmax import LOG2E, logit_grad
 from jattn.kernels.flash import mosaic_pipeline as mp
-from jattn.kernels.flash.mosaic_config import (MOSAIC_BLOCK, MOSAIC_MODELLED_BWD_WIDTH,
-                                               dkv_swizzle)
+from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK, MOSAIC_MODELLED_BWD_WIDTH
 from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
 
 
@@ -160,7 +158,7 @@ def fused_dq_columns(head_dim: int) -> int:
 
 def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
                 block_q: int, block_kv: int, stages: int, group: int, fuse_dq: bool,
-                fold_stats: bool, **smem):
+                fold_stats: bool, self_fed: bool, **smem):
   n_in = 6 + positions.n_refs + fuse_dq
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
       refs[:n_in], refs[n_in:])
@@ -192,10 +190,45 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
   head_dim = q_ref.shape[-1]
   dq_cols = fused_dq_columns(head_dim)
   shared_dq = fuse_dq and dq_cols < head_dim
+  n_steps = group * n_blocks
+
+  def copy_q_block(i, slot, barrier):
+    """TMA copies of the Q/dO stream's step ``i`` (query head, then block) into ``slot``."""
+    head = kv_head * group + lax.div(i, n_blocks)
+    block = lax.rem(i, n_blocks)
+    start = (c_hi - 1 - block if descending else c_lo + block) * block_q
+    rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
+    mp.copy_vectors(row_refs, [b.at[slot] for b in positions.buffers(smem, ROW)], batch, start,
+                    block_q, barrier, head)
 
   @pl.when(wg < mp.CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
+    if self_fed:
+      @pl.when(wg == 0)
+      def _first_slots():
+        for slot in range(stages):
+          @pl.when(slot < n_steps)
+          def _():
+            copy_q_block(jnp.int32(slot), slot, q_ready.at[slot])
+    else:
+      plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
+
+    def refill(pos):
+      """Self-fed: at stream position ``pos`` consumer 0 refills the slot of position
+      ``pos - 1`` (with position ``pos - 1 + stages``) once both consumers freed it."""
+      if not self_fed:
+        return
+
+      @pl.when((wg == 0) & (pos >= 1) & (pos - 1 + stages < n_steps))
+      def _():
+        slot = lax.rem(pos - 1, jnp.int32(stages))
+        plgpu.barrier_wait(q_free.at[slot])
+        copy_q_block(pos - 1 + stages, slot, q_ready.at[slot])
+
     k_start = cta_k + wg * block_kv
     keys = (batch, pl.ds(k_start, block_kv), kv_head)
     my = lambda ref: ref.at[wg]
@@ -257,6 +290,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
 
       def step(j, carry, masked):
         dk, dv = carry
+        refill(position(j))
         slot = lax.rem(position(j), jnp.int32(stages))
         plgpu.barrier_wait(q_ready.at[slot])
         lse = lambda: plgpu.load(smem["lse"].at[slot], layout=mp.COL)
@@ -307,6 +341,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         return dk, dv
 
       def skip(j):
+        refill(position(j))
         slot = lax.rem(position(j), jnp.int32(stages))
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
@@ -336,23 +371,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == mp.PRODUCER)
-  def _producer():
-    plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
-
-    def copy(i, slot, barrier):
-      head = kv_head * group + lax.div(i, n_blocks)
-      block = lax.rem(i, n_blocks)
-      start = (c_hi - 1 - block if descending else c_lo + block) * block_q
-      rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], barrier)
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
-      mp.copy_vectors(row_refs, [b.at[slot] for b in positions.buffers(smem, ROW)], batch, start,
-                      block_q, barrier, head)
-
-    mp.produce(group * n_blocks, stages, [(copy, q_ready, q_free)])
+  if not self_fed:
+    @pl.when(wg == mp.PRODUCER)
+    def _producer():
+      plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
+      mp.produce(n_steps, stages, [(copy_q_block, q_ready, q_free)])
 
 
 def _barrier(n, arrivals=1):
@@ -402,12 +425,11 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   group = q_heads // kv_heads
   stages = max(1, min(stages, group * (q_len_p // block_q)))
   fuse_dq = dq_acc is not None
-  tiles = functools.partial(mp.tile_smem, swizzle=dkv_swizzle(block_q))
   smem = dict(
-      k=tiles((mp.CONSUMERS, block_kv, d), k.dtype),
-      v=tiles((mp.CONSUMERS, block_kv, v.shape[-1]), k.dtype),
-      q=tiles((stages, block_q, d), q.dtype),
-      do=tiles((stages, block_q, v.shape[-1]), q.dtype),
+      k=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
+      v=mp.tile_smem((mp.CONSUMERS, block_kv, v.shape[-1]), k.dtype),
+      q=mp.tile_smem((stages, block_q, d), q.dtype),
+      do=mp.tile_smem((stages, block_q, v.shape[-1]), q.dtype),
       lse=plgpu.SMEM((stages, block_q), jnp.float32),
       delta=plgpu.SMEM((stages, block_q), jnp.float32),
       kv_ready=_barrier(mp.CONSUMERS, 2 + positions.n_cols),
@@ -415,7 +437,7 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   smem.update(positions.scratch(inputs, (stages, block_q), (mp.CONSUMERS, block_kv)))
   if fuse_dq:
     f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    smem.update(ds=tiles((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
+    smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
                 dq=plgpu.SMEM((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32,
                               transforms=f32_tiles),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
@@ -423,11 +445,20 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   # (on the H100 1.05x at dk = dv = 128 without a mask, 1.03x causal:
   # bench/results/flash_issue20_variants.md); plain logits only, and not for wider
   # heads, where it spilled (bench/results/flash_dkv_registers.md).
+  wide = d + v.shape[-1] > MOSAIC_MODELLED_BWD_WIDTH
   fold_stats = (positions.score is None and softcap is None and not positions.dropout
-                and d + v.shape[-1] <= MOSAIC_MODELLED_BWD_WIDTH)
+                and not wide)
+  # Wider heads drop the producer warpgroup: consumer 0 issues the copies itself, and
+  # the two consumers may take 255 registers each instead of 232 beside a producer.
+  # With 232, ptxas serialized their wgmmas and spilled at dk = 192, dv = 128; with 255
+  # it does neither (on the H100 1.16-1.18x causal and 1.07-1.12x without a mask there,
+  # 1.19-1.51x at dk 64 / dv 256 and dk 256 / dv 64; at dk = dv = 128 the producer
+  # kernel stays: 0.95-1.01x without it, bench/results/flash_dkv_self_fed.md).
+  self_fed = wide and not fuse_dq
   body = functools.partial(_dkv_kernel, spec=spec, positions=positions, scale=scale,
                            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
-                           group=group, fuse_dq=fuse_dq, fold_stats=fold_stats)
+                           group=group, fuse_dq=fuse_dq, fold_stats=fold_stats,
+                           self_fed=self_fed)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   grid = dict(grid=(kv_heads, kv_len_p // (mp.CONSUMERS * block_kv), batch),
               grid_names=("heads", "kv_tiles", "batch"))
@@ -435,7 +466,8 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   if fuse_dq:
     return mp.kernel_writing_ref(body, out_type=out_type, scratch_types=smem, **grid)(
         *args, dq_acc)
-  return mp.kernel(body, out_type=out_type, scratch_types=smem, **grid)(*args)
+  return mp.kernel(body, out_type=out_type, scratch_types=smem, producer=not self_fed,
+                   **grid)(*args)
 
 
 def _fold_vmap_into_batch(fn):

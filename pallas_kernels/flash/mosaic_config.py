@@ -10,20 +10,11 @@ MOSAIC_BLOCK = 64  # a wgmma instruction covers 64 rows per warpgroup
 # The Hopper backward keeps a consumer's dK and dV accumulators (block_kv_dkv x (dk + dv)
 # fp32) in registers: up to dk + dv = 256 with any tiles the cost model admits, up to 320
 # (dk = 192, dv = 128: measured on the H100 at 4.4 ms against the Triton backward's
-# 16.9 ms, bench/results/flash_dk192_backward_probe.json) with the 64-key tiles and
-# 32-row query blocks of wide heads. Wider heads run the Triton backward.
+# 16.9 ms, bench/results/flash_dk192_backward_probe.json) with the 64-row tiles of wide
+# heads.
+# Wider heads run the Triton backward.
 MOSAIC_MAX_BWD_WIDTH = 320
 MOSAIC_MODELLED_BWD_WIDTH = 256
-# The dK/dV kernel's query blocks sit on its score tiles' columns (the wgmma N), so they
-# may be 32 rows: half the Sᵀ and dPᵀ registers, which wide heads need (dkv_swizzle).
-DKV_NARROW_BLOCK = 32
-
-
-def dkv_swizzle(block_q_dkv: int) -> int:
-  """Swizzle (bytes) of the dK/dV kernel's tiles: 128, or 64 for 32-row query blocks
-  (the query block is the K of its dK and dV wgmmas, which must be a multiple of the
-  swizzle width, and Mosaic GPU takes one swizzle for both operands of a wgmma)."""
-  return 128 if block_q_dkv % MOSAIC_BLOCK == 0 else 64
 
 
 def mosaic_backward_runs(head_dim: int, value_head_dim: int) -> bool:
@@ -36,8 +27,7 @@ class MosaicBlockConfig:
   """Tile sizes of the Hopper (Mosaic GPU) kernels.
 
   ``block_q`` / ``block_q_dq`` / ``block_kv_dkv`` are per consumer warpgroup: a CTA
-  covers twice as many rows. Every block is a multiple of 64, except that
-  ``block_q_dkv`` may also be 32 (``dkv_swizzle``; not with ``fused_dq``). ``stages`` is the
+  covers twice as many rows. Every block is a multiple of 64. ``stages`` is the
   depth of the shared-memory ring the producer warpgroup fills: at least 2 (a
   one-slot ring gave wrong dQ on the H100; the cause was not found).
 
@@ -71,19 +61,12 @@ class MosaicBlockConfig:
   persistent: bool | None = None
 
   def __post_init__(self):
-    for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv"):
+    for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
+                  "block_kv_dkv"):
       value = getattr(self, field)
       if value < MOSAIC_BLOCK or value % MOSAIC_BLOCK:
         raise ValueError(f"MosaicBlockConfig.{field} must be a positive multiple of "
                          f"{MOSAIC_BLOCK}, got {value}")
-    if self.block_q_dkv != DKV_NARROW_BLOCK and (self.block_q_dkv < MOSAIC_BLOCK
-                                                 or self.block_q_dkv % MOSAIC_BLOCK):
-      raise ValueError(f"MosaicBlockConfig.block_q_dkv must be {DKV_NARROW_BLOCK} or a positive "
-                       f"multiple of {MOSAIC_BLOCK}, got {self.block_q_dkv}")
-    if self.fused_dq and self.block_q_dkv % MOSAIC_BLOCK:
-      raise ValueError(f"MosaicBlockConfig.block_q_dkv must be a multiple of {MOSAIC_BLOCK} "
-                       f"with fused_dq=True (its dQ tiles have block_q_dkv rows), got "
-                       f"{self.block_q_dkv}")
     for field in ("stages", "bwd_stages"):
       if getattr(self, field) < 2:
         raise ValueError(f"MosaicBlockConfig.{field} must be >= 2, got {getattr(self, field)}")
@@ -131,8 +114,7 @@ def default_mosaic_config(head_dim: int, value_head_dim: int | None = None) -> M
   (bench/results/flash_sweep_mosaic.json), within 227 KB of shared memory. Heads wider
   than 128 take 128-key forward tiles where those fit the shared memory (dk = 192 with
   dv = 128, whose output takes a view of the Q tile: 1.15-1.17x the forward's TFLOP/s
-  of 64-key tiles on the H100, bench/results/flash_dk192_tiles.md), else 64; past
-  dk + dv = 256 the dK/dV kernel takes 32-row query blocks."""
+  of 64-key tiles on the H100, bench/results/flash_dk192_tiles.md), else 64."""
   dk = mosaic_head_dim(head_dim)
   dv = mosaic_head_dim(head_dim if value_head_dim is None else value_head_dim)
   d = max(dk, dv)
@@ -143,10 +125,4 @@ def default_mosaic_config(head_dim: int, value_head_dim: int | None = None) -> M
     return MosaicBlockConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                              block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=2)
   wide_tiles = forward_smem_bytes(64, 128, 2, dk, dv, 2, 1) <= HOPPER_SMEM_BYTES
-  # Past dk + dv = 256 the dK/dV kernel's 64-row query blocks leave ptxas too few
-  # registers: ptxas serializes the wgmmas and spills. 32-row blocks do neither (on the
-  # H100: dk = 192, dv = 128 1.08-1.09x causal and 1.00-1.02x without a mask; dk 64 / dv 256
-  # and dk 256 / dv 64 1.12-1.43x; bench/results/flash_dkv_q32.md).
-  narrow_dkv = dk + dv > MOSAIC_MODELLED_BWD_WIDTH
-  return MosaicBlockConfig(block_q=64, block_kv=128 if wide_tiles else 64, stages=2,
-                           block_q_dkv=DKV_NARROW_BLOCK if narrow_dkv else 64)
+  return MosaicBlockConfig(block_q=64, block_kv=128 if wide_tiles else 64, stages=2)

@@ -2,7 +2,8 @@
 
 Every kernel runs three warpgroups per CTA: two consumers, each owning one tile
 of rows and issuing wgmma, and one producer that streams the other operand's
-tiles into a ring of shared-memory slots with TMA. A slot has a ``ready``
+tiles into a ring of shared-memory slots with TMA (the wide-head dK/dV kernel
+drops the producer: its first consumer issues the copies). A slot has a ``ready``
 barrier (the copy landed) and a ``free`` barrier (both consumers are done with
 it). Consumers walk the CTA's block range in the same order; blocks outside a
 consumer's own range are *skipped*: it still waits and arrives on the slot's
@@ -28,11 +29,10 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
-def tile_smem(shape, dtype, swizzle: int = 128):
-  """Shared memory for 16-bit wgmma operands: ``swizzle``-byte swizzled tiles of 8 rows
-  (64 columns with the default 128-byte swizzle)."""
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // 2)),
-                                              plgpu.SwizzleTransform(swizzle)))
+def tile_smem(shape, dtype):
+  """Shared memory for 16-bit wgmma operands: 128-byte swizzled (8, 64) tiles."""
+  return plgpu.SMEM(shape, dtype,
+                    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
 def row_vector(value, rows: int):
@@ -156,11 +156,13 @@ def clamp_range(lo, hi, n_blocks: int):
 _WARPGROUPS = dict(num_threads=CONSUMERS + 1, thread_name="wg")
 
 
-def kernel(body, *, out_type, scratch_types, grid, grid_names):
+def kernel(body, *, out_type, scratch_types, grid, grid_names, producer: bool = True):
   """``plgpu.kernel`` with the consumer/producer warpgroups and compiler parameters
-  every Hopper kernel here uses."""
+  every Hopper kernel here uses (``producer=False``: the consumers alone, a body that
+  issues its own copies)."""
+  warpgroups = dict(_WARPGROUPS, num_threads=CONSUMERS + producer)
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
-                      grid_names=grid_names, compiler_params=compiler_params(), **_WARPGROUPS)
+                      grid_names=grid_names, compiler_params=compiler_params(), **warpgroups)
 
 
 def kernel_writing_ref(body, *, out_type, scratch_types: dict, grid, grid_names):
