@@ -207,27 +207,14 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
 
   @pl.when(wg < mp.CONSUMERS)
   def _consumer():
-    if self_fed:
-      @pl.when(wg == 0)
-      def _first_slots():
-        for slot in range(stages):
-          @pl.when(slot < n_steps)
-          def _():
-            copy_q_block(jnp.int32(slot), slot, q_ready.at[slot])
+    if self_fed:  # consumer 0 feeds the ring
+      mp.feed_first_slots(n_steps, stages, copy_q_block, q_ready, wg == 0)
     else:
       plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
 
     def refill(pos):
-      """Self-fed: at stream position ``pos`` consumer 0 refills the slot of position
-      ``pos - 1`` (with position ``pos - 1 + stages``) once both consumers freed it."""
-      if not self_fed:
-        return
-
-      @pl.when((wg == 0) & (pos >= 1) & (pos - 1 + stages < n_steps))
-      def _():
-        slot = lax.rem(pos - 1, jnp.int32(stages))
-        plgpu.barrier_wait(q_free.at[slot])
-        copy_q_block(pos - 1 + stages, slot, q_ready.at[slot])
+      if self_fed:
+        mp.refeed(pos, n_steps, stages, copy_q_block, q_ready, q_free, wg == 0)
 
     k_start = cta_k + wg * block_kv
     keys = (batch, pl.ds(k_start, block_kv), kv_head)

@@ -3,7 +3,8 @@
 Every kernel runs three warpgroups per CTA: two consumers, each owning one tile
 of rows and issuing wgmma, and one producer that streams the other operand's
 tiles into a ring of shared-memory slots with TMA (the wide-head dK/dV kernel
-drops the producer: its first consumer issues the copies). A slot has a ``ready``
+drops the producer: its first consumer feeds the ring, ``feed_first_slots`` and
+``refeed``). A slot has a ``ready``
 barrier (the copy landed) and a ``free`` barrier (both consumers are done with
 it). Consumers walk the CTA's block range in the same order; blocks outside a
 consumer's own range are *skipped*: it still waits and arrives on the slot's
@@ -68,6 +69,31 @@ def produce(n_steps, stages: int, streams, first_slot_use=0):
     return carry
 
   lax.fori_loop(jnp.int32(0), n_steps, fill, None)
+
+
+def feed_first_slots(n_steps, stages: int, copy, ready, feeder):
+  """A ring without a producer, fed by one of its consumers (where ``feeder`` is true):
+  before the consumers' loop, the copies of steps ``0 .. stages - 1`` (those below
+  ``n_steps``); ``copy`` and ``ready`` as in ``produce``'s streams. ``refeed`` goes on."""
+  @pl.when(feeder)
+  def _():
+    for slot in range(stages):
+      @pl.when(slot < n_steps)
+      def _():
+        copy(jnp.int32(slot), slot, ready.at[slot])
+
+
+def refeed(pos, n_steps, stages: int, copy, ready, free, feeder):
+  """A ring without a producer, at stream position ``pos`` of every consumer (before
+  it waits for that step): where ``feeder`` (true in the one consumer that feeds the
+  ring), refills the slot of step ``pos - 1`` with step ``pos - 1 + stages`` once every
+  consumer arrived on its ``free`` barrier. Refilling one step behind keeps the
+  consumers at most a step apart."""
+  @pl.when(feeder & (pos >= 1) & (pos - 1 + stages < n_steps))
+  def _():
+    slot = lax.rem(pos - 1, jnp.int32(stages))
+    plgpu.barrier_wait(free.at[slot])
+    copy(pos - 1 + stages, slot, ready.at[slot])
 
 
 def shared_index(ref, axis: int, index):
