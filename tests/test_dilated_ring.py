@@ -84,3 +84,32 @@ def test_sparsified_rows_sent():
 def test_unsupported_layouts_are_explained(w, r, local, match):
   with pytest.raises(ValueError, match=match):
     plan_pair(w, r, local=local, devices=4, heads=2, kv_heads=2)
+
+
+def _dilated(mesh, *, inside=False, **kwargs):
+  """The dilated ring with pairs (4, 1), (16, 2) and ``kwargs``: sharded over ``mesh``,
+  or inside a user's ``shard_map`` over axis "sp"."""
+  kwargs = {"axis_name": "sp", "segment_lengths": (4, 16), "dilation_rates": (1, 2),
+            "backend": "xla", **kwargs}
+  if not inside:
+    return functools.partial(sharded_dilated_ring_attention, mesh=mesh, **kwargs)
+  spec = PartitionSpec(None, "sp", None, None)
+  return jax.shard_map(functools.partial(dilated_ring_attention, **kwargs), mesh=mesh,
+                       in_specs=(spec,) * 3, out_specs=spec)
+
+
+_X = _inputs(1, 32, 2, 2, 8, seed=0)[0]
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda m: _dilated(m, axis_name="tp")(_X, _X, _X), ValueError,
+     r"axis_name 'tp' is not an axis of the mesh; its axes are \('sp',\)"),
+    (lambda m: _dilated(m, inside=True, axis_name="tp")(_X, _X, _X), ValueError,
+     r"axis_name 'tp' is not a mesh axis that shard_map maps here \(mapped: \('sp',\)"),
+    (lambda m: _dilated(m, causal=1)(_X, _X, _X), TypeError, r"causal must be a bool, got 1"),
+    (lambda m: _dilated(m)(_X[:, :16], _X, _X), ValueError,
+     r"k must be \[batch, seq, kv_heads, head_dim\] = \[1, 16, \?, 8\], got \(1, 32, 2, 8\)"),
+], ids=["axis", "axis-in-shard_map", "causal-int", "k-length"])
+def test_argument_errors_name_the_argument(mesh, call, error, match):
+  with pytest.raises(error, match=match):
+    call(mesh)

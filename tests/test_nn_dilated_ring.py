@@ -80,5 +80,5 @@ def test_errors(mesh):
   with pytest.raises(ValueError, match="needs grid=\\(H, W\\)"):
     ring(jnp.ones((1, 64, 32)))
   sharded = DilatedRingAttention(32, 4, **PAIRS, mesh=mesh, backend="xla", rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="multiple of the 4 devices"):
+  with pytest.raises(ValueError, match="multiple of 4 \\(4 devices on axis .sp.\\)"):
     sharded(jnp.ones((1, 66, 32)))

@@ -14,12 +14,13 @@ from jattn.reference import flash_attention_reference
 from conftest import rel_err, ring_mesh
 
 
-def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0):
+def _inputs(batch, seq, heads, kv_heads, head_dim, seed=0, kv_len=None, value_head_dim=None):
+  kv_len, value_head_dim = kv_len or seq, value_head_dim or head_dim
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
   q = jax.random.normal(ks[0], (batch, seq, heads, head_dim))
-  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim))
-  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim))
-  return q, k, v, jax.random.normal(ks[3], q.shape)
+  k = jax.random.normal(ks[1], (batch, kv_len, kv_heads, head_dim))
+  v = jax.random.normal(ks[2], (batch, kv_len, kv_heads, value_head_dim))
+  return q, k, v, jax.random.normal(ks[3], (batch, seq, heads, value_head_dim))
 
 
 def _check(fn, q, k, v, do, causal, tol=1e-5):
@@ -38,6 +39,17 @@ def test_ring_equals_single_device(devices, causal, layout):
   q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=int(causal))
   fn = functools.partial(sharded_ring_attention, mesh=ring_mesh(devices), axis_name="sp",
                          causal=causal, layout=layout, backend="xla")
+  _check(fn, q, k, v, do, causal)
+
+
+# v narrower than q and k (the rows a step skips take v's width); without causal, k and v
+# may be longer than q.
+@pytest.mark.parametrize("causal,layout,kv_len", [(True, "contiguous", 32), (True, "zigzag", 32),
+                                                  (False, "contiguous", 64)])
+def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len):
+  q, k, v, do = _inputs(1, 32, 2, 1, 16, seed=5, kv_len=kv_len, value_head_dim=8)
+  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
+                         layout=layout, backend="xla")
   _check(fn, q, k, v, do, causal)
 
 
@@ -66,9 +78,48 @@ def test_zigzag_order_is_a_permutation_and_inverts():
   np.testing.assert_array_equal(zigzag_restore(y, 3), x)
 
 
-def test_errors(mesh):
-  q, k, v, _ = _inputs(1, 36, 2, 2, 8)
-  with pytest.raises(ValueError, match="multiple of 8"):
-    sharded_ring_attention(q, k, v, mesh=mesh, axis_name="sp", layout="zigzag")
-  with pytest.raises(ValueError, match="layout must be one of"):
-    ring_attention(q, k, v, axis_name="sp", layout="striped")
+def _inside(mesh, **kwargs):
+  """``ring_attention`` with ``kwargs`` inside a user's ``shard_map`` over axis "sp"."""
+  spec = PartitionSpec(None, "sp", None, None)
+  return jax.shard_map(functools.partial(ring_attention, backend="xla", **kwargs), mesh=mesh,
+                       in_specs=(spec,) * 3, out_specs=spec)
+
+
+def _sharded(mesh, **kwargs):
+  return functools.partial(sharded_ring_attention, mesh=mesh, backend="xla",
+                           **{"axis_name": "sp", **kwargs})
+
+
+# Each case misuses the API on the 4-device mesh; the error's type and what it says.
+_Q, _K = _inputs(1, 32, 2, 2, 8)[:2]
+_K_LONG = _inputs(1, 64, 2, 2, 8)[1]
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda m: _sharded(m, axis_name="tp")(_Q, _Q, _Q), ValueError,
+     r"axis_name 'tp' is not an axis of the mesh; its axes are \('sp',\)"),
+    (lambda m: _inside(m, axis_name="tp")(_Q, _Q, _Q), ValueError,
+     r"axis_name 'tp' is not a mesh axis that shard_map maps here \(mapped: \('sp',\)"),
+    (lambda m: _sharded(m, causal=True)(_Q, _K_LONG, _K_LONG), ValueError,
+     r"causal=True needs q and k of one sequence length, got q \(1, 32, 2, 8\) and k "
+     r"\(1, 64, 2, 8\).*bottom-right alignment of kv_len != q_len is not supported"),
+    (lambda m: _inside(m, axis_name="sp", causal=True, layout="zigzag")(_Q, _K_LONG, _K_LONG),
+     ValueError, r"one sequence length \(here: the local shards\), got q \(1, 8, 2, 8\)"),
+    (lambda m: _sharded(m, causal="yes")(_Q, _Q, _Q), TypeError,
+     r"causal must be a bool, got 'yes' \(str\)"),
+    (lambda m: _sharded(m)(_Q[0], _Q[0], _Q[0]), ValueError, r"q must have rank 4"),
+    (lambda m: _sharded(m)(_Q, _K[:, :30], _K[:, :30]), ValueError,
+     r"k's sequence length 30 must be a multiple of 4 \(4 devices on axis 'sp'\)"),
+    (lambda m: _sharded(m, layout="zigzag")(_Q[:, :28], _K[:, :28], _K[:, :28]), ValueError,
+     r"q's sequence length 28 must be a multiple of 8 \(4 devices on axis 'sp', 2 chunks"),
+    (lambda m: _sharded(m, layout="striped")(_Q, _Q, _Q), ValueError,
+     r"layout must be one of \('contiguous', 'zigzag'\), got 'striped'"),
+    (lambda m: sharded_ring_attention(_Q, _Q, _Q, mesh="sp", axis_name="sp"), TypeError,
+     r"mesh must be a jax.sharding.Mesh, got str"),
+    (lambda m: zigzag_order(_Q, 3), ValueError,
+     r"x's length 32 along axis 1 must be a multiple of 2 \* devices = 6"),
+], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
+        "causal-str", "rank", "k-split", "zigzag-split", "layout", "mesh", "zigzag_order"])
+def test_argument_errors_name_the_argument(mesh, call, error, match):
+  with pytest.raises(error, match=match):
+    call(mesh)

@@ -12,6 +12,7 @@ from jattn.gpu import select_backend
 from jattn.nn.dilated import MultiheadDilatedAttention
 from jattn.parallel import (hilbert_flatten, hilbert_permutation, hilbert_unflatten,
                             inverse_permutation, sharded_dilated_ring_attention)
+from jattn.parallel.checks import mesh_axis_size
 
 
 class DilatedRingAttention(MultiheadDilatedAttention):
@@ -43,9 +44,8 @@ class DilatedRingAttention(MultiheadDilatedAttention):
                dilation_rates: Sequence[int], *, mesh=None, axis_name: str = "sp",
                use_hilbert: bool = False, grid: tuple[int, int] | None = None,
                backend: str | None = None, **kwargs):
-    if mesh is not None and axis_name not in mesh.shape:
-      raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh "
-                       f"{dict(mesh.shape)}")
+    if mesh is not None:
+      mesh_axis_size(mesh, axis_name)  # a ValueError naming the axis and the mesh's axes
     if grid is not None and not use_hilbert:
       raise ValueError("grid=(H, W) is only used with use_hilbert=True")
     if backend is None:

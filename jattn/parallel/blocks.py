@@ -42,10 +42,12 @@ def merge(acc, block):
   return merge_partials(*acc, *block, expand=lambda w: jnp.moveaxis(w, 1, 2)[..., None])
 
 
-def empty_rows(q):
-  """``(0, EMPTY_ROW_LSE)`` for q's rows; built from q so that inside ``shard_map``
-  they vary over the mesh axis as q does (``lax.cond`` branches must agree)."""
-  o = jnp.zeros_like(q, jnp.float32)
+def empty_rows(q, v):
+  """``(0, EMPTY_ROW_LSE)`` for the rows of ``q [b, s, h, d]`` against values ``v [..,
+  dv]``: ``o [b, s, h, dv]`` float32, ``lse [b, h, s]``. Built from q so that inside
+  ``shard_map`` they vary over the mesh axis as q does (``lax.cond`` branches must
+  agree)."""
+  o = jnp.broadcast_to(jnp.zeros_like(q[..., :1], jnp.float32), q.shape[:-1] + v.shape[-1:])
   return o, jnp.moveaxis(o[..., 0], 1, 2) + EMPTY_ROW_LSE
 
 

@@ -34,6 +34,7 @@ from jattn.core.op import Call
 from jattn.dilated import DILATED
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
+from jattn.parallel.checks import bound_axis_size, check_causal, check_split, mesh_axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,8 @@ def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads:
   """How pair ``(w, r)`` maps onto ``devices`` shards of ``local`` positions each."""
   seq = local * devices
   if local % r:
-    raise ValueError(f"the local sequence length {local} must be a multiple of every "
-                     f"dilation rate, got r={r}")
+    raise ValueError(f"dilation_rates: the local sequence length {local} ({seq} over {devices} "
+                     f"devices) must be a multiple of every dilation rate, got r={r}")
   if w <= local and local % w == 0:
     group = 1
   elif w >= seq:
@@ -71,7 +72,7 @@ def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads:
   elif w > local and w % local == 0:
     group = w // local
   else:
-    raise ValueError(f"segment length {w} must divide the local sequence length {local}, "
+    raise ValueError(f"segment_lengths: {w} must divide the local sequence length {local}, "
                      f"be a multiple of it, or reach the whole sequence {seq} (segments may "
                      "not straddle a device boundary)")
   group_size = heads // kv_heads
@@ -150,12 +151,12 @@ def _attend(st: _Static, q, k, v, src, mine, real):
   the group (or all of them when not causal), nothing otherwise."""
   block = functools.partial(block_forward, scale=st.scale, backend=st.backend)
   if not st.causal:
-    return lax.cond(real, lambda: block(q, k, v, causal=False), lambda: empty_rows(q))
+    return lax.cond(real, lambda: block(q, k, v, causal=False), lambda: empty_rows(q, v))
   # In a short group the steps past its size are not real: their source index wraps
   # onto blocks already counted.
   return lax.cond(real & (src == mine), lambda: block(q, k, v, causal=True),
                   lambda: lax.cond(real & (src < mine), lambda: block(q, k, v, causal=False),
-                                   lambda: empty_rows(q)))
+                                   lambda: empty_rows(q, v)))
 
 
 def _attend_backward(st: _Static, q, k, v, o, lse, do, src, mine, real):
@@ -172,7 +173,7 @@ def _pair_forward(st: _Static, pair: _Pair, q, k, v):
   """``(o, lse)`` of one spanning pair on the shard's positions: its group's ring."""
   qd = _queries(q, pair)
   kv = (_sparse_kv(k, pair), _sparse_kv(v, pair))
-  acc = empty_rows(qd)
+  acc = empty_rows(qd, v)
   for step in range(pair.group):
     # Send before use: the next block's transfer overlaps this block's attention.
     nxt = (shift(kv, st.axis_name, _hop(st.devices, pair.group, step))
@@ -184,7 +185,7 @@ def _pair_forward(st: _Static, pair: _Pair, q, k, v):
 
 
 def _forward(st: _Static, q, k, v):
-  acc = DILATED.partial(st.local, (q, k, v)) if st.local else empty_rows(q)
+  acc = DILATED.partial(st.local, (q, k, v)) if st.local else empty_rows(q, v)
   for pair in st.pairs:
     if pair.group > 1:
       acc = merge(acc, _pair_forward(st, pair, q, k, v))
@@ -253,12 +254,13 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
 
   Args:
     q: the local ``[batch, L, heads, head_dim]`` shard; k, v: ``[batch, L, kv_heads,
-      head_dim]``.
+      head_dim]`` (self-attention: one sequence length, as ``jattn.dilated_attention``).
+    axis_name: the mesh axis the sequence is split over, one ``shard_map`` maps.
     segment_lengths, dilation_rates: the pairs ``(w_i, r_i)`` as in
       ``jattn.dilated_attention``; ``L`` must be a multiple of every ``r_i``, and each
       ``w_i`` must divide ``L``, be a multiple of it, or cover the whole sequence
       (segments never straddle a device boundary).
-    causal: within segments, over the global positions.
+    causal: within segments, over the global positions (a bool).
     backend: the blocks' attention: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
 
   Returns:
@@ -266,8 +268,9 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
     whole sequence. Differentiable (exact gradients, mixing weights included).
   """
   problem, _ = DILATED.bind(q, k, v, segment_lengths=segment_lengths,
-                            dilation_rates=dilation_rates, causal=causal, scale=scale)
-  devices = lax.axis_size(axis_name)
+                            dilation_rates=dilation_rates, causal=check_causal(causal),
+                            scale=scale)
+  devices = bound_axis_size(axis_name, "dilated_ring_attention")
   _, local, heads, head_dim = q.shape
   pairs = tuple(plan_pair(w, r, local=local, devices=devices, heads=heads, kv_heads=k.shape[2])
                 for w, r in problem.pairs)
@@ -289,10 +292,11 @@ def sharded_dilated_ring_attention(q, k, v, *, mesh, axis_name: str, segment_len
   the sequence over ``mesh``'s ``axis_name`` with ``shard_map`` (``check_vma=False``,
   as Pallas calls declare no per-axis variance). ``seq`` must be a multiple of the
   axis size."""
-  devices = mesh.shape[axis_name]
-  if q.shape[1] % devices:
-    raise ValueError(f"the sequence length {q.shape[1]} must be a multiple of the {devices} "
-                     f"devices on axis {axis_name!r}")
+  # The dilated checks on the whole arrays, so that errors name their shapes.
+  DILATED.bind(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+               causal=check_causal(causal), scale=scale)
+  devices = mesh_axis_size(mesh, axis_name)
+  check_split({"q": q}, devices=devices, axis_name=axis_name)
   spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
   fn = functools.partial(dilated_ring_attention, axis_name=axis_name,
                          segment_lengths=tuple(segment_lengths),

@@ -22,33 +22,42 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jattn.core.validation import scale_of
+from jattn.core.validation import (check_attention_inputs, check_choice, check_positive_int,
+                                   scale_of)
 from jattn.flash import FLASH
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
                                    ring_backend, shift)
+from jattn.parallel.checks import bound_axis_size, check_causal, check_split, mesh_axis_size
 
 LAYOUTS = ("contiguous", "zigzag")
+
+
+def _zigzag_chunks(x, devices: int, axis: int):
+  """``x`` cut into ``2 * devices`` chunks along ``axis``, and the zig-zag order of
+  their indices: device ``i`` holds chunks ``i`` and ``2 * devices - 1 - i``."""
+  check_positive_int("devices", devices)
+  if x.shape[axis] % (2 * devices):
+    raise ValueError(f"x's length {x.shape[axis]} along axis {axis} must be a multiple of "
+                     f"2 * devices = {2 * devices}; x has shape {tuple(x.shape)}")
+  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
+  return jnp.split(x, 2 * devices, axis=axis), order
 
 
 def zigzag_order(x, devices: int, axis: int = 1):
   """Reorders a full sequence so that sharding it evenly over ``devices`` gives device
   ``i`` the chunks ``i`` and ``2 * devices - 1 - i``. ``x.shape[axis]`` must be a
   multiple of ``2 * devices``."""
-  chunks = jnp.split(x, 2 * devices, axis=axis)
-  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
+  chunks, order = _zigzag_chunks(x, devices, axis)
   return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
 
 def zigzag_restore(x, devices: int, axis: int = 1):
   """Inverse of ``zigzag_order``."""
-  chunks = jnp.split(x, 2 * devices, axis=axis)
-  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
-  back = [None] * len(chunks)
-  for pos, c in enumerate(order):
-    back[c] = chunks[pos]
-  return jnp.concatenate(back, axis=axis)
+  chunks, order = _zigzag_chunks(x, devices, axis)
+  return jnp.concatenate([chunks[pos] for pos in np.argsort(order)], axis=axis)
 
 
 # --- which work a step does -----------------------------------------------------------
@@ -61,7 +70,7 @@ def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
   if layout == "contiguous":
     return lax.cond(src == me, lambda: block(q, k, v, causal=True),
                     lambda: lax.cond(src < me, lambda: block(q, k, v, causal=False),
-                                     lambda: empty_rows(q)))
+                                     lambda: empty_rows(q, v)))
   half = q.shape[1] // 2
 
   def earlier():  # every local query sees the source's first chunk
@@ -69,7 +78,7 @@ def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
 
   def later():  # only the local second chunk sees the source, all of it
     o, lse = block(q[:, half:], k, v, causal=False)
-    o0, l0 = empty_rows(q[:, :half])
+    o0, l0 = empty_rows(q[:, :half], v)
     return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
 
   return lax.cond(src == me, lambda: block(q, k, v, causal=True),
@@ -111,7 +120,7 @@ def _ring_perm(devices: int):
 def _ring_forward(st, q, k, v):
   axis_name, causal, layout, scale, backend = st
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-  acc = empty_rows(q)
+  acc = empty_rows(q, v)
   kv = (k, v)
   for step in range(devices):
     # Send before use: the transfer of the next shard overlaps this step's attention.
@@ -156,15 +165,31 @@ def _ring_bwd(st, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _check_causal_lengths(q, k, causal: bool, shards: str) -> None:
+  """A causal ring masks over one global sequence: query ``i`` against key ``i``. The
+  bottom-right alignment ``flash_attention`` gives ``kv_len != q_len`` would move every
+  block's diagonal by a device-dependent offset; it is refused, not approximated."""
+  if causal and q.shape[1] != k.shape[1]:
+    raise ValueError(
+        f"causal=True needs q and k of one sequence length{shards}, got q {tuple(q.shape)} and "
+        f"k {tuple(k.shape)}: a causal ring masks one global sequence, and the bottom-right "
+        "alignment of kv_len != q_len is not supported; use causal=False, or "
+        "jattn.flash_attention on one device")
+
+
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: float | None = None,
                    layout: str = "contiguous", backend: str = "auto"):
   """Exact attention over a sequence sharded on mesh axis ``axis_name``; call it
   inside ``shard_map`` with the sequence axis split over ``axis_name``.
 
   Args:
-    q: the local ``[batch, seq / P, heads, head_dim]`` shard; k, v: ``[batch, seq / P,
-      kv_heads, head_dim]`` (grouped-query attention allowed).
-    causal: causal over the global sequence.
+    q: the local ``[batch, seq / P, heads, head_dim]`` shard; k: ``[batch, kv_len / P,
+      kv_heads, head_dim]``, v: ``[batch, kv_len / P, kv_heads, head_dim_v]``
+      (grouped-query attention allowed; ``head_dim_v`` may differ from ``head_dim``).
+    axis_name: the mesh axis the sequence is split over, one ``shard_map`` maps.
+    causal: causal over the global sequence (a bool); needs ``kv_len == seq``
+      (``flash_attention``'s bottom-right alignment of ``kv_len != q_len`` is not
+      supported over a ring: a ValueError says so). Without ``causal`` any ``kv_len``.
     layout: how the global sequence sits on the devices: ``"contiguous"`` (device
       ``i`` holds chunk ``i``) or ``"zigzag"`` (chunks ``i`` and ``2P - 1 - i``, see
       ``zigzag_order``; balances causal work, needs an even local length).
@@ -172,35 +197,41 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       row statistics (``"auto"``: the first such that runs here).
 
   Returns:
-    the local output shard, like ``q``. Differentiable: the backward runs as a ring
-    too and returns each device's dK / dV home.
+    the local output shard ``[batch, seq / P, heads, head_dim_v]`` in q's dtype.
+    Differentiable: the backward runs as a ring too and returns each device's dK / dV
+    home.
   """
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  check_choice("layout", layout, LAYOUTS)
+  causal = check_causal(causal)
   FLASH.bind(q, k, v, causal=causal, scale=scale)  # the flash checks, on the local shards
+  _check_causal_lengths(q, k, causal, " (here: the local shards)")
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
+  bound_axis_size(axis_name, "ring_attention")  # now, so that an unknown axis is named
   scale = scale_of(scale, q.shape[-1])
-  name = ring_backend(q, k, causal=bool(causal), scale=scale, backend=backend)
-  return _ring((axis_name, bool(causal), layout, scale, name), q, k, v)
+  name = ring_backend(q, k, causal=causal, scale=scale, backend=backend)
+  return _ring((axis_name, causal, layout, scale, name), q, k, v)
 
 
 def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False,
                            scale: float | None = None, layout: str = "contiguous",
                            backend: str = "auto"):
-  """``ring_attention`` on whole ``[batch, seq, heads, head_dim]`` arrays: shards the
-  sequence over ``mesh``'s ``axis_name`` with ``shard_map`` (zig-zag ordered first
-  and restored after for ``layout="zigzag"``), so the caller needs no ``shard_map``.
+  """``ring_attention`` on whole arrays (``q [batch, seq, heads, head_dim]``, k, v
+  ``[batch, kv_len, kv_heads, head_dim(_v)]``): shards the sequence over ``mesh``'s
+  ``axis_name`` with ``shard_map`` (zig-zag ordered first and restored after for
+  ``layout="zigzag"``), so the caller needs no ``shard_map``.
 
-  ``seq`` must be a multiple of the axis size (twice it for ``"zigzag"``). The
-  ``shard_map`` runs with ``check_vma=False``: Pallas calls inside it declare no
-  per-axis variance.
+  ``seq`` and ``kv_len`` must be multiples of the axis size (twice it for
+  ``"zigzag"``); ``causal`` needs ``kv_len == seq``. The ``shard_map`` runs with
+  ``check_vma=False``: Pallas calls inside it declare no per-axis variance.
   """
-  devices = mesh.shape[axis_name]
-  multiple = devices * (2 if layout == "zigzag" else 1)
-  if q.shape[1] % multiple:
-    raise ValueError(f"the sequence length {q.shape[1]} must be a multiple of {multiple} "
-                     f"({devices} devices on axis {axis_name!r}, layout {layout!r})")
+  check_choice("layout", layout, LAYOUTS)
+  causal = check_causal(causal)
+  check_attention_inputs(q, k, v, value_head_dim=True)  # on the whole arrays: errors name them
+  _check_causal_lengths(q, k, causal, "")
+  devices = mesh_axis_size(mesh, axis_name)
+  check_split({"q": q, "k": k}, devices=devices, axis_name=axis_name,
+              chunks=2 if layout == "zigzag" else 1)
   spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
   ring = jax.shard_map(functools.partial(ring_attention, axis_name=axis_name, causal=causal,
                                          scale=scale, layout=layout, backend=backend),
