@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.op import Problem, SoftmaxOp, XlaImpl
-from jattn.core.validation import check_attention_inputs, scale_of
+from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
+from jattn.kernels.common.masking import guard_masked_values, guarded_value_grads
 from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
 from jattn.reference import dilated_attention_reference
 from jattn.tuning.cache import bucket
@@ -121,12 +122,23 @@ class DilatedAttention(SoftmaxOp):
     check_pairs(segment_lengths, dilation_rates)
     problem = DilatedProblem(batch=batch, seq=seq, heads=heads, kv_heads=k.shape[2],
                              head_dim=head_dim, dtype=q.dtype, segment_lengths=segment_lengths,
-                             dilation_rates=dilation_rates, causal=bool(causal),
+                             dilation_rates=dilation_rates, causal=check_flag("causal", causal),
                              scale=scale_of(scale, head_dim))
     return problem, (q, k, v)
 
   def finish(self, problem, outputs):
     return outputs[0].astype(problem.dtype)
+
+  # A kernel tile may hold keys of two segments, or keys after its rows (causal): every
+  # call has keys inside its tiles that some rows do not see. (One pass over k and v,
+  # against attention within segments of thousands of positions.)
+  def guard(self, problem, arrays):
+    q, k, v = arrays
+    return (q, *guard_masked_values(k, v))
+
+  def guard_grads(self, problem, arrays, grads):
+    dq, dk, dv = grads
+    return (dq, *guarded_value_grads(arrays[2], dk, dv))
 
   def example(self, p: DilatedProblem, key):
     kq, kk, kv = jax.random.split(key, 3)

@@ -9,22 +9,21 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
 from jattn.core.device import CUDNN, GPUInfo
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
-from jattn.core.validation import (check_attention_inputs, check_integer_array, check_shape,
-                                   scale_of)
+from jattn.core.validation import (check_attention_inputs, check_flag, check_integer_array,
+                                   check_shape, is_int, is_number, positive_number, scale_of)
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
                                          padded_head_dim)
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
+from jattn.kernels.common.masking import guard_masked_values, guarded_value_grads
 from jattn.kernels.common.softmax import backward_delta
 from jattn.kernels.flash.mosaic_bwd import fused_dq_columns
 from jattn.kernels.flash.mosaic_config import (MOSAIC_MODELLED_BWD_WIDTH, mosaic_backward_runs,
@@ -80,7 +79,7 @@ class FlashProblem(AttentionProblem):
 
 def _dropout_seed(rate, key):
   """The kernels' ``[2]`` int32 seed words of a dropout call (None without dropout)."""
-  if not (isinstance(rate, numbers.Real) and not isinstance(rate, bool) and 0 <= rate < 1):
+  if not (is_number(rate) and 0 <= rate < 1):
     raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}")
   if not rate:
     return None
@@ -92,13 +91,19 @@ def _dropout_seed(rate, key):
     raise TypeError(f"dropout_key must be a jax.random key, got {key!r}") from e
 
 
-def _check_window(local_window):
+def _window(local_window) -> tuple:
+  """``(left, right)`` as Python ints or None, from ints of any kind (numpy's too)."""
   ok = isinstance(local_window, (tuple, list)) and len(local_window) == 2 and all(
-      w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
-      for w in local_window)
+      w is None or (is_int(w) and w >= 0) for w in local_window)
   if not ok:
     raise ValueError("local_window must be (left, right) with each a non-negative int or "
                      f"None (unbounded), got {local_window!r}")
+  return tuple(None if w is None else int(w) for w in local_window)
+
+
+def has_mask(p: FlashProblem) -> bool:
+  """Whether some rows of ``p`` do not see some keys (beyond padding)."""
+  return p.causal or p.local_window is not None or p.segment_ids
 
 
 # --- implementations ---------------------------------------------------------------------
@@ -336,22 +341,33 @@ class FlashAttention(SoftmaxOp):
       q_segment_ids = q_segment_ids.astype(jnp.int32)
       kv_segment_ids = kv_segment_ids.astype(jnp.int32)
     if local_window is not None:
-      _check_window(local_window)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(
-        softcap, bool) and math.isfinite(softcap) and softcap > 0):
-      raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+      local_window = _window(local_window)
+    if softcap is not None:
+      softcap = positive_number("softcap", softcap)
     if sinks is not None:
       check_shape("sinks", sinks, (q.shape[2],), "q_heads")
       if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise TypeError(f"sinks must be floats, got dtype {sinks.dtype}")
     seed = _dropout_seed(dropout_rate, dropout_key)
     problem = FlashProblem.of(
-        q, k, causal=bool(causal), scale=scale_of(scale, head_dim), local_window=local_window,
-        softcap=None if softcap is None else float(softcap),
-        segment_ids=q_segment_ids is not None, return_lse=bool(return_lse),
-        deterministic=bool(deterministic), value_head_dim=v.shape[-1],
+        q, k, causal=check_flag("causal", causal), scale=scale_of(scale, head_dim),
+        local_window=local_window, softcap=softcap, segment_ids=q_segment_ids is not None,
+        return_lse=check_flag("return_lse", return_lse),
+        deterministic=check_flag("deterministic", deterministic), value_head_dim=v.shape[-1],
         sinks=sinks is not None, dropout_rate=float(dropout_rate))
     return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed)
+
+  def guard(self, problem, arrays):
+    if not has_mask(problem):  # every row sees every key: nothing to keep out
+      return arrays
+    q, k, v, *rest = arrays
+    return (q, *guard_masked_values(k, v), *rest)
+
+  def guard_grads(self, problem, arrays, grads):
+    if not has_mask(problem):
+      return grads
+    dq, dk, dv, *rest = grads
+    return (dq, *guarded_value_grads(arrays[2], dk, dv), *rest)
 
   def finish(self, problem, outputs):
     o, lse = outputs

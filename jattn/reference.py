@@ -8,7 +8,14 @@ import jax.numpy as jnp
 from jattn.core.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
 from jattn.kernels.common.dropout import keep_mask
+from jattn.kernels.common.masking import guard_masked_values
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, floor_sinks
+
+
+def compute_dtype(*arrays):
+  """float32, or float64 where an input is (under ``jax_enable_x64``): the references
+  then serve as a float64 oracle."""
+  return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
@@ -35,10 +42,12 @@ def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
 
 
 def masked_softmax(logits, mask):
-  """Softmax over the last axis where ``mask`` holds (float32), and its log-sum-exp.
+  """Softmax over the last axis where ``mask`` holds, and its log-sum-exp.
 
   Returns ``(p, lse)`` with ``lse`` keeping the reduced axis (size 1). Rows with no
-  allowed entry give ``p = 0`` and ``lse = EMPTY_ROW_LSE``, and finite gradients.
+  allowed entry give ``p = 0`` and ``lse = EMPTY_ROW_LSE``, and finite gradients. A
+  NaN or +inf among a row's allowed logits makes the row NaN (as the dense formula);
+  refused entries never reach it, whatever they hold.
   """
   row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
   row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
@@ -66,16 +75,18 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
 
   Returns:
     ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype and
-    ``lse: [batch, q_heads, q_len]`` float32 (the sink included, dropout not). Rows
-    that see no key give zeros and ``lse = EMPTY_ROW_LSE`` (the sink's logit with sinks).
+    ``lse: [batch, q_heads, q_len]`` float32 (float64 for float64 inputs; the sink
+    included, dropout not). Rows that see no key give zeros and ``lse = EMPTY_ROW_LSE``
+    (the sink's logit with sinks).
   """
   batch, q_len, q_heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
   scale = scale_of(scale, head_dim)
+  dtype = compute_dtype(q)
   qg = q.reshape(batch, q_len, kv_heads, group, head_dim)
   precision = jax.lax.Precision.HIGHEST
-  logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32,
+  logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=dtype,
                       precision=precision) * scale
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
@@ -83,7 +94,7 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
   if sinks is not None:  # one more logit per row, always allowed, attending to nothing
-    sink = floor_sinks(sinks).reshape(1, kv_heads, group, 1, 1)
+    sink = floor_sinks(sinks).astype(dtype).reshape(1, kv_heads, group, 1, 1)
     logits = jnp.concatenate([logits, jnp.broadcast_to(sink, logits.shape[:-1] + (1,))], -1)
     mask = jnp.concatenate([jnp.broadcast_to(mask, logits.shape[:-1] + (kv_len,)),
                             jnp.ones(logits.shape[:-1] + (1,), bool)], -1)
@@ -96,7 +107,7 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
                      jnp.arange(kv_len)[None, :])
     p = jnp.where(kept, p / (1.0 - dropout_rate), 0.0)
   o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
-                 preferred_element_type=jnp.float32, precision=precision)
+                 preferred_element_type=dtype, precision=precision)
   lse = lse[..., 0]
   return (o.reshape(batch, q_len, q_heads, v.shape[-1]).astype(q.dtype),
           lse.reshape(batch, q_heads, q_len))
@@ -114,25 +125,26 @@ def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=No
 
   Returns:
     ``(o, lse)``: ``o`` like q in q's dtype, ``lse: [batch, q_heads, q_len]``
-    float32. Rows that see no key (masked out, or every score ``-inf``) give zeros
-    and ``EMPTY_ROW_LSE``.
+    float32 (float64 for float64 inputs). Rows that see no key (masked out, or every
+    score ``-inf``) give zeros and ``EMPTY_ROW_LSE``.
   """
   batch, q_len, q_heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   group = q_heads // kv_heads
   precision = jax.lax.Precision.HIGHEST
+  dtype = compute_dtype(q)
   kg = jnp.repeat(k, group, axis=2)
   vg = jnp.repeat(v, group, axis=2)
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kg, preferred_element_type=jnp.float32,
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, kg, preferred_element_type=dtype,
                       precision=precision) * scale_of(scale, head_dim)
   index = dense_indices(batch, q_heads, q_len, kv_len)
   if score_mod is not None:
-    scores = elementwise(score_mod, scores, *index).astype(jnp.float32)
-  allowed = scores > -jnp.inf
+    scores = elementwise(score_mod, scores, *index).astype(dtype)
+  allowed = jnp.logical_not(jnp.isneginf(scores))  # NaN stays in: its row is NaN
   if mask_mod is not None:
     allowed = allowed & elementwise(mask_mod, *index)
   p, lse = masked_softmax(scores, allowed)
-  o = jnp.einsum("bhqk,bkhd->bqhd", p, vg.astype(jnp.float32), precision=precision)
+  o = jnp.einsum("bhqk,bkhd->bqhd", p, vg.astype(dtype), precision=precision)
   return o.astype(q.dtype), lse[..., 0]
 
 
@@ -168,18 +180,25 @@ def window_attention_reference(q, k, v, bias, *, mask=None, scale=None, return_l
 
   Returns:
     ``[windows, tokens, heads, head_dim]`` in q's dtype (and the lse); rows that see
-    no key (every logit ``-inf``) give zeros (and ``EMPTY_ROW_LSE``).
+    no key (every logit ``-inf``) give zeros (and ``EMPTY_ROW_LSE``). A key whose value
+    row is not finite makes every row that sees it NaN
+    (``masking.guard_masked_values``).
   """
   windows, _, _, head_dim = q.shape
   scale = scale_of(scale, head_dim)
+  dtype = compute_dtype(q)
   precision = jax.lax.Precision.HIGHEST
-  logits = jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=jnp.float32,
-                      precision=precision) * scale + bias.astype(jnp.float32)[None]
+  k, v = guard_masked_values(k, v)  # as the kernels do in every tile
+  terms = bias.astype(dtype)[None]
   if mask is not None:
-    mask = additive_window_mask(mask)
-    logits = logits + mask[jnp.arange(windows) % mask.shape[0]][:, None]
-  p, lse = masked_softmax(logits, logits > -jnp.inf)
-  o = jnp.einsum("whqk,wkhd->wqhd", p, v.astype(jnp.float32), precision=precision)
+    mask = additive_window_mask(mask).astype(dtype)
+    terms = terms + mask[jnp.arange(windows) % mask.shape[0]][:, None]
+  logits = jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=dtype,
+                      precision=precision) * scale + terms
+  # Masked: a -inf bias or mask term (a NaN logit there does not reach the row), or a
+  # -inf logit (a weight of 0, as in the dense formula).
+  p, lse = masked_softmax(logits, ~(jnp.isneginf(terms) | jnp.isneginf(logits)))
+  o = jnp.einsum("whqk,wkhd->wqhd", p, v.astype(dtype), precision=precision)
   return (o.astype(q.dtype), lse[..., 0]) if return_lse else o.astype(q.dtype)
 
 
@@ -275,13 +294,14 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
   batch, seq, heads, head_dim = q.shape
   w, r = segment_length, dilation_rate
   scale = scale_of(scale, head_dim)
+  dtype = compute_dtype(q)
   pos = dilated_positions(seq, heads, w, r)  # [n, L, H]
   valid = pos < seq
   heads_idx = jnp.arange(heads)
   rows = jnp.minimum(pos, seq - 1)
 
   def gather(x):  # [b, S, heads or kv_heads, D] -> [b, n, L, heads, D]
-    x = x.astype(jnp.float32)[:, :, heads_idx // (heads // x.shape[2])]
+    x = x.astype(dtype)[:, :, heads_idx // (heads // x.shape[2])]
     return x[:, rows, heads_idx]
 
   qs, ks, vs = gather(q), gather(k), gather(v)
@@ -295,9 +315,9 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
   lse = jnp.moveaxis(lse[..., 0], 2, 3)
   # Scatter back; rows past the sequence end go to a spare slot that is dropped.
   flat = jnp.where(valid, pos, seq).reshape(-1, heads)  # [n * L, H]
-  o_full = jnp.zeros((batch, seq + 1, heads, head_dim), jnp.float32)
+  o_full = jnp.zeros((batch, seq + 1, heads, head_dim), dtype)
   o_full = o_full.at[:, flat, heads_idx[None, :]].set(o.reshape(batch, -1, heads, head_dim))
-  lse_full = jnp.full((batch, seq + 1, heads), EMPTY_ROW_LSE, jnp.float32)
+  lse_full = jnp.full((batch, seq + 1, heads), EMPTY_ROW_LSE, dtype)
   lse_full = lse_full.at[:, flat, heads_idx[None, :]].set(lse.reshape(batch, -1, heads))
   return o_full[:, :seq], jnp.moveaxis(lse_full[:, :seq], 1, 2)
 
@@ -305,14 +325,20 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
 def mix_dilated_pairs(outs, lses):
   """LongNet's mixing: ``O = Σ_i softmax_i(lse_i) · O_i`` per position and head, from
   per-pair ``outs [pairs, batch, seq, heads, D]`` and ``lses [pairs, batch, heads, seq]``.
-  Returns ``(o float32, lse)``; positions no pair covers give zeros and
-  ``EMPTY_ROW_LSE``."""
-  lse = jax.nn.logsumexp(lses, axis=0)
-  weights = jnp.exp(lses - lse[None])  # [pairs, b, h, s]
-  o = jnp.einsum("pbhs,pbshd->bshd", weights, outs, precision=jax.lax.Precision.HIGHEST)
-  covered = jnp.max(lses, axis=0) > EMPTY_ROW_LSE / 2
+  Returns ``(o, lse)``; positions no pair covers give zeros and ``EMPTY_ROW_LSE``.
+
+  The weights are normalised by their own sum after subtracting the largest lse, as
+  the kernels merge: ``exp(lse_i - logsumexp)`` would not sum to 1 once the lse
+  values are large (1e8: float32 keeps them to within 8, and e^8 is no rounding)."""
+  top = jnp.max(lses, axis=0)
+  weights = jnp.exp(lses - top[None])  # [pairs, b, h, s]
+  total = jnp.sum(weights, axis=0)
+  o = jnp.einsum("pbhs,pbshd->bshd", weights / total[None], outs,
+                 precision=jax.lax.Precision.HIGHEST)
+  # A NaN lse (a row that saw a NaN) counts as covering its row.
+  covered = jnp.logical_not(top <= EMPTY_ROW_LSE / 2)
   return jnp.where(jnp.moveaxis(covered, 1, 2)[..., None], o, 0.0), jnp.where(
-      covered, lse, EMPTY_ROW_LSE)
+      covered, top + jnp.log(total), EMPTY_ROW_LSE)
 
 
 def dilated_attention_reference(q, k, v, *, segment_lengths, dilation_rates, causal=False,
@@ -325,7 +351,8 @@ def dilated_attention_reference(q, k, v, *, segment_lengths, dilation_rates, cau
     segment_lengths, dilation_rates: the (w_i, r_i) pairs (``w_i % r_i == 0``).
 
   Returns:
-    ``(o, lse)``: ``o`` in q's dtype, ``lse: [batch, heads, seq]`` float32.
+    ``(o, lse)``: ``o`` in q's dtype, ``lse: [batch, heads, seq]`` float32 (float64
+    for float64 inputs).
   """
   pairs = [dilated_pair_reference(q, k, v, w, r, causal=causal, scale=scale)
            for w, r in zip(segment_lengths, dilation_rates)]

@@ -106,7 +106,7 @@ _X = _inputs(1, 32, 2, 2, 8, seed=0)[0]
      r"axis_name 'tp' is not an axis of the mesh; its axes are \('sp',\)"),
     (lambda m: _dilated(m, inside=True, axis_name="tp")(_X, _X, _X), ValueError,
      r"axis_name 'tp' is not a mesh axis that shard_map maps here \(mapped: \('sp',\)"),
-    (lambda m: _dilated(m, causal=1)(_X, _X, _X), TypeError, r"causal must be a bool, got 1"),
+    (lambda m: _dilated(m, causal=1)(_X, _X, _X), TypeError, r"causal must be True or False, got 1"),
     (lambda m: _dilated(m)(_X[:, :16], _X, _X), ValueError,
      r"k must be \[batch, seq, kv_heads, head_dim\] = \[1, 16, \?, 8\], got \(1, 32, 2, 8\)"),
 ], ids=["axis", "axis-in-shard_map", "causal-int", "k-length"])

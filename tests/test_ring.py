@@ -106,7 +106,7 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
     (lambda m: _inside(m, axis_name="sp", causal=True, layout="zigzag")(_Q, _K_LONG, _K_LONG),
      ValueError, r"one sequence length \(here: the local shards\), got q \(1, 8, 2, 8\)"),
     (lambda m: _sharded(m, causal="yes")(_Q, _Q, _Q), TypeError,
-     r"causal must be a bool, got 'yes' \(str\)"),
+     r"causal must be True or False, got 'yes'"),
     (lambda m: _sharded(m)(_Q[0], _Q[0], _Q[0]), ValueError, r"q must have rank 4"),
     (lambda m: _sharded(m)(_Q, _K[:, :30], _K[:, :30]), ValueError,
      r"k's sequence length 30 must be a multiple of 4 \(4 devices on axis 'sp'\)"),

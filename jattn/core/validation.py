@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -72,6 +73,36 @@ def check_attention_inputs(q, k, v, *, same_length: bool = False,
   check_heads(q.shape[2], k.shape[2])
 
 
+def check_flag(name: str, value) -> bool:
+  """``value`` as a Python bool: a Python or numpy bool only. A flag decides which
+  kernels run (their shapes), so it cannot be a traced value, and a truthy string or
+  number is more likely a mistake than a choice."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be a Python or numpy bool, not a traced value: it picks the "
+                    "kernels to run (mark it static under jit, e.g. static_argnames)")
+  raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def is_number(value) -> bool:
+  """A real Python or numpy number that is not a bool."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+      value, (bool, np.bool_))
+
+
+def is_int(value) -> bool:
+  """A Python or numpy integer that is not a bool."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def positive_number(name: str, value) -> float:
+  """``value`` (a finite Python or numpy number > 0) as a float."""
+  if not (is_number(value) and math.isfinite(value) and value > 0):
+    raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+  return float(value)
+
+
 def check_choice(name: str, value, choices) -> None:
   if value not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
@@ -80,7 +111,7 @@ def check_choice(name: str, value, choices) -> None:
 def check_positive_int(name: str, value, *, optional: bool = False) -> None:
   if optional and value is None:
     return
-  if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
+  if not (is_int(value) and value >= 1):
     raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, "
                      f"got {value!r}")
 
@@ -96,7 +127,4 @@ def scale_of(scale, head_dim: int) -> float:
   """The logit scale: ``scale`` if given (a finite number > 0), else ``head_dim ** -0.5``."""
   if scale is None:
     return head_dim ** -0.5
-  if not (isinstance(scale, (int, float, np.floating, np.integer)) and not isinstance(scale, bool)
-          and math.isfinite(scale) and scale > 0):
-    raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
-  return float(scale)
+  return positive_number("scale", scale)

@@ -21,13 +21,14 @@ import dataclasses
 import jax
 
 from jattn.core.op import AttentionProblem, MosaicImpl, SoftmaxOp, XlaImpl
-from jattn.core.validation import check_attention_inputs, scale_of
+from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.flex.array_grads import score_array_grads
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
+from jattn.kernels.common.masking import guard_masked_values, guarded_value_grads
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
@@ -48,6 +49,11 @@ class FlexProblem(AttentionProblem):
   block_mask: tuple[int, int] | None = None
   # A named problem of ``jattn.flex.examples`` (checks and benchmarks), else None.
   example: str | None = None
+
+  @property
+  def has_functions(self) -> bool:
+    """Whether a function (or block mask) can keep some rows from some keys."""
+    return self.score_mod is not None or self.mask_mod is not None
 
   @property
   def num_consts(self) -> int:
@@ -218,13 +224,25 @@ class FlexAttention(SoftmaxOp):
     mask_fn, mask_consts = trace(mask_mod, "mask_mod")
     problem = FlexProblem.of(
         q, k, scale=scale_of(scale, head_dim), score_mod=score_fn, mask_mod=mask_fn,
-        return_lse=bool(return_lse),
+        return_lse=check_flag("return_lse", return_lse),
         block_mask=None if block_mask is None else (block_mask.block_q, block_mask.block_kv))
     return problem, (q, k, v) + score_consts + mask_consts + kinds
 
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o
+
+  def guard(self, problem, arrays):
+    if not problem.has_functions:  # every row sees every key: nothing to keep out
+      return arrays
+    q, k, v, *rest = arrays
+    return (q, *guard_masked_values(k, v), *rest)
+
+  def guard_grads(self, problem, arrays, grads):
+    if not problem.has_functions:
+      return grads
+    dq, dk, dv, *rest = grads
+    return (dq, *guarded_value_grads(arrays[2], dk, dv), *rest)
 
   def problem(self, example: str | None = None, **keywords):
     """A problem from keywords; ``example`` names one of ``jattn.flex.examples``,

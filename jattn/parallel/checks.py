@@ -1,21 +1,11 @@
 """The argument checks the rings share (``ring``, ``dilated_ring``, and the Flax layer
 over them): mesh axes, by name, inside ``shard_map`` and on a ``Mesh``; an even split of
-the sequence over an axis; ``causal``. Each error names the argument and what was
-expected."""
+the sequence over an axis. Each error names the argument and what was expected."""
 
 from __future__ import annotations
 
 import jax
-import numpy as np
 from jax import lax
-
-
-def check_causal(causal) -> bool:
-  """``causal`` as a Python bool; a Python or NumPy bool only (a string or an int is
-  more likely a misplaced argument than a flag)."""
-  if not isinstance(causal, (bool, np.bool_)):
-    raise TypeError(f"causal must be a bool, got {causal!r} ({type(causal).__name__})")
-  return bool(causal)
 
 
 def mesh_axis_size(mesh, axis_name) -> int:

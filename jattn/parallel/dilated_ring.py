@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn.core.op import Call
+from jattn.core.validation import check_flag
 from jattn.dilated import DILATED
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
-from jattn.parallel.checks import bound_axis_size, check_causal, check_split, mesh_axis_size
+from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +269,7 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
     whole sequence. Differentiable (exact gradients, mixing weights included).
   """
   problem, _ = DILATED.bind(q, k, v, segment_lengths=segment_lengths,
-                            dilation_rates=dilation_rates, causal=check_causal(causal),
+                            dilation_rates=dilation_rates, causal=check_flag("causal", causal),
                             scale=scale)
   devices = bound_axis_size(axis_name, "dilated_ring_attention")
   _, local, heads, head_dim = q.shape
@@ -294,7 +295,7 @@ def sharded_dilated_ring_attention(q, k, v, *, mesh, axis_name: str, segment_len
   axis size."""
   # The dilated checks on the whole arrays, so that errors name their shapes.
   DILATED.bind(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-               causal=check_causal(causal), scale=scale)
+               causal=check_flag("causal", causal), scale=scale)
   devices = mesh_axis_size(mesh, axis_name)
   check_split({"q": q}, devices=devices, axis_name=axis_name)
   spec = jax.sharding.PartitionSpec(None, axis_name, None, None)

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jattn.core.validation import (check_attention_inputs, check_choice, check_positive_int,
-                                   scale_of)
+from jattn.core.validation import (check_attention_inputs, check_choice, check_flag,
+                                   check_positive_int, scale_of)
 from jattn.flash import FLASH
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
                                    ring_backend, shift)
-from jattn.parallel.checks import bound_axis_size, check_causal, check_split, mesh_axis_size
+from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -202,7 +202,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
     home.
   """
   check_choice("layout", layout, LAYOUTS)
-  causal = check_causal(causal)
+  causal = check_flag("causal", causal)
   FLASH.bind(q, k, v, causal=causal, scale=scale)  # the flash checks, on the local shards
   _check_causal_lengths(q, k, causal, " (here: the local shards)")
   if layout == "zigzag" and q.shape[1] % 2:
@@ -226,7 +226,7 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   ``check_vma=False``: Pallas calls inside it declare no per-axis variance.
   """
   check_choice("layout", layout, LAYOUTS)
-  causal = check_causal(causal)
+  causal = check_flag("causal", causal)
   check_attention_inputs(q, k, v, value_head_dim=True)  # on the whole arrays: errors name them
   _check_causal_lengths(q, k, causal, "")
   devices = mesh_axis_size(mesh, axis_name)

@@ -54,23 +54,31 @@ def floor_sinks(sinks):
   """Sink logits as every backend takes them: float32, at least ``EMPTY_ROW_LSE``. A sink
   at or below it (-inf included) is no sink: its weight is 0 and empty rows take the
   usual ``EMPTY_ROW_LSE`` (in the kernels a -inf running max would make the first
-  rescale ``exp2(-inf - -inf)``)."""
-  return jnp.maximum(sinks.astype(jnp.float32), EMPTY_ROW_LSE)
+  rescale ``exp2(-inf - -inf)``). A sink of +inf or NaN becomes NaN: as in the dense
+  formula (``exp(inf) / exp(inf)``), every row of its head is NaN."""
+  sinks = sinks.astype(jnp.float32)
+  return jnp.where(jnp.isposinf(sinks), jnp.nan, jnp.maximum(sinks, EMPTY_ROW_LSE))
 
 
 def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
   """Folds one key tile into ``(acc, m, l)``: logits ``s * c`` in base-2 units
   (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``
   (``fast_fp32`` as in ``dot``); ``kept``: dropout's keep-mask of the tile (the
-  denominator counts every weight, the output only the kept ones)."""
+  denominator counts every weight, the output only the kept ones).
+
+  The denominator sums the weights as the output's matmul takes them (rounded to
+  v's dtype), so the output is a convex combination of v: a saturated row (one weight
+  1, the rest 0) gives its value row exactly, even where the compiler fuses ``s * c -
+  m`` into one rounding and the top weight comes out a few ulps from 1 (the backward's
+  ``rowsum(o * dO)`` then cancels exactly against that key's ``dP``)."""
   acc, m_prev, l_prev = carry
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * c)
   alpha = jnp.exp2(m_prev - m_next)
-  p = jnp.exp2(s * c - m_next[:, None])
-  l_next = l_prev * alpha + jnp.sum(p, axis=1)
+  p = jnp.exp2(s * c - m_next[:, None]).astype(v.dtype)
+  l_next = l_prev * alpha + jnp.sum(p.astype(jnp.float32), axis=1)
   if kept is not None:
-    p = jnp.where(kept, p, 0.0)
-  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0, fast_fp32)
+    p = jnp.where(kept, p, jnp.zeros((), p.dtype))
+  acc = acc * alpha[:, None] + dot(p, v, 1, 0, fast_fp32)
   return acc, m_next, l_next
 
 
@@ -156,13 +164,34 @@ def logit_grad(ds, g):
   return ds if g is None else ds * g
 
 
+# How far below the saved log-sum-exp the backward places it, relative to its size: a
+# few float32 ulps. The backward recomputes each logit with other tiles (another
+# summation order) and reads the lse through a change of base, each off by an ulp or
+# two; at logits of 1e6 and beyond an ulp is worth more than 1 in the exponent, and a
+# weight of 1 would come back as 2^-64 (or 2^64). With the allowance and the clamp of
+# ``backward_probs`` the top weights come back as exactly 1; the others grow by at most
+# 2^(2^-21 |lse|) (1 + 2e-6 at |lse| = 5).
+LSE_ALLOWANCE = 2.0 ** -21
+
+
 def backward_lse(lse, length: int, score_function: bool):
-  """The saved ``lse`` ``[batch, heads, q_len]`` as the backward kernels read it: padded
-  to ``length`` rows; with a score function, padded rows get ``PADDED_ROW_LSE`` (their
-  probabilities are then 0 whatever the function makes of their logits)."""
+  """The saved natural-log ``lse`` ``[batch, heads, q_len]`` as the backward kernels read
+  it: in base-2 units, lowered by ``LSE_ALLOWANCE`` of itself, padded to ``length`` rows;
+  with a score function, padded rows get ``PADDED_ROW_LSE`` (their probabilities are
+  then 0 whatever the function makes of their logits)."""
   q_len = lse.shape[-1]
-  lse = pad_rows(lse, length)
-  return lse.at[..., q_len:].set(PADDED_ROW_LSE) if score_function and length != q_len else lse
+  lse2 = lse * LOG2E
+  lse2 = pad_rows(lse2 - jnp.abs(lse2) * LSE_ALLOWANCE, length)
+  return lse2.at[..., q_len:].set(PADDED_ROW_LSE) if score_function and length != q_len else lse2
+
+
+def backward_probs(x, dropout_rate: float = 0.0):
+  """The backward's recomputed weights ``exp2(x)`` from ``x = logits - lse`` in base-2
+  units (``backward_lse``), clamped to the largest weight a softmax gives: 1, or
+  ``1 / (1 - rate)`` where dropout's factor is folded into the lse
+  (``dropout.backward_rows``)."""
+  cap = -math.log2(1.0 - dropout_rate) if dropout_rate else 0.0
+  return jnp.exp2(jnp.minimum(x, cap))
 
 
 def backward_delta(o, do, dlse):

@@ -14,7 +14,7 @@ import math
 import jax.numpy as jnp
 
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, backward_lse
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.dilated.kernels import PairGeometry, pair_backward, pair_forward
 
@@ -82,7 +82,7 @@ def dilated_triton_backward(q, k, v, o, lse, do, dlse, *, pairs, causal: bool, s
   d_p = padded_head_dim(head_dim)
   delta = pad_rows(backward_delta(o, do, dlse), seq_p)
   # Padded query rows are zeros with dO = 0: with lse = 0 there, p = 1 and they add nothing.
-  lse_p = pad_rows(lse, seq_p)
+  lse_p = backward_lse(lse, seq_p, False)
   q_p, k_p, v_p, do_p = (pad_to(x, seq_p, d_p) for x in (q, k, v, do.astype(q.dtype)))
   dq, dk, dv = (jnp.zeros((batch, seq_p, heads, d_p), jnp.float32) for _ in range(3))
   launch = dict(dq_blocks=(tiles["block_q_dq"], tiles["block_k_dq"]),

@@ -29,8 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn.kernels.common.launch import triton_call
-from jattn.kernels.common.softmax import (LOG2E, dot, merge_weights, online_softmax_finish,
-                                          online_softmax_init, online_softmax_step)
+from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, merge_weights,
+                                          online_softmax_finish, online_softmax_init,
+                                          online_softmax_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,13 +203,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_re
   q_start = pl.program_id(0) * block_q
   q, do = q_ref[...], do_ref[...]
   q_idx = _iota(q_start, 0, (block_q, 1))
-  lse2 = lse_ref[...][:, None] * LOG2E
+  lse2 = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
 
   def body(masked, j, dq):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[cols, :]
-    p = jnp.exp2(dot(q, k, 1, 1, fast) * (geo.scale * LOG2E) - lse2)
+    p = backward_probs(dot(q, k, 1, 1, fast) * (geo.scale * LOG2E) - lse2)
     if masked:
       p = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), p, 0.0)
     ds = p * (dot(do, v_ref[cols, :], 1, 1, fast) - delta)
@@ -234,7 +235,7 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     s_t = dot(k, q, 1, 1, fast) * (geo.scale * LOG2E)
-    p_t = jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E)
+    p_t = backward_probs(s_t - lse_ref[rows][None, :])
     if masked:
       p_t = jnp.where(geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head), p_t, 0.0)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
@@ -258,7 +259,8 @@ def pair_backward(q5, k5, v5, do5, lse, delta, dq_acc, dk_acc, dv_acc, *, geo: P
   Args:
     dq_blocks, dkv_blocks: ``(query rows, key rows)`` tiles of the two kernels.
     q5, do5: ``[batch, rows, r, heads, d]``; k5, v5: ``[batch, rows, r, kv_heads, d]``;
-      lse, delta: ``[batch, heads, rows, r]`` float32 of the whole mixture;
+      lse, delta: ``[batch, heads, rows, r]`` float32 of the whole mixture (lse as
+        ``softmax.backward_lse`` gives it);
       dq_acc, dk_acc, dv_acc: ``[batch, rows, r, heads, d]`` float32 (dK / dV per
       query head: the caller sums each kv head's group).
 

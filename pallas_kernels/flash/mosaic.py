@@ -14,7 +14,7 @@ from __future__ import annotations
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse, floor_sinks
+from jattn.kernels.common.softmax import backward_delta, backward_lse, floor_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, mosaic_backward_runs,
@@ -141,7 +141,7 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   dkv_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dkv, c.block_kv_dkv),
                               spec, padded, transpose=True, hashes=hashes)
   lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
-  lse2 = backward_lse(lse * LOG2E, q_len_p, mods.score is not None)
+  lse2 = backward_lse(lse, q_len_p, mods.score is not None)
   dv_p = mosaic_head_dim(dv)
   dq, dk, dv_grad = mosaic_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),

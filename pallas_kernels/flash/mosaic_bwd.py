@@ -35,7 +35,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
-from jattn.kernels.common.softmax import LOG2E, logit_grad
+from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK, MOSAIC_MODELLED_BWD_WIDTH
 from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
@@ -111,7 +111,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       s, c, g = positions.logits(s, scale, softcap, at, with_grad=True)
       if masked:
         s = positions.apply_mask(s, spec, at)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
+      p = backward_probs(s * c - lax.broadcast_in_dim(lse, shape, [0]), positions.dropout)
       if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
         dp = jnp.where(positions.kept(at), dp, 0.0)
       ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), g)
@@ -298,10 +298,11 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         if masked:
           s_t = positions.apply_mask(s_t, spec, at)
         if fold_stats:
-          p_t = jnp.exp2(s_t * c)
+          p_t = backward_probs(s_t * c)
           ds_t = p_t * dp_t
         else:
-          p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse(), shape, [1]))
+          p_t = backward_probs(s_t * c - lax.broadcast_in_dim(lse(), shape, [1]),
+                               positions.dropout)
           if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
             kept = positions.kept(at)
             dp_t = jnp.where(kept, dp_t, 0.0)

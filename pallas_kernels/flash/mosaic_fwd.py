@@ -108,15 +108,17 @@ class SoftmaxRows:
         s = self.positions.apply_mask(s, self.spec, tile)
       m_next = jnp.maximum(m, s.max(axis=1) * c)
       alpha = jnp.exp2(m - m_next)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0]))
+      # The weights as the PV matmul takes them (16 bits), and the denominator their
+      # sum: the output is a convex combination of V (softmax.online_softmax_step).
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0])).astype(t.dtype)
 
       def late(stats):
         m, l = stats
-        return m, l * alpha + p.sum(axis=1)
+        return m, l * alpha + p.astype(jnp.float32).sum(axis=1)
 
       # Dropout: the denominator counts every weight, V meets the kept ones (selected
       # in 16 bits: half the registers of an fp32 copy of the tile).
-      p_v = p.astype(t.dtype)
+      p_v = p
       if self.positions.dropout:
         p_v = jnp.where(self.positions.kept(tile), p_v, jnp.zeros((), t.dtype))
       return p_v, alpha, (m_next, l), late

@@ -138,7 +138,7 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
   d_p, dv_p = padded_head_dim(head_dim), padded_head_dim(dv_width)
   lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
-  lse = backward_lse(lse, q_len_p, mods.score is not None)
+  lse2 = backward_lse(lse, q_len_p, mods.score is not None)
   padded, lengths = (q_len_p, kv_len_p), (q_len, kv_len)
   lists = None
   if mods.block_kinds is not None:
@@ -146,7 +146,7 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
              mods.lists((bq[2], bk[2]), padded, lengths))
   dq, dk, dv = flash_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
-      pad_to(do.astype(q.dtype), q_len_p, dv_p), lse, pad_rows(delta, q_len_p),
+      pad_to(do.astype(q.dtype), q_len_p, dv_p), lse2, pad_rows(delta, q_len_p),
       pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
       spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods), scale=scale,
       score=_score(softcap, mods), config=config, blocks=(bq[1], bk[1], bq[2], bk[2]),

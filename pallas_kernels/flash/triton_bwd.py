@@ -5,7 +5,7 @@ Two kernels, no atomics, so gradients are bitwise reproducible:
   tile and loops over the query heads of its group and the query blocks that see
   it, so grouped-query heads are summed in a fixed order.
 - dQ: grid (query blocks, batch, query heads); loops over key blocks.
-Both recompute probabilities from the saved log-sum-exp. Given block-sparse tile
+Both recompute probabilities from the saved log-sum-exp (``softmax.backward_probs``). Given block-sparse tile
 lists (FlexAttention's block masks), each visits only the listed tiles.
 """
 
@@ -25,7 +25,7 @@ from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, 
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
                                           range_tiles, run_tiles, split_extra_refs)
-from jattn.kernels.common.softmax import LOG2E, dot, log2_logits, logit_grad
+from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
 
 
 def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
@@ -55,12 +55,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q = q_ref[q_slice, head, :]
     do = do_ref[q_slice, head, :]
-    lse = lse_ref[head, q_slice] * LOG2E
+    lse2 = lse_ref[head, q_slice]
     delta = delta_ref[head, q_slice]
     q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
     bh = (batch_row, head)
     s_t, c, g_t = log2_logits(dot(k, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p_t = jnp.exp2(s_t * c - lse[None, :])
+    p_t = backward_probs(s_t * c - lse2[None, :], dropout_rate)
     if masked:
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
       p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
@@ -100,7 +100,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
   bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
   do = do_ref[...]
-  lse = lse_ref[...] * LOG2E
+  lse2 = lse_ref[...]
   delta = delta_ref[...]
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
@@ -112,7 +112,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     v = v_ref[k_slice, :]
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     s, c, g = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p = jnp.exp2(s * c - lse[:, None])
+    p = backward_probs(s * c - lse2[:, None], dropout_rate)
     if masked:
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
@@ -136,8 +136,9 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   Args:
     q: ``[batch, q_len_p, q_heads, d_p]``, do: ``[..., dv_p]``; k: ``[batch, kv_len_p,
       kv_heads, d_p]``, v: ``[..., dv_p]``.
-    lse, delta: ``[batch, q_heads, q_len_p]`` float32; delta is ``rowsum(o * do)``
-      minus any cotangent of the returned log-sum-exp. With dropout both carry
+    lse, delta: ``[batch, q_heads, q_len_p]`` float32: the log-sum-exp as
+      ``softmax.backward_lse`` gives it (base 2), and ``rowsum(o * do)`` minus any
+      cotangent of the returned log-sum-exp. With dropout both carry
       ``1 / (1 - rate)`` (``dropout.backward_rows``).
     blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``, dividing the
       padded lengths.

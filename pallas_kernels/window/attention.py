@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
-from jattn.kernels.common.softmax import LOG2E, backward_delta
+from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
 from jattn.kernels.window.kernels import window_backward, window_forward
 
@@ -77,7 +77,7 @@ def window_triton_backward(q, k, v, bias, mask, o, lse, do, *, scale: float,
   delta = backward_delta(o, do, jnp.zeros_like(lse))
   dq, dk, dv, dbias = window_backward(
       *(pad_to(x, tokens_p, d_p) for x in (q, k, v, do.astype(q.dtype))),
-      pad_rows(lse, tokens_p), pad_rows(delta, tokens_p), bias2, mask2, scale=scale,
+      backward_lse(lse, tokens_p, False), pad_rows(delta, tokens_p), bias2, mask2, scale=scale,
       blocks=tuple(blocks[2:]), num_warps=config.bwd_num_warps,
       num_stages=config.bwd_num_stages, interpret=interpret)
   unpad = lambda x: x[:, :tokens, :, :head_dim]

@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
-from jattn.kernels.common.softmax import (LOG2E, dot, online_softmax_finish, online_softmax_init,
-                                          online_softmax_step)
+from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, online_softmax_finish,
+                                          online_softmax_init, online_softmax_step)
 
 # Programs the d(bias) grid aims for: a few per SM of a large GPU, so the sum over
 # windows is spread out instead of run by one program per bias tile.
@@ -44,10 +44,23 @@ def _mask_rows(block: int, tokens: int, mask_windows: int):
   return pl.BlockSpec((None, block, tokens), lambda i, w, h: (w % mask_windows, i, 0))
 
 
-def _logits2(qk, scale: float, bias, mask):
-  """Logits in base-2 units from raw ``q·k`` and the (base-2) bias and mask tiles."""
-  s = qk * (scale * LOG2E) + bias
-  return s if mask is None else s + mask
+def _logits2(qk, scale: float, bias, mask, v, key_axis: int):
+  """``(s, v)`` of one tile: the logits in base-2 units from raw ``q·k`` and the (base-2)
+  bias and mask tiles, and the values ``v [keys, d]`` of its keys (``key_axis``: the
+  axis of the tile that runs over keys).
+
+  Where the bias or the mask is ``-inf`` the logit is ``-inf`` (a NaN or infinite
+  product there never reaches the row). Keys whose value row is not finite are taken
+  out of the matmuls (``masking.guard_masked_values``, here per tile): their logits
+  NaN (every row that sees them is NaN), their values zero (rows that do not see them
+  never multiply them)."""
+  terms = bias if mask is None else bias + mask
+  masked = jnp.isneginf(bias) if mask is None else jnp.isneginf(bias) | jnp.isneginf(mask)
+  finite = jnp.isfinite(v)
+  good = jnp.all(finite, axis=1)
+  good = good[None, :] if key_axis == 1 else good[:, None]
+  s = jnp.where(good, qk * (scale * LOG2E) + terms, jnp.nan)
+  return jnp.where(masked, -jnp.inf, s), jnp.where(finite, v, jnp.zeros((), v.dtype))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, scale: float,
@@ -57,8 +70,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, 
   def body(j, carry):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     mask = None if mask_ref is None else mask_ref[:, cols]
-    s = _logits2(dot(q, k_ref[cols, :], 1, 1, fast), scale, bias_ref[:, cols], mask)
-    return online_softmax_step(carry, s, 1.0, v_ref[cols, :], fast)
+    s, v = _logits2(dot(q, k_ref[cols, :], 1, 1, fast), scale, bias_ref[:, cols], mask,
+                    v_ref[cols, :], key_axis=1)
+    return online_softmax_step(carry, s, 1.0, v, fast)
 
   carry = online_softmax_init(q.shape[0], v_ref.shape[-1])
   o, lse = online_softmax_finish(lax.fori_loop(0, k_ref.shape[0] // block_k, body, carry))
@@ -94,15 +108,17 @@ def window_forward(q, k, v, bias2, mask2, *, scale: float, block_q: int, block_k
 def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref, dq_ref, *,
                scale: float, block_k: int, fast: bool):
   q, do = q_ref[...], do_ref[...]
-  lse2 = lse_ref[...][:, None] * LOG2E
+  lse2 = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
 
   def body(j, dq):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[cols, :]
     mask = None if mask_ref is None else mask_ref[:, cols]
-    p = jnp.exp2(_logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask) - lse2)
-    ds = p * (dot(do, v_ref[cols, :], 1, 1, fast) - delta)
+    s, v = _logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask, v_ref[cols, :],
+                    key_axis=1)
+    p = backward_probs(s - lse2)
+    ds = p * (dot(do, v, 1, 1, fast) - delta)
     return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
@@ -119,10 +135,11 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     mask = None if mask_t_ref is None else mask_t_ref[:, rows]
-    s_t = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask)
-    p_t = jnp.exp2(s_t - lse_ref[rows][None, :] * LOG2E)
+    s_t, v_safe = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask, v,
+                           key_axis=0)
+    p_t = backward_probs(s_t - lse_ref[rows][None, :])
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
-    ds_t = p_t * (dot(v, do, 1, 1, fast) - delta_ref[rows][None, :])
+    ds_t = p_t * (dot(v_safe, do, 1, 1, fast) - delta_ref[rows][None, :])
     return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
@@ -140,9 +157,9 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
     w = group + i * groups  # windows strided over the groups
     q, do = q_ref[w], do_ref[w]
     mask = None if mask_ref is None else mask_ref[w % mask_windows]
-    s = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask)
-    p = jnp.exp2(s - lse_ref[w][:, None] * LOG2E)
-    return acc + p * (dot(do, v_ref[w], 1, 1, fast) - delta_ref[w][:, None])
+    s, v = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask, v_ref[w], key_axis=1)
+    p = backward_probs(s - lse_ref[w][:, None])
+    return acc + p * (dot(do, v, 1, 1, fast) - delta_ref[w][:, None])
 
   per_group = q_ref.shape[0] // groups
   dbias_ref[...] = lax.fori_loop(0, per_group, body, jnp.zeros(bias.shape, jnp.float32))
@@ -161,7 +178,8 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
 
   Args:
     q, k, v, do: ``[windows, tokens_p, heads, d_p]``; lse, delta: ``[windows, heads,
-      tokens_p]`` float32 (delta = rowsum(o * do)); bias2, mask2 as in ``window_forward``.
+      tokens_p]`` float32 (lse as ``softmax.backward_lse`` gives it, delta =
+      rowsum(o * do)); bias2, mask2 as in ``window_forward``.
     blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``; d(bias) uses the dQ pair.
 
   Returns:
