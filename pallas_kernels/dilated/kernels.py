@@ -209,7 +209,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_re
   def body(masked, j, dq):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[cols, :]
-    p = backward_probs(dot(q, k, 1, 1, fast) * (geo.scale * LOG2E) - lse2)
+    p = backward_probs(dot(q, k, 1, 1, fast) * (geo.scale * LOG2E) - lse2, lse2)
     if masked:
       p = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), p, 0.0)
     ds = p * (dot(do, v_ref[cols, :], 1, 1, fast) - delta)
@@ -235,7 +235,8 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     s_t = dot(k, q, 1, 1, fast) * (geo.scale * LOG2E)
-    p_t = backward_probs(s_t - lse_ref[rows][None, :])
+    lse2 = lse_ref[rows][None, :]
+    p_t = backward_probs(s_t - lse2, lse2)
     if masked:
       p_t = jnp.where(geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head), p_t, 0.0)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)

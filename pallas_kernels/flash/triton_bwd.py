@@ -60,7 +60,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
     bh = (batch_row, head)
     s_t, c, g_t = log2_logits(dot(k, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p_t = backward_probs(s_t * c - lse2[None, :], dropout_rate)
+    p_t = backward_probs(s_t * c - lse2[None, :], lse2[None, :], dropout_rate)
     if masked:
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
       p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
@@ -112,7 +112,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     v = v_ref[k_slice, :]
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     s, c, g = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p = backward_probs(s * c - lse2[:, None], dropout_rate)
+    p = backward_probs(s * c - lse2[:, None], lse2[:, None], dropout_rate)
     if masked:
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)

@@ -117,7 +117,7 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
     mask = None if mask_ref is None else mask_ref[:, cols]
     s, v = _logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask, v_ref[cols, :],
                     key_axis=1)
-    p = backward_probs(s - lse2)
+    p = backward_probs(s - lse2, lse2)
     ds = p * (dot(do, v, 1, 1, fast) - delta)
     return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
 
@@ -137,7 +137,8 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
     mask = None if mask_t_ref is None else mask_t_ref[:, rows]
     s_t, v_safe = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask, v,
                            key_axis=0)
-    p_t = backward_probs(s_t - lse_ref[rows][None, :])
+    lse2 = lse_ref[rows][None, :]
+    p_t = backward_probs(s_t - lse2, lse2)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
     ds_t = p_t * (dot(v_safe, do, 1, 1, fast) - delta_ref[rows][None, :])
     return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
@@ -158,7 +159,8 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
     q, do = q_ref[w], do_ref[w]
     mask = None if mask_ref is None else mask_ref[w % mask_windows]
     s, v = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask, v_ref[w], key_axis=1)
-    p = backward_probs(s - lse_ref[w][:, None])
+    lse2 = lse_ref[w][:, None]
+    p = backward_probs(s - lse2, lse2)
     return acc + p * (dot(do, v, 1, 1, fast) - delta_ref[w][:, None])
 
   per_group = q_ref.shape[0] // groups
