@@ -330,12 +330,31 @@ KV = jnp.ones((2, 8, 2, 16), jnp.float32)
     (dict(scale=-0.5), ValueError, "scale must be a finite number > 0"),
     (dict(q=jnp.ones((2, 0, 4, 16))), ValueError, "q has an empty dimension"),
     (dict(q=Q.astype(jnp.int32)), TypeError, "q has dtype int32; supported"),
+    (dict(causal="no"), TypeError, "causal must be True or False, got 'no'"),
+    (dict(return_lse=1), TypeError, "return_lse must be True or False, got 1"),
 ])
 def test_bad_inputs_raise_clear_errors(kwargs, error, match):
   args = dict(q=Q, k=KV, v=KV, backend="xla")
   args.update(kwargs)
   with pytest.raises(error, match=match):
     jattn.flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_flags_are_not_traced():
+  with pytest.raises(TypeError, match="causal must be a Python or numpy bool, not a traced"):
+    jax.jit(lambda c: jattn.flash_attention(Q, KV, KV, causal=c, backend="xla"))(True)
+
+
+def test_numpy_scalars_are_taken_as_numbers():
+  q, k, v = (jax.random.normal(key, x.shape) for key, x in zip(
+      jax.random.split(jax.random.PRNGKey(0), 3), (Q, KV, KV)))
+  given = dict(causal=np.bool_(True), local_window=(np.int64(2), np.int32(0)),
+               softcap=np.float32(5.0), scale=np.float16(0.25), dropout_rate=np.float32(0.25))
+  plain = dict(causal=True, local_window=(2, 0), softcap=5.0, scale=0.25, dropout_rate=0.25)
+  key = jax.random.PRNGKey(1)
+  out = jattn.flash_attention(q, k, v, dropout_key=key, backend="xla", **given)
+  np.testing.assert_array_equal(out, jattn.flash_attention(q, k, v, dropout_key=key,
+                                                           backend="xla", **plain))
 
 
 def test_head_dim_above_the_kernels_limit():
