@@ -208,64 +208,88 @@ def default_decay(heads: int):
 
 
 def retention_decay_mask(q_len: int, kv_len: int, decay):
-  """``D[h, n, m] = γ_h^(n - m)`` for ``n >= m`` else 0, shape ``[heads, q_len, kv_len]``.
+  """``D[h, n, m] = γ_h^(n - m)`` for ``n >= m`` else 0, shape ``[heads, q_len, kv_len]``,
+  in decay's dtype promoted to at least float32.
 
   Queries are the last ``q_len`` positions: query ``i`` sits at position
-  ``i + kv_len - q_len``.
+  ``i + kv_len - q_len``. γ = 0 gives ``γ^0 = 1`` and 0 beyond; a NaN γ gives NaN.
   """
+  dtype = jnp.promote_types(jnp.result_type(decay), jnp.float32)
   diff = (jnp.arange(q_len)[:, None] + (kv_len - q_len)) - jnp.arange(kv_len)[None, :]
   visible = diff >= 0
-  # where() before exp: a negative distance would overflow γ^(n - m).
-  power = jnp.where(visible, diff, 0).astype(jnp.float32)
-  log_decay = jnp.log(decay.astype(jnp.float32))[:, None, None]
-  return jnp.where(visible[None], jnp.exp(power[None] * log_decay), 0.0)
+  # where() before exp: a negative distance would overflow γ^(n - m). log 0 is taken
+  # as the most negative finite float: exp(0 · -inf) would make γ^0 NaN for γ = 0.
+  power = jnp.where(visible, diff, 0).astype(dtype)
+  log_decay = jnp.maximum(jnp.log(jnp.asarray(decay, dtype)), -jnp.finfo(dtype).max)
+  return jnp.where(visible[None], jnp.exp(power[None] * log_decay[:, None, None]), 0.0)
 
 
 def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
-  """Parallel-form retention in float32: ``O = (scale · Q Kᵀ ⊙ D) V``.
+  """Parallel-form retention: ``O = (scale · Q Kᵀ ⊙ D) V``.
+
+  Computed in the inputs' dtype promoted to at least float32 (float64 inputs under
+  ``jax_enable_x64`` give a float64 oracle). Non-finite values stay in the rows that
+  see them: row ``n`` (at position ``n'``) sees ``q_n`` and the keys and values at
+  positions ``<= n'``; it comes out NaN where one of them holds an inf or NaN, and
+  exact where none does (also in the gradients of the inputs it sees).
 
   Args:
     q: ``[batch, q_len, heads, dk]``; k: ``[batch, kv_len, heads, dk]``;
       v: ``[batch, kv_len, heads, dv]``; decay: ``[heads]`` (default RetNet's).
     normalize: None or ``"abs_sum"``: each row of ``S = scale · Q Kᵀ ⊙ D`` is divided
-      by ``max(Σ_m |S[n, m]|, 1)``, a constant for the gradient (as torchscale).
+      by ``max(Σ_m |S[n, m]|, 1)``, a constant for the gradient (as torchscale); a row
+      whose sum is not finite (it sees a non-finite value) is divided by 1.
 
   Returns:
-    ``[batch, q_len, heads, dv]`` float32.
+    ``[batch, q_len, heads, dv]``.
   """
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  dtype = jnp.promote_types(q.dtype, jnp.float32)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
   heads, dk = q.shape[2], q.shape[3]
   decay = default_decay(heads) if decay is None else decay
   scale = scale_of(scale, dk)
+  # A non-finite query row, or key or value row, is zeroed for the products and comes
+  # back as NaN scores where it is seen: in a product with masked (zero) scores, or in
+  # its transpose in the backward, 0 · inf = NaN would reach rows that do not see it.
+  bad_q = ~jnp.isfinite(q).all(-1, keepdims=True)
+  bad_kv = ~(jnp.isfinite(k).all(-1, keepdims=True) & jnp.isfinite(v).all(-1, keepdims=True))
+  q, k, v = jnp.where(bad_q, 0.0, q), jnp.where(bad_kv, 0.0, k), jnp.where(bad_kv, 0.0, v)
+  bad = jnp.moveaxis(bad_q, 2, 1) | jnp.moveaxis(bad_kv, 2, 1).swapaxes(2, 3)  # [b, h, q, kv]
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
-  s = s * retention_decay_mask(q.shape[1], k.shape[1], decay)[None]
+  visible = jnp.tril(jnp.ones(s.shape[2:], bool), k.shape[1] - q.shape[1])
+  s = jnp.where(visible, jnp.where(bad, jnp.nan, s * retention_decay_mask(
+      q.shape[1], k.shape[1], decay.astype(dtype))[None]), 0.0)
   if normalize == "abs_sum":
-    s = s / jax.lax.stop_gradient(jnp.maximum(jnp.abs(s).sum(-1, keepdims=True), 1.0))
+    den = jnp.maximum(jnp.abs(s).sum(-1, keepdims=True), 1.0)
+    s = s / jax.lax.stop_gradient(jnp.where(jnp.isfinite(den), den, 1.0))
   return jnp.einsum("bhqk,bkhd->bqhd", s, v, precision="highest")
 
 
 def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_state=None):
-  """Recurrent-form retention in float32, one position at a time.
+  """Recurrent-form retention, one position at a time.
 
   ``S_t = γ S_{t-1} + k_tᵀ v_t`` (``S_{-1}`` = ``initial_state`` or 0) and
   ``o_t = scale · q_t S_t``. Shapes as :func:`retention_reference` (``q_len <= kv_len``,
   queries the last ``q_len`` positions); the state is ``[batch, heads, dk, dv]``.
+  Computed in the inputs' dtype promoted to at least float32.
 
   Returns:
-    ``(o, final_state)``, float32.
+    ``(o, final_state)``.
   """
+  dtype = jnp.promote_types(q.dtype, jnp.float32)
   prefix = k.shape[1] - q.shape[1]  # keys before the first query only feed the state
   q = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0)))
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
   batch, _, heads, dk = q.shape
-  decay = (default_decay(heads) if decay is None else decay).astype(jnp.float32)
+  decay = (default_decay(heads) if decay is None else decay).astype(dtype)
   scale = scale_of(scale, dk)
-  state = (jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial_state is None
-           else initial_state.astype(jnp.float32))
+  state = (jnp.zeros((batch, heads, dk, v.shape[-1]), dtype) if initial_state is None
+           else initial_state.astype(dtype))
 
   def step(state, qkv):
     q_t, k_t, v_t = qkv  # [batch, heads, d]
-    state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k_t, v_t)
+    state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k_t, v_t,
+                                                           precision="highest")
     return state, scale * jnp.einsum("bhk,bhkv->bhv", q_t, state, precision="highest")
 
   state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))

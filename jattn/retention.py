@@ -5,7 +5,13 @@ Semantics (Sun et al. 2023, "Retentive Network"), per head with decay ``γ``:
 - parallel:  ``O = (scale · Q Kᵀ ⊙ D) V`` with ``D[n, m] = γ^(n-m)`` for ``n >= m``, else 0;
 - recurrent: ``S_t = γ S_{t-1} + k_tᵀ v_t``, ``o_t = scale · q_t S_t``;
 - chunkwise: the recurrent state carried between chunks of ``chunk_size`` positions,
-  the parallel form inside a chunk. All three give the same output.
+  the parallel form inside a chunk. All three give the same output, for every decay
+  in [0, 1] (γ = 0 keeps only the current position).
+
+Non-finite values stay in the rows that see them: row n sees q_n, the keys and
+values at positions up to its own and the initial state; it comes out NaN (or inf)
+when one of them holds an inf or NaN, and exact otherwise, in every form and backend
+(docs/retention.md, "Non-finite values").
 
 Each form is an op of its own (``retention_parallel``, ``retention_chunkwise``,
 ``retention_recurrent``, ``retention_step``) sharing one problem class and one
@@ -40,7 +46,7 @@ from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, default_mosaic
                                                mosaic_head_dim)
 from jattn.kernels.retention.chunkwise import grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
-from jattn.reference import default_decay, retention_decay_mask, retention_reference
+from jattn.reference import default_decay, retention_reference
 from jattn.tuning.cache import bucket
 from jattn.tuning.search import SearchStage
 from jattn.tuning.spaces import (MOSAIC_FORWARD_GRID, MOSAIC_PERSISTENT_GRID, BlockTritonImpl,
@@ -81,28 +87,39 @@ class RetentionProblem(Problem):
 
 
 def _check_decay(decay, heads: int):
-  """``decay`` is None or ``[heads]``, and where its values are known (not traced)
-  in (0, 1] and a normal float32 (the kernels work with log2 γ in float32, and factor
-  γ^(n-m) into parts <= 1; a γ that rounds or flushes to 0 would make log2 γ = -inf)."""
+  """``decay`` is None or ``[heads]``, and where its values are known (not traced) in
+  [0, 1] (γ = 0 keeps only the current position: ``γ^0 = 1``, later powers 0)."""
   if decay is None:
     return
   if tuple(np.shape(decay)) != (heads,):
     raise ValueError(f"decay must have shape [heads] = ({heads},), got {np.shape(decay)}")
   if not isinstance(decay, jax.core.Tracer):
     values = np.asarray(decay, np.float64)
-    if not np.all((values >= np.finfo(np.float32).tiny) & (values <= 1)):
-      raise ValueError(f"decay must be in (0, 1] for every head (at least float32's "
-                       f"smallest normal, {np.finfo(np.float32).tiny:.3g}), got "
-                       f"{values.tolist()}")
+    if not np.all((values >= 0) & (values <= 1)):
+      raise ValueError(f"decay must be in [0, 1] for every head, got {values.tolist()}")
 
 
 def _decay_array(decay, heads: int):
-  """The decay the kernels take: float32, and a constant (no backend gives it a
-  gradient, as the Pallas backward kernels do not)."""
+  """The decay the kernels take: float32, NaN for a traced value outside [0, 1] (so
+  that head comes out NaN in every form and backend alike), and a constant (no backend
+  gives it a gradient, as the Pallas backward kernels do not)."""
   _check_decay(decay, heads)
   if decay is None:
     return default_decay(heads)
-  return jax.lax.stop_gradient(jnp.asarray(decay, jnp.float32))
+  decay = jnp.asarray(decay, jnp.float32)
+  return jax.lax.stop_gradient(jnp.where((decay >= 0) & (decay <= 1), decay, jnp.nan))
+
+
+def _log2_decay(decay):
+  """``log2 γ`` as the kernels take it (they compute ``γ^n = exp2(n · log2 γ)``), with
+  log2 0 as the most negative finite float32: ``exp2(0 · -inf)`` would make γ^0 NaN for
+  γ = 0, and subnormal γ flush to 0 on the way."""
+  return jnp.maximum(jnp.log2(decay), -jnp.finfo(jnp.float32).max)
+
+
+def _decay_powers(decay, exponents):
+  """``γ^exponents``, ``[len(exponents), heads]`` float32, as the kernels compute it."""
+  return jnp.exp2(exponents[:, None] * _log2_decay(decay)[None, :])
 
 
 def _state_array(initial_state, batch, heads, dk, dv):
@@ -182,7 +199,7 @@ class TritonParallel(BlockTritonImpl):
 
   def forward(self, call, q, k, v, decay, state):
     p = call.problem
-    log2_decay = jnp.log2(decay)
+    log2_decay = _log2_decay(decay)
     o, den = retention_parallel_forward(q, k, v, log2_decay, scale=p.scale,
                                         normalize=p.normalize == "abs_sum", config=call.config,
                                         interpret=call.interpret)
@@ -222,7 +239,7 @@ class MosaicParallel(MosaicImpl):
 
   def forward(self, call, q, k, v, decay, state):
     p = call.problem
-    log2_decay = jnp.log2(decay)
+    log2_decay = _log2_decay(decay)
     o, den = retention_mosaic_forward(q, k, v, log2_decay, scale=p.scale,
                                       normalize=p.normalize == "abs_sum", config=call.config)
     return o, (q, k, v, log2_decay, den)
@@ -299,7 +316,7 @@ class TritonChunkwise(TritonImpl):
     # Keys before the first query: zero queries there give outputs that are dropped.
     prefix = p.kv_len - p.q_len
     q_full = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else q
-    log2_decay = jnp.log2(decay)
+    log2_decay = _log2_decay(decay)
     o, final, states = retention_chunkwise_forward(q_full, k, v, state, log2_decay,
                                                    scale=p.scale, config=call.config,
                                                    interpret=call.interpret)
@@ -322,13 +339,10 @@ def _chunk_terms(q, k, v, decay, scale, state):
   q, k: ``[batch, c, heads, dk]``; v: ``[batch, c, heads, dv]``; state: ``[batch, heads, dk, dv]``.
   """
   c = q.shape[1]
-  pos = jnp.arange(c, dtype=jnp.float32)
-  log_decay = jnp.log(decay)
-  inner = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
-  inner = inner * retention_decay_mask(c, c, decay)[None]
-  o = jnp.einsum("bhqk,bkhd->bqhd", inner, v, precision="highest")
-  # Query i of the chunk sees the carried state through γ^(i+1).
-  q_decay = jnp.exp((pos[:, None] + 1.0) * log_decay[None, :])  # [c, heads]
+  # Inside the chunk the parallel form (with its guard against non-finite values past
+  # a row); query i sees the carried state through γ^(i+1).
+  o = retention_reference(q, k, v, decay=decay, scale=scale)
+  q_decay = _decay_powers(decay, jnp.arange(1, c + 1, dtype=jnp.float32))  # [c, heads]
   o = o + scale * jnp.einsum("bqhk,bhkv->bqhv", q * q_decay[None, :, :, None], state,
                              precision="highest")
   return o, _state_of(k, v, decay, state)
@@ -338,9 +352,8 @@ def _state_of(k, v, decay, state):
   """The state after keys ``k, v`` (``[batch, c, heads, d]``) from ``state``: key ``j``
   reaches the end through ``γ^(c-1-j)``."""
   c = k.shape[1]
-  log_decay = jnp.log(decay)
-  k_decay = jnp.exp((c - 1.0 - jnp.arange(c, dtype=jnp.float32))[:, None] * log_decay[None, :])
-  return (jnp.exp(c * log_decay)[None, :, None, None] * state
+  k_decay = _decay_powers(decay, c - 1.0 - jnp.arange(c, dtype=jnp.float32))
+  return (jnp.exp2(c * _log2_decay(decay))[None, :, None, None] * state
           + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v,
                        precision="highest"))
 
@@ -417,7 +430,7 @@ class RetentionRecurrent(_SequenceForm):
 
 class TritonStep(TritonImpl):
   def forward(self, call, q, k, v, state, decay):
-    log2_decay = jnp.log2(decay)
+    log2_decay = _log2_decay(decay)
     o, new_state = retention_step_forward(q, k, v, state, log2_decay, scale=call.problem.scale,
                                           interpret=call.interpret)
     return (o, new_state), (q, k, v, new_state, log2_decay)
@@ -479,7 +492,9 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
       ``[batch, kv_len, heads, dv]``. ``q_len <= kv_len``: queries are the last
       ``q_len`` positions. float32, float16 or bfloat16, all one dtype; computed in
       float32.
-    decay: ``[heads]`` γ per head in (0, 1] (default RetNet's ``1 - 2**(-5 - arange(heads))``).
+    decay: ``[heads]`` γ per head in [0, 1] (default RetNet's ``1 - 2**(-5 - arange(heads))``;
+      γ = 0 keeps only the current position). Checked where its values are known;
+      under ``jit`` a head whose γ is outside [0, 1] (or NaN) comes out NaN.
     scale: default ``dk ** -0.5``.
     mode: ``"parallel"``, ``"chunkwise"``, ``"recurrent"`` or ``"auto"`` (chunkwise
       above ``PARALLEL_MAX_LEN`` key positions or with a state in or out, else parallel).
@@ -498,7 +513,9 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
 
   Returns:
     ``o: [batch, q_len, heads, dv]`` in q's dtype, and with ``return_state`` the final
-    state ``[batch, heads, dk, dv]`` float32.
+    state ``[batch, heads, dk, dv]`` float32. A row that sees an inf or NaN (in q at
+    its own position, k or v at or before it, or the initial state) is non-finite;
+    the other rows, and the gradients they send back, are exact.
   """
   check_choice("mode", mode, MODES)
   problem, arrays = bind_sequence(q, k, v, decay=decay, scale=scale, normalize=normalize,
@@ -534,6 +551,7 @@ def retention_step(q, k, v, state, *, decay=None, scale: float | None = None,
       ``"pallas_triton"`` or ``"xla"``. Both are differentiable.
 
   Returns:
-    ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32.
+    ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32;
+    non-finite for a (batch, head) whose q, k, v or state holds an inf or NaN.
   """
   return RETENTION_STEP(q, k, v, state, decay=decay, scale=scale, backend=backend)

@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -42,6 +43,18 @@ def test_layer_modes_and_decoding_agree():
   chex.assert_trees_all_close(jnp.stack(steps, 1), par, atol=1e-4)
   names = {"q_proj", "k_proj", "v_proj", "g_proj", "out_proj"}
   assert names <= set(vars(layer)) and layer.v_proj.kernel[...].shape == (32, 64)
+
+
+def test_a_nonfinite_input_reaches_only_later_positions_in_every_mode():
+  # Beside retention, the layer's own row factors (decayed key sums, by a scan) mix
+  # positions: they too keep an inf to the positions at and after it.
+  layer = MultiScaleRetention(32, 4, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 21, 32))
+  run = nnx.jit(lambda layer, x: [layer(x, mode=mode, chunk_size=16)
+                                  for mode in ("parallel", "chunkwise", "recurrent")])
+  for y, y_clean in zip(run(layer, x.at[0, 11, 5].set(jnp.inf)), run(layer, x)):
+    np.testing.assert_array_equal(~jnp.isfinite(y).all(-1), np.arange(21) >= [[11], [21]])
+    chex.assert_trees_all_close((y[0, :11], y[1]), (y_clean[0, :11], y_clean[1]), atol=1e-6)
 
 
 def test_layer_rejects_bad_widths():

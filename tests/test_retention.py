@@ -3,6 +3,8 @@ and each other, with gradients (initial states included); the Pallas kernels run
 interpret mode on CPU and compiled, at larger sizes, on a GPU; the chunk size fits
 the GPU's shared memory."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -228,14 +230,23 @@ def test_parallel_kernel_at_gpu_sizes(shape, normalize, dtype, tol):
   check_parallel(shape, normalize, dtype, tol)
 
 
+# Consumers of 64 rows over blocks of 64 keys: many key blocks per consumer, factored
+# and diagonal.
+HOPPER_TILES = jattn.MosaicBlockConfig(block_q=64, block_kv=64, stages=3)
+
+
+def _skip_without_hopper():
+  if RETENTION_PARALLEL.choices(RetentionProblem(dtype=jnp.bfloat16))[0][1] is not None:
+    pytest.skip("needs a Hopper GPU")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,normalize,dtype,tol,config", [
     ((1, 700, 1000, 2, 128, 128), None, jnp.float16, 4e-3, None),
     ((2, 333, 333, 2, 96, 40), "abs_sum", jnp.bfloat16, 3e-2, None),
     ((1, 257, 257, 2, 256, 256), None, jnp.bfloat16, 3e-2, None),
     # Many key blocks per consumer (factored and diagonal decay), dv > dk, small tiles.
-    ((2, 1100, 1100, 3, 64, 128), "abs_sum", jnp.float16, 4e-3,
-     jattn.MosaicBlockConfig(block_q=64, block_kv=64, stages=3)),
+    ((2, 1100, 1100, 3, 64, 128), "abs_sum", jnp.float16, 4e-3, HOPPER_TILES),
     # More work items than SMs: each persistent CTA walks several.
     ((4, 1024, 1024, 40, 64, 64), "abs_sum", jnp.bfloat16, 3e-2,
      jattn.MosaicBlockConfig(block_q=128, block_kv=128, persistent=True)),
@@ -244,9 +255,29 @@ def test_parallel_kernel_at_gpu_sizes(shape, normalize, dtype, tol):
 ], ids=["q700-kv1000-d128-fp16", "d96-dv40-abs_sum-bf16", "d256-bf16",
         "s1100-dv128-abs_sum-small-tiles", "persistent-1280-items", "q1-kv1024"])
 def test_hopper_parallel_forward(shape, normalize, dtype, tol, config):
-  if RETENTION_PARALLEL.choices(RetentionProblem(dtype=dtype))[0][1] is not None:
-    pytest.skip("needs a Hopper GPU")
+  _skip_without_hopper()
   check_parallel(shape, normalize, dtype, tol, config=config, backend="pallas_mosaic")
+
+
+# Each non-finite entry sits in the diagonal block of some consumers (where the host-side
+# guard keeps it out of the rows before it) and in full blocks of later ones.
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", [None, "abs_sum"])
+def test_hopper_parallel_forward_keeps_a_nonfinite_value_in_the_rows_that_see_it(normalize):
+  _skip_without_hopper()
+  check_nonfinite("parallel", "pallas_mosaic", normalize, shape=(300, 333, 64, 64),
+                  bad=(40, 150, 230), dtype=jnp.bfloat16, tol=3e-2, config=HOPPER_TILES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["decay-edges-jit", "large-inputs-jit"])
+def test_hopper_parallel_forward_matches_a_float64_oracle(case):
+  _skip_without_hopper()
+  forward = lambda q, k, v, decay: RETENTION_PARALLEL(q, k, v, decay=decay,
+                                                      backend="pallas_mosaic",
+                                                      config=HOPPER_TILES)
+  check_against_oracle({"parallel-pallas_mosaic": forward}, case, batch=2, length=300, dk=64,
+                       dv=64, dtype=jnp.bfloat16, tol=3e-2)
 
 
 @pytest.mark.gpu
@@ -267,6 +298,144 @@ def test_auto_runs_the_chunkwise_kernels_for_long_sequences():
   assert RETENTION_CHUNKWISE.select(problem) == "pallas_triton"
   o = jax.jit(lambda q, k, v: jattn.retention(q, k, v))(q, k, v)
   assert rel_err(o, jattn.retention(q, k, v, mode="chunkwise", backend="xla")) < 3e-2
+
+
+# --- non-finite values, decays at the ends of their range, large inputs -------------------
+
+SMALL_TILES = jattn.BlockConfig(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16,
+                                block_q_dq=16, block_k_dq=16)
+
+
+def check_nonfinite(form, backend, normalize=None, *, shape=(18, 21, 8, 6), bad=(5, 11, 18),
+                    dtype=jnp.float32, tol=1e-5, config=None):
+  """One non-finite entry in each of four (batch, head) slices: q at query row
+  ``bad[0]`` (-inf), k at key position ``bad[1]`` (inf), v at ``bad[2]`` (NaN), and
+  (stateful forms) the initial state (inf); two slices stay clean. Row n sits at
+  position ``n + kv_len - q_len`` and sees q_n, the keys and values up to it and the
+  state: exactly those rows come out non-finite, the others match a float64 oracle
+  on the clean inputs. With a zero cotangent on the rows that see a non-finite value,
+  the gradients w.r.t. q of the other rows, and w.r.t. every k, v (and state) no such
+  row feeds through a non-finite q, match too (the non-finite entries' own are not
+  asked)."""
+  q_len, kv_len, dk, dv = shape
+  (q_row, k_pos, v_pos), prefix = bad, kv_len - q_len
+  stateful = form != "parallel"
+  q, k, v, state, decay = _inputs(2, q_len, kv_len, 3, dk, dv, dtype=dtype)
+  state = 0.1 * state
+  dirty = (q.at[1, q_row, 0, 3].set(-jnp.inf), k.at[0, k_pos, 0, 2].set(jnp.inf),
+           v.at[0, v_pos, 1, 4].set(jnp.nan), state.at[1, 1, 2, 3].set(jnp.inf))
+  seen = np.zeros((2, q_len, 3), bool)
+  seen[0, k_pos - prefix:, 0] = seen[0, v_pos - prefix:, 1] = seen[1, q_row, 0] = True
+  seen[1, :, 1] = stateful
+  sure_kv = np.ones((2, kv_len, 3), bool)
+  sure_kv[0, k_pos, 0] = sure_kv[0, v_pos, 1] = False
+  sure_kv[1, :q_row + prefix + 1, 0] = False  # keys the non-finite query sees
+  sure = (~seen, sure_kv, sure_kv, np.array([[True] * 3, [False, True, True]]))
+  cot = jax.random.normal(jax.random.PRNGKey(5), (2, q_len, 3, dv)) * ~seen[..., None]
+
+  def ours(q, k, v, state):
+    if form == "parallel":
+      return RETENTION_PARALLEL(q, k, v, decay=decay, normalize=normalize, backend=backend,
+                                config=config)
+    return jattn.retention(q, k, v, decay=decay, mode=form, chunk_size=16, initial_state=state,
+                           return_state=True, backend=backend)[0]
+
+  def oracle(q, k, v, state):
+    if form == "parallel":
+      return retention_reference(q, k, v, decay=decay.astype(q.dtype), normalize=normalize)
+    return retention_recurrent_reference(q, k, v, decay=decay.astype(q.dtype),
+                                         initial_state=state)[0]
+
+  o, pull = jax.vjp(jax.jit(ours), *dirty)
+  grads = pull(cot.astype(o.dtype))
+  with jax.enable_x64(True):
+    f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, state, cot)]
+    o_ref, pull_ref = jax.vjp(oracle, *f64[:4])
+    grads_ref = pull_ref(f64[4])
+  o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref)
+  np.testing.assert_array_equal(~np.isfinite(o).all(-1), seen)
+  assert rel_err(o[~seen], o_ref[~seen]) < tol
+  for name, g, g_ref, mask in zip(("q", "k", "v", "initial_state"), grads, grads_ref, sure):
+    if name != "initial_state" or stateful:
+      g, g_ref = np.asarray(g, np.float64)[mask], np.asarray(g_ref)[mask]
+      assert np.isfinite(g).all() and rel_err(g, g_ref) < 2 * tol, name
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("form,backend,normalize,config", [
+    ("parallel", "xla", None, None),
+    ("parallel", "xla", "abs_sum", None),
+    ("parallel", "pallas_triton", None, SMALL_TILES),
+    ("parallel", "pallas_triton", "abs_sum", SMALL_TILES),
+    ("chunkwise", "xla", None, None),
+    ("chunkwise", "pallas_triton", None, None),
+    ("recurrent", "xla", None, None),
+], ids=["parallel-xla", "parallel-xla-abs_sum", "parallel-pallas_triton",
+        "parallel-pallas_triton-abs_sum", "chunkwise-xla", "chunkwise-pallas_triton",
+        "recurrent-xla"])
+def test_a_nonfinite_value_reaches_only_the_rows_that_see_it(form, backend, normalize, config):
+  check_nonfinite(form, backend, normalize, config=config)
+
+
+# γ = 0 (γ^0 = 1, later powers 0), tiny and subnormal γ, γ = 1.
+EDGE_DECAYS = (0.0, 1e-30, float(np.finfo(np.float32).tiny), 1e-40, 1.0)
+
+
+def _every_form(n_steps: int):
+  """Every form and backend as ``f(q, k, v, decay) -> o`` (q_len = kv_len); the
+  decoding step decodes the first ``n_steps`` positions."""
+  def decode(backend):
+    def f(q, k, v, decay):
+      state = jnp.zeros(q.shape[:1] + q.shape[2:] + v.shape[-1:], jnp.float32)
+      outs = []
+      for t in range(n_steps):
+        o, state = jattn.retention_step(q[:, t], k[:, t], v[:, t], state, decay=decay,
+                                        backend=backend)
+        outs.append(o)
+      return jnp.stack(outs, 1)
+    return f
+
+  forms = {f"{mode}-{backend}": functools.partial(
+      lambda q, k, v, decay, mode, backend: jattn.retention(
+          q, k, v, decay=decay, mode=mode, chunk_size=16, backend=backend),
+      mode=mode, backend=backend)
+      for mode, backend in [("parallel", "xla"), ("chunkwise", "xla"),
+                            ("chunkwise", "pallas_triton"), ("recurrent", "xla")]}
+  forms["parallel-pallas_triton"] = lambda q, k, v, decay: RETENTION_PARALLEL(
+      q, k, v, decay=decay, backend="pallas_triton", config=SMALL_TILES)
+  forms.update({f"step-{b}": decode(b) for b in ("xla", "pallas_triton")})
+  return forms
+
+
+def check_against_oracle(forms, case, *, batch=1, length=21, dk=8, dv=6, dtype=jnp.float32,
+                         tol=1e-5):
+  """``forms``' outputs against a float64 oracle. ``case``: ``decay-edges`` (γ at the
+  ends of [0, 1]; under jit also traced decays outside it, whose heads must come out
+  NaN in every form alike) or ``large-inputs`` (q, k scaled by 1e3 and 1e4), each
+  ``-eager`` (the decay's values are checked) or ``-jit`` (the decay is traced)."""
+  jit = case.endswith("-jit")
+  if case.startswith("large-inputs"):
+    decay = (0.5, 0.9, 1.0)
+  else:
+    decay = EDGE_DECAYS + ((-0.1, 1.5, np.nan) if jit else ())
+  q, k, v, *_ = _inputs(batch, length, length, len(decay), dk, dv, dtype=dtype)
+  if case.startswith("large-inputs"):
+    q, k = (1e3 * q).astype(dtype), (1e4 * k).astype(dtype)
+  valid = np.asarray([0 <= d <= 1 for d in decay])
+  with jax.enable_x64(True):
+    o_ref = np.asarray(retention_reference(
+        *(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)),
+        decay=jnp.asarray(np.where(valid, decay, 0.5), np.float64)))
+  for name, f in forms.items():
+    o = np.asarray((jax.jit(f) if jit else f)(q, k, v, jnp.asarray(decay)), np.float64)
+    assert np.isnan(o[:, :, ~valid]).all(), name
+    assert rel_err(o[:, :, valid], o_ref[:, :o.shape[1], valid]) < tol, name
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", ["decay-edges-eager", "decay-edges-jit", "large-inputs-jit"])
+def test_every_form_matches_a_float64_oracle(case):
+  check_against_oracle(_every_form(n_steps=3), case)
 
 
 # --- the chunk size against shared memory ------------------------------------------------
@@ -338,9 +507,9 @@ def test_default_config_cuts_the_state_finer_for_few_heads():
     (dict(q=jnp.ones((2, 9, 3, 8))), ValueError, r"q_len \(9\) must be <= kv_len \(5\)"),
     (dict(v=jnp.ones((2, 4, 3, 6))), ValueError, r"v must be \[batch, kv_len, heads, dv\]"),
     (dict(decay=jnp.ones((2,))), ValueError, r"decay must have shape \[heads\] = \(3,\)"),
-    (dict(decay=jnp.array([0.9, 0.0, 0.5])), ValueError, r"decay must be in \(0, 1\]"),
-    (dict(decay=[0.9, 1.5, 0.5]), ValueError, r"decay must be in \(0, 1\]"),
-    (dict(decay=np.array([0.9, 1e-50, 0.5])), ValueError, "at least float32's smallest normal"),
+    (dict(decay=jnp.array([0.9, -0.1, 0.5])), ValueError, r"decay must be in \[0, 1\]"),
+    (dict(decay=[0.9, 1.5, 0.5]), ValueError, r"decay must be in \[0, 1\]"),
+    (dict(decay=np.array([0.9, np.nan, 0.5])), ValueError, r"decay must be in \[0, 1\]"),
     (dict(normalize="l2"), ValueError, "normalize must be one of"),
     (dict(mode="fast"), ValueError, "mode must be one of"),
     (dict(backend="pallas_triton", mode="recurrent"), ValueError, "has no recurrent kernel"),
@@ -372,7 +541,7 @@ def test_no_backend_gives_the_decay_a_gradient(backend):
 
 def test_retention_step_checks_its_decay():
   q, k, v, state, _ = _inputs(q_len=1)
-  with pytest.raises(ValueError, match=r"decay must be in \(0, 1\]"):
+  with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):
     jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, decay=jnp.array([0.5, -0.1, 0.9]))
   # Under jit the values are unknown: the decay is taken as given.
   o, _ = jax.jit(lambda d: jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, decay=d))(

@@ -12,6 +12,10 @@ and local positions ``i, j`` inside a chunk:
 The backward mirrors it: a reverse sequential kernel for ``dS_c`` (the gradient of the
 state before chunk ``c``; ``dS_0`` is the initial state's gradient), then a parallel
 kernel for dQ, dK, dV of every chunk. No atomics.
+
+Inside a chunk the masked weights meet rows they do not see, so the per-chunk kernels
+guard their tiles (``nonfinite.py``): a non-finite value reaches exactly the rows at
+and after it. The states hold only earlier chunks, which every later row sees.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import padded_head_dim
 from jattn.kernels.common.launch import HEAD_SCALAR, tile_spec, triton_call
+from jattn.kernels.common.nonfinite import clear, guard_rows, nonfinite_rows, poison
 from jattn.kernels.common.softmax import dot
 from jattn.kernels.common.tiling import pad_to, round_up
 
@@ -46,11 +51,13 @@ def _key_weights(c, chunk: int, length: int, log2_decay, shape, axis: int):
   return jnp.where(j < n, _pow(jnp.maximum(n - 1 - j, 0).astype(jnp.float32), log2_decay), 0.0)
 
 
-def _local_decay(chunk: int, log2_decay):
-  """``D[i, j] = γ^(i-j)`` for ``i >= j`` inside a chunk, else 0."""
-  i = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-  j = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-  return jnp.where(i >= j, _pow(jnp.maximum(i - j, 0).astype(jnp.float32), log2_decay), 0.0)
+def _local_decayed(s, log2_decay):
+  """``s[i, j] · γ^(i-j)`` for ``i >= j`` inside a chunk, else 0: selected, not
+  multiplied by a 0/1 mask, as a score past the diagonal may be non-finite."""
+  i = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+  j = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+  return jnp.where(i >= j, s * _pow(jnp.maximum(i - j, 0).astype(jnp.float32), log2_decay),
+                   0.0)
 
 
 def _states_kernel(k_ref, v_ref, s0_ref, log2_decay_ref, states_ref, final_ref, *,
@@ -71,8 +78,9 @@ def _states_kernel(k_ref, v_ref, s0_ref, log2_decay_ref, states_ref, final_ref, 
 def _output_kernel(q_ref, k_ref, v_ref, states_ref, log2_decay_ref, o_ref, *, chunk: int,
                    scale: float):
   log2_decay = log2_decay_ref[...]
-  q, k, v = q_ref[...], k_ref[...], v_ref[...]
-  inner = dot(q, k, 1, 1) * _local_decay(chunk, log2_decay)
+  q = q_ref[...]
+  k, v = guard_rows(k_ref[...], v_ref[...])  # every chunk straddles the mask
+  inner = _local_decayed(dot(q, k, 1, 1), log2_decay)
   i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
   q_w = (q * _pow(i + 1.0, log2_decay)).astype(q.dtype)
   o = dot(inner.astype(v.dtype), v, 1, 0) + dot(q_w, states_ref[...].astype(q.dtype), 1, 0)
@@ -102,17 +110,22 @@ def _grad_kernel(q_ref, k_ref, v_ref, do_ref, states_ref, dstates_ref, log2_deca
   c = pl.program_id(0)
   log2_decay = log2_decay_ref[...]
   q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-  decay = _local_decay(chunk, log2_decay)
   i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
   q_w = _pow(i + 1.0, log2_decay)
   k_w = _key_weights(c, chunk, length, log2_decay, (chunk, 1), 0)
   state = states_ref[...].astype(q.dtype)
   dstate = dstates_ref[...].astype(q.dtype)
-  ds = dot(do, v, 1, 1) * decay * scale  # [i, j]
-  s = dot(q, k, 1, 1) * decay * scale
-  dq = dot(ds.astype(k.dtype), k, 1, 0) + scale * q_w * dot(do, state, 1, 1)
-  dk = dot(ds.astype(q.dtype), q, 0, 0) + k_w * dot(v, dstate, 1, 1)
-  dv = dot(s.astype(do.dtype), do, 0, 0) + dot((k * k_w).astype(k.dtype), dstate, 1, 0)
+  # Inside the chunk the masked weights meet rows they do not see (nonfinite.py): the
+  # scores come from rows poisoned where a query (q, dO) or key (k, v) is not finite,
+  # and multiply those rows cleared.
+  bad_q, bad_k = nonfinite_rows(q, do), nonfinite_rows(k, v)
+  weigh = lambda x, y: _local_decayed(dot(x, y, 1, 1), log2_decay) * scale  # [i, j]
+  ds = weigh(poison(do, bad_q), poison(v, bad_k))
+  s = weigh(poison(q, bad_q), poison(k, bad_k))
+  dq = dot(ds.astype(k.dtype), clear(k, bad_k), 1, 0) + scale * q_w * dot(do, state, 1, 1)
+  dk = dot(ds.astype(q.dtype), clear(q, bad_q), 0, 0) + k_w * dot(v, dstate, 1, 1)
+  dv = (dot(s.astype(do.dtype), clear(do, bad_q), 0, 0)
+        + dot((k * k_w).astype(k.dtype), dstate, 1, 0))
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)

@@ -6,6 +6,9 @@ decay ``D[n, m] = γ^(n-m)`` from positions in registers. There is no softmax, s
 accumulation is a plain sum; with ``normalize="abs_sum"`` the row sums of ``|S|`` are
 accumulated too and the row is divided at the end. The backward (dQ kernel and dK/dV
 kernel, no atomics) treats that denominator as a constant, as torchscale does.
+
+A non-finite value (inf, NaN) reaches exactly the rows that see it: those come out
+NaN, the others exact, in the outputs and in the gradients those rows send back.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from jattn.kernels.common.config import BlockConfig, default_block_config, padde
 from jattn.kernels.common.launch import (HEAD_SCALAR, row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
+from jattn.kernels.common.nonfinite import (clear, finite_or, guard_rows, nonfinite_rows,
+                                            poison)
 from jattn.kernels.common.softmax import dot
 from jattn.kernels.common.tiling import pad_to, tile_axis
 
 
-def _decay(q_pos, k_pos, log2_decay):
-  """``γ^(n-m)`` where the query at ``n`` sees the key at ``m`` (``n >= m``), else 0."""
-  dist = q_pos - k_pos
-  return jnp.where(dist >= 0, jnp.exp2(jnp.maximum(dist, 0).astype(jnp.float32) * log2_decay),
-                   0.0)
+def abs_sum_denominator(abs_sum):
+  """``normalize="abs_sum"``'s row denominator from the row's ``Σ_m |S[n, m]|``:
+  ``max(Σ|S|, 1)``, or 1 where the sum is not finite. Such a row sees a non-finite
+  value and is NaN already; a NaN denominator would also send NaN, through the
+  backward's ``dO / den``, to every input the row sees, even under a zero cotangent."""
+  return finite_or(jnp.maximum(abs_sum, 1.0), 1.0)
 
 
 def _pow(exponent, log2_decay):
@@ -38,11 +44,21 @@ def _pow(exponent, log2_decay):
   return jnp.exp2(exponent.astype(jnp.float32) * log2_decay)
 
 
+def _decayed(s, q_pos, k_pos, log2_decay):
+  """``s · γ^(n-m)`` where the query at ``n`` sees the key at ``m`` (``n >= m``), else
+  0: selected, not multiplied by a 0/1 mask, as a score past the diagonal may be
+  non-finite."""
+  dist = q_pos - k_pos
+  return jnp.where(dist >= 0, s * _pow(jnp.maximum(dist, 0), log2_decay), 0.0)
+
+
 # Key blocks wholly at or before a query tile's first row take the decay as a product:
 # γ^(n-m) = γ^(n-n0) · γ^(n0-m) with n0 the tile's first query. Both factors are <= 1,
 # the per-key one is a [1, block] vector per step, and the per-query one scales the
 # accumulator once at the end: one multiply per score instead of an exp2. Blocks on the
-# diagonal build the exact masked decay.
+# diagonal build the exact masked decay, and guard their rows (nonfinite.py): there a
+# masked weight meets the rows of keys (or, in the dK/dV pass, queries) the row does
+# not see, and 0 · inf would carry a non-finite value into it.
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, log2_decay_ref, o_ref, den_ref, *, spec: MaskSpec,
@@ -53,11 +69,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, log2_decay_ref, o_ref, den_ref, *, spec: Ma
   rows = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
-  def step(j, carry, weight):
+  def step(j, carry, masked):
     acc, den = carry
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    v = v_ref[k_slice, :]
-    s = dot(q, k_ref[k_slice, :], 1, 1) * weight(j * block_k + cols)
+    k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+    k_pos = j * block_k + cols
+    if masked:
+      k, v = guard_rows(k, v)
+      s = scale * _decayed(dot(q, k, 1, 1), q_first + rows, k_pos, log2_decay)
+    else:
+      s = dot(q, k, 1, 1) * (scale * _pow(q_first - k_pos, log2_decay))
     if normalize:
       den = den + jnp.sum(jnp.abs(s), axis=1, keepdims=True)
     return acc + dot(s.astype(v.dtype), v, 1, 0), den
@@ -65,13 +86,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, log2_decay_ref, o_ref, den_ref, *, spec: Ma
   lo, _, full_hi, hi = kv_block_range(spec, q_first - spec.offset, block_q, block_k)
   carry = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
            jnp.zeros((block_q, 1), jnp.float32))
-  carry = lax.fori_loop(lo, full_hi, functools.partial(
-      step, weight=lambda k_pos: scale * _pow(q_first - k_pos, log2_decay)), carry)
+  carry = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), carry)
   row_decay = _pow(rows, log2_decay)
   carry = tuple(x * row_decay for x in carry)
-  acc, den = lax.fori_loop(full_hi, hi, functools.partial(
-      step, weight=lambda k_pos: scale * _decay(q_first + rows, k_pos, log2_decay)), carry)
-  den = jnp.maximum(den, 1.0) if normalize else jnp.ones_like(den)
+  acc, den = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+  den = abs_sum_denominator(den) if normalize else jnp.ones_like(den)
   o_ref[...] = (acc / den).astype(o_ref.dtype)
   den_ref[...] = den[:, 0]
 
@@ -84,19 +103,22 @@ def _dq_kernel(k_ref, v_ref, do_ref, log2_decay_ref, dq_ref, *, spec: MaskSpec, 
   rows = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   cols = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
-  def step(j, dq, weight):
+  def step(j, dq, masked):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    k = k_ref[k_slice, :]
-    ds = dot(do, v_ref[k_slice, :], 1, 1) * weight(j * block_k + cols)
+    k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+    k_pos = j * block_k + cols
+    if masked:
+      v, k = guard_rows(v, k)  # the weights dO·vᵀ multiply k
+      ds = _decayed(dot(do, v, 1, 1), q_first + rows, k_pos, log2_decay)
+    else:
+      ds = dot(do, v, 1, 1) * _pow(q_first - k_pos, log2_decay)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
   lo, _, full_hi, hi = kv_block_range(spec, q_first - spec.offset, block_q, block_k)
   dq = jnp.zeros((block_q, k_ref.shape[-1]), jnp.float32)
-  dq = lax.fori_loop(lo, full_hi, functools.partial(
-      step, weight=lambda k_pos: _pow(q_first - k_pos, log2_decay)), dq)
+  dq = lax.fori_loop(lo, full_hi, functools.partial(step, masked=False), dq)
   dq = dq * _pow(rows, log2_decay)
-  dq = lax.fori_loop(full_hi, hi, functools.partial(
-      step, weight=lambda k_pos: _decay(q_first + rows, k_pos, log2_decay)), dq)
+  dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -110,26 +132,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, log2_decay_ref, dk_ref, dv_ref, *,
   keys = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
   cols = lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
 
-  def step(i, carry, weight):
+  def step(i, carry, masked):
     dk, dv = carry
     q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
-    q = q_ref[q_slice, :]
-    do = do_ref[q_slice, :]
-    decay_t = weight(i * block_q + spec.offset + cols) * scale
-    dv = dv + dot((dot(k, q, 1, 1) * decay_t).astype(do.dtype), do, 1, 0)
-    ds_t = dot(v, do, 1, 1) * decay_t
+    q, do = q_ref[q_slice, :], do_ref[q_slice, :]
+    q_pos = i * block_q + spec.offset + cols
+    if masked:
+      # A query row or cotangent that is not finite: NaN weights for the keys it sees,
+      # and a zero row where the weights of later keys (masked) multiply it.
+      bad = nonfinite_rows(q, do)
+      weigh = lambda x, y: scale * _decayed(dot(x, poison(y, bad), 1, 1), q_pos,
+                                            k_start + keys, log2_decay)
+      s_t, ds_t = weigh(k, q), weigh(v, do)
+      q, do = clear(q, bad), clear(do, bad)
+    else:
+      decay_t = scale * _pow(q_pos - k_last, log2_decay)
+      s_t, ds_t = dot(k, q, 1, 1) * decay_t, dot(v, do, 1, 1) * decay_t
+    dv = dv + dot(s_t.astype(do.dtype), do, 1, 0)
     return dk + dot(ds_t.astype(q.dtype), q, 1, 0), dv
 
   lo, full_lo, _, hi = q_block_range(spec, k_start, block_k, block_q)
   carry = (jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32),
            jnp.zeros((block_k, v_ref.shape[-1]), jnp.float32))
   # Query blocks wholly at or after the key tile's last row: γ^(n-m) = γ^(n-m1)·γ^(m1-m).
-  carry = lax.fori_loop(full_lo, hi, functools.partial(
-      step, weight=lambda q_pos: _pow(q_pos - k_last, log2_decay)), carry)
+  carry = lax.fori_loop(full_lo, hi, functools.partial(step, masked=False), carry)
   key_decay = _pow(block_k - 1 - keys, log2_decay)
   carry = tuple(x * key_decay for x in carry)
-  dk, dv = lax.fori_loop(lo, full_lo, functools.partial(
-      step, weight=lambda q_pos: _decay(q_pos, k_start + keys, log2_decay)), carry)
+  dk, dv = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
