@@ -25,7 +25,6 @@ import numpy as np
 from jattn.core.op import Problem, SoftmaxOp, XlaImpl
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
-from jattn.kernels.common.masking import guard_masked_values, guarded_value_grads
 from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
 from jattn.reference import dilated_attention_reference
 from jattn.tuning.cache import bucket
@@ -108,7 +107,7 @@ class XlaDilated(XlaImpl):
     p = call.problem
     return dilated_attention_reference(q, k, v, segment_lengths=p.segment_lengths,
                                        dilation_rates=p.dilation_rates, causal=p.causal,
-                                       scale=p.scale), None
+                                       scale=p.scale, guard_values=True), None
 
 
 class DilatedAttention(SoftmaxOp):
@@ -129,16 +128,6 @@ class DilatedAttention(SoftmaxOp):
   def finish(self, problem, outputs):
     return outputs[0].astype(problem.dtype)
 
-  # A kernel tile may hold keys of two segments, or keys after its rows (causal): every
-  # call has keys inside its tiles that some rows do not see. (One pass over k and v,
-  # against attention within segments of thousands of positions.)
-  def guard(self, problem, arrays):
-    q, k, v = arrays
-    return (q, *guard_masked_values(k, v))
-
-  def guard_grads(self, problem, arrays, grads):
-    dq, dk, dv = grads
-    return (dq, *guarded_value_grads(arrays[2], dk, dv))
 
   def example(self, p: DilatedProblem, key):
     kq, kk, kv = jax.random.split(key, 3)

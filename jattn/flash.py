@@ -23,7 +23,6 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
-from jattn.kernels.common.masking import guard_masked_values, guarded_value_grads
 from jattn.kernels.common.softmax import backward_delta
 from jattn.kernels.flash.mosaic_bwd import fused_dq_columns
 from jattn.kernels.flash.mosaic_config import (MOSAIC_MODELLED_BWD_WIDTH, mosaic_backward_runs,
@@ -316,7 +315,7 @@ class XlaFlash(XlaImpl):
                                      q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                                      local_window=p.local_window, softcap=p.softcap,
                                      sinks=sinks, dropout_rate=p.dropout_rate,
-                                     dropout_seed=seed), None
+                                     dropout_seed=seed, guard_values=has_mask(p)), None
 
 
 # --- the op --------------------------------------------------------------------------------
@@ -357,17 +356,6 @@ class FlashAttention(SoftmaxOp):
         sinks=sinks is not None, dropout_rate=float(dropout_rate))
     return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed)
 
-  def guard(self, problem, arrays):
-    if not has_mask(problem):  # every row sees every key: nothing to keep out
-      return arrays
-    q, k, v, *rest = arrays
-    return (q, *guard_masked_values(k, v), *rest)
-
-  def guard_grads(self, problem, arrays, grads):
-    if not has_mask(problem):
-      return grads
-    dq, dk, dv, *rest = grads
-    return (dq, *guarded_value_grads(arrays[2], dk, dv), *rest)
 
   def finish(self, problem, outputs):
     o, lse = outputs

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jattn.core.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
 from jattn.kernels.common.dropout import keep_mask
-from jattn.kernels.common.masking import guard_masked_values
+from jattn.kernels.common.nonfinite import clear, nonfinite_rows, poison_logits
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, floor_sinks
 
 
@@ -60,9 +60,20 @@ def masked_softmax(logits, mask):
   return p / safe, jnp.where(empty, EMPTY_ROW_LSE, jnp.log(safe) + row_max)
 
 
+def guarded_values(v):
+  """For ``guard_values=True``: ``(bad keys, v)``, the keys of ``v [..., keys, heads,
+  d]`` whose value row is not finite (bool ``[..., keys, heads]``) and ``v`` with those
+  rows zeroed: the logits of such a key are made NaN (``nonfinite.poison_logits``), so
+  the rows that see it are NaN and the others meet a 0 value, as the kernels guard
+  their masked tiles (``nonfinite.guard_masked_tile``)."""
+  bad = nonfinite_rows(v)
+  return bad[..., 0], clear(v, bad)
+
+
 def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                               kv_segment_ids=None, local_window=None, softcap=None, sinks=None,
-                              dropout_rate: float = 0.0, dropout_seed=None):
+                              dropout_rate: float = 0.0, dropout_seed=None,
+                              guard_values: bool = False):
   """Dense attention with every flash_attention feature, differentiable by autodiff.
 
   Args:
@@ -72,6 +83,9 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
       floored at ``EMPTY_ROW_LSE`` (``softmax.floor_sinks``: -inf is no sink).
     dropout_rate, dropout_seed: weights dropped where ``dropout.keep_mask(dropout_seed,
       ...)`` says (the kernels' mask), the kept ones scaled by ``1 / (1 - rate)``.
+    guard_values: a key whose value row is not finite makes every row that sees it NaN
+      and no other (``guarded_values``); without, ``0 * inf`` carries it into rows that
+      do not see it, as in the plain dense formula.
 
   Returns:
     ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype and
@@ -90,6 +104,9 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
                       precision=precision) * scale
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
+  if guard_values:
+    bad, v = guarded_values(v)
+    logits = poison_logits(logits, jnp.moveaxis(bad, 1, 2)[:, :, None, None, :])
   mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
@@ -113,7 +130,8 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
           lse.reshape(batch, q_heads, q_len))
 
 
-def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=None):
+def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=None,
+                             guard_values: bool = False):
   """Dense FlexAttention in float32, differentiable by autodiff (also through the
   arrays the functions close over).
 
@@ -122,6 +140,7 @@ def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=No
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    guard_values: as ``flash_attention_reference``'s.
 
   Returns:
     ``(o, lse)``: ``o`` like q in q's dtype, ``lse: [batch, q_heads, q_len]``
@@ -133,6 +152,10 @@ def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=No
   group = q_heads // kv_heads
   precision = jax.lax.Precision.HIGHEST
   dtype = compute_dtype(q)
+  bad = None
+  if guard_values:
+    bad, v = guarded_values(v)
+    bad = jnp.moveaxis(jnp.repeat(bad, group, axis=2), 1, 2)[:, :, None, :]  # [b, h, 1, k]
   kg = jnp.repeat(k, group, axis=2)
   vg = jnp.repeat(v, group, axis=2)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, kg, preferred_element_type=dtype,
@@ -143,6 +166,8 @@ def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=No
   allowed = jnp.logical_not(jnp.isneginf(scores))  # NaN stays in: its row is NaN
   if mask_mod is not None:
     allowed = allowed & elementwise(mask_mod, *index)
+  if bad is not None:
+    scores = poison_logits(scores, bad)
   p, lse = masked_softmax(scores, allowed)
   o = jnp.einsum("bhqk,bkhd->bqhd", p, vg.astype(dtype), precision=precision)
   return o.astype(q.dtype), lse[..., 0]
@@ -181,20 +206,20 @@ def window_attention_reference(q, k, v, bias, *, mask=None, scale=None, return_l
   Returns:
     ``[windows, tokens, heads, head_dim]`` in q's dtype (and the lse); rows that see
     no key (every logit ``-inf``) give zeros (and ``EMPTY_ROW_LSE``). A key whose value
-    row is not finite makes every row that sees it NaN
-    (``masking.guard_masked_values``).
+    row is not finite makes every row that sees it NaN (``guarded_values``).
   """
   windows, _, _, head_dim = q.shape
   scale = scale_of(scale, head_dim)
   dtype = compute_dtype(q)
   precision = jax.lax.Precision.HIGHEST
-  k, v = guard_masked_values(k, v)  # as the kernels do in every tile
+  bad, v = guarded_values(v)  # as the kernels do in every tile
   terms = bias.astype(dtype)[None]
   if mask is not None:
     mask = additive_window_mask(mask).astype(dtype)
     terms = terms + mask[jnp.arange(windows) % mask.shape[0]][:, None]
-  logits = jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=dtype,
-                      precision=precision) * scale + terms
+  logits = poison_logits(jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=dtype,
+                                    precision=precision) * scale + terms,
+                         jnp.moveaxis(bad, 1, 2)[:, :, None, :])
   # Masked: a -inf bias or mask term (a NaN logit there does not reach the row), or a
   # -inf logit (a weight of 0, as in the dense formula).
   p, lse = masked_softmax(logits, ~(jnp.isneginf(terms) | jnp.isneginf(logits)))
@@ -307,7 +332,7 @@ def dilated_positions(seq_len: int, heads: int, segment_length: int, dilation_ra
 
 
 def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, causal=False,
-                           scale=None):
+                           scale=None, guard_values: bool = False):
   """One (w, r) pair of dilated attention in float32: head ``h`` attends within each
   segment of ``w`` positions among those ``≡ h (mod r)`` (causal: earlier ones only).
 
@@ -330,6 +355,9 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
 
   qs, ks, vs = gather(q), gather(k), gather(v)
   logits = jnp.einsum("bnqhd,bnkhd->bnhqk", qs, ks, precision=jax.lax.Precision.HIGHEST) * scale
+  if guard_values:  # (flash_attention_reference's)
+    bad, vs = guarded_values(vs)  # [b, n, L, h]
+    logits = poison_logits(logits, jnp.moveaxis(bad, 2, 3)[:, :, :, None, :])
   mask = jnp.moveaxis(valid, -1, 1)[:, :, None, :]  # [n, H, 1, L]: keys that exist
   if causal:
     rows = jnp.arange(w // r)
@@ -366,19 +394,21 @@ def mix_dilated_pairs(outs, lses):
 
 
 def dilated_attention_reference(q, k, v, *, segment_lengths, dilation_rates, causal=False,
-                                scale=None):
+                                scale=None, guard_values: bool = False):
   """LongNet dilated attention in float32 (gather, dense attention per pair, mix),
   differentiable by autodiff, mixing weights included.
 
   Args:
     q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``.
     segment_lengths, dilation_rates: the (w_i, r_i) pairs (``w_i % r_i == 0``).
+    guard_values: as ``flash_attention_reference``'s.
 
   Returns:
     ``(o, lse)``: ``o`` in q's dtype, ``lse: [batch, heads, seq]`` float32 (float64
     for float64 inputs).
   """
-  pairs = [dilated_pair_reference(q, k, v, w, r, causal=causal, scale=scale)
+  pairs = [dilated_pair_reference(q, k, v, w, r, causal=causal, scale=scale,
+                                  guard_values=guard_values)
            for w, r in zip(segment_lengths, dilation_rates)]
   o, lse = mix_dilated_pairs(jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs]))
   return o.astype(q.dtype), lse

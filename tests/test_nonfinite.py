@@ -30,6 +30,10 @@ pytestmark = pytest.mark.kernel
 
 KERNELS = ("pallas_triton", "pallas_mosaic") if ON_GPU else ("pallas_triton",)
 BACKENDS = ("xla",) + KERNELS + (("cudnn",) if ON_GPU else ())
+# Their tiles' value rows sit in shared memory that rows on both sides of a mask read:
+# a non-finite value at a masked key reaches the rows of its tile (0 * inf), the one
+# exception to the rule (docs/flash_attention.md).
+UNGUARDED_VALUES = ("pallas_mosaic", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,11 @@ class Case:
   call: Callable
   oracle: Callable
   sees: np.ndarray
+
+  @property
+  def masked(self) -> bool:
+    """Whether some rows do not see some keys."""
+    return not self.sees.all()
 
 
 def _causal(q_len, kv_len):
@@ -227,6 +236,8 @@ def test_non_finite_values_reach_exactly_the_rows_that_see_them(case, scale, inj
     # NaN anywhere a row sees, or any non-finite value: the row is not finite.
     must = (nan_rows[0] & sees_any) | _seen(case, nan_rows[1]) | _seen(case, bad_rows[2])
     assert not np.any(finite & must), (backend, np.argwhere(finite & must))
+    if backend in UNGUARDED_VALUES and case.masked and bad_rows[2].any():
+      continue
     # Rows that see nothing non-finite are finite and right, at any scale.
     untouched = ~((bad_rows[0] & sees_any) | _seen(case, bad_rows[1]) | _seen(case, bad_rows[2]))
     expected = _oracle(case, clean)

@@ -284,7 +284,6 @@ _with_vjp.defvjp(_with_vjp_fwd, _with_vjp_bwd)
 
 @functools.partial(jax.jit, static_argnums=0)
 def _run(call: Call, arrays: tuple):
-  arrays = call.op.guard(call.problem, arrays)
   if call.impl.has_backward:
     dtypes = tuple(None if x is None else jnp.dtype(x.dtype) for x in arrays)
     return _with_vjp(call, dtypes, *arrays)
@@ -335,18 +334,6 @@ class Op:
 
   def finish(self, problem, outputs):
     return outputs
-
-  def guard(self, problem, arrays: tuple) -> tuple:
-    """The arrays as every implementation takes them (default: as given). Runs inside
-    the differentiated program, in front of every backend alike: e.g. flash attention
-    with a mask takes keys with non-finite values out of the matmuls
-    (``masking.guard_masked_values``)."""
-    return arrays
-
-  def guard_grads(self, problem, arrays: tuple, grads: tuple) -> tuple:
-    """The gradients of ``arrays`` from those of ``guard(problem, arrays)`` (default: the
-    same)."""
-    return grads
 
   def primary(self, outputs):
     """The output a benchmark's loss sums."""
@@ -513,26 +500,13 @@ class SoftmaxOp(Op):
   def partial(self, call: Call, arrays: tuple):
     """``(o float32, lse)`` of one block, not differentiable by itself: pair it with
     ``partial_backward``."""
-    o, lse = call.impl.forward(call, *self.guard(call.problem, arrays))[0]
+    o, lse = call.impl.forward(call, *arrays)[0]
     return o.astype(jnp.float32), lse
 
   def partial_backward(self, call: Call, arrays: tuple, o, lse, do) -> tuple:
     """Float32 gradients of one block's arrays (None for integer ones) given the
     final output ``o``, log-sum-exp ``lse`` and output cotangent ``do`` of a softmax
     that merges this block with others (``p = exp(s - lse)``)."""
-    grads = self._block_grads(call, self.guard(call.problem, arrays), o, lse, do)
-    grads = self.guard_grads(call.problem, arrays, grads)
-    return tuple(None if g is None else g.astype(jnp.float32) for g in grads)
-
-  def _with_diff(self, arrays: tuple, diff: tuple) -> tuple:
-    """``arrays`` with the differentiated ones (``diff_argnums``) replaced by ``diff``."""
-    arrays = list(arrays)
-    for i, x in zip(self.diff_argnums, diff):
-      arrays[i] = x
-    return tuple(arrays)
-
-  def _block_grads(self, call: Call, arrays: tuple, o, lse, do) -> tuple:
-    """``partial_backward`` on arrays the op's ``guard`` has seen."""
     if call.impl.has_backward:
       dtype = arrays[0].dtype
       grads = call.impl.backward(call, (arrays, o.astype(dtype), lse),
@@ -543,10 +517,15 @@ class SoftmaxOp(Op):
       delta = jax.lax.stop_gradient(row_dot(o, do))
 
       def surrogate(*diff):
-        o_b, lse_b = call.impl.forward(call, *self._with_diff(arrays, diff))[0]
+        args = list(arrays)
+        for i, x in zip(self.diff_argnums, diff):
+          args[i] = x
+        o_b, lse_b = call.impl.forward(call, *args)[0]
         return jnp.sum(jnp.exp(lse_b - lse) * (row_dot(do, o_b) - delta))
 
       diff = jax.grad(surrogate, argnums=tuple(range(len(self.diff_argnums))))(
           *(arrays[i] for i in self.diff_argnums))
-      grads = self._with_diff((None,) * len(arrays), diff)
-    return grads
+      grads = [None] * len(arrays)
+      for i, g in zip(self.diff_argnums, diff):
+        grads[i] = g
+    return tuple(None if g is None else g.astype(jnp.float32) for g in grads)

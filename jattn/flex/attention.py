@@ -28,7 +28,6 @@ from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
-from jattn.kernels.common.masking import guard_masked_values, guarded_value_grads
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
@@ -204,7 +203,8 @@ class XlaFlex(XlaImpl):
     score_consts, mask_consts = p.split_consts(p.split_arrays(rest)[0])
     score = None if p.score_mod is None else p.score_mod.bind(score_consts)
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
-    return flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale), None
+    return flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
+                                    guard_values=p.has_functions), None
 
 
 class FlexAttention(SoftmaxOp):
@@ -231,18 +231,6 @@ class FlexAttention(SoftmaxOp):
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o
-
-  def guard(self, problem, arrays):
-    if not problem.has_functions:  # every row sees every key: nothing to keep out
-      return arrays
-    q, k, v, *rest = arrays
-    return (q, *guard_masked_values(k, v), *rest)
-
-  def guard_grads(self, problem, arrays, grads):
-    if not problem.has_functions:
-      return grads
-    dq, dk, dv, *rest = grads
-    return (dq, *guarded_value_grads(arrays[2], dk, dv), *rest)
 
   def problem(self, example: str | None = None, **keywords):
     """A problem from keywords; ``example`` names one of ``jattn.flex.examples``,

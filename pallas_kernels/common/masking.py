@@ -221,27 +221,3 @@ def segment_block_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block
   first = jnp.min(jnp.where(meets, cols, meets.shape[2]), axis=2)
   end = jnp.max(jnp.where(meets, cols + 1, 0), axis=2)
   return jnp.stack([first, end], axis=2).astype(jnp.int32)
-
-
-def nonfinite_value_keys(v):
-  """``[..., keys, heads]`` bool: the keys whose value row ``v [..., keys, heads, d]``
-  holds a NaN or an infinity."""
-  return jnp.logical_not(jnp.all(jnp.isfinite(v), axis=-1))
-
-
-def guard_masked_values(k, v):
-  """``(k, v)`` with every key whose value row is not finite taken out of the matmuls:
-  its value row zeroed, its key row set to NaN. A kernel multiplies a masked key's
-  weight (0) by its value like any other (0 * inf = NaN would reach rows that never see
-  the key); with the guard those rows meet zeros, while the rows that do see the key
-  meet NaN logits and are NaN, as the dense formula makes them. For calls with masks;
-  ``k, v: [..., keys, heads, d]``."""
-  bad = nonfinite_value_keys(v)[..., None]
-  return jnp.where(bad, jnp.nan, k), jnp.where(bad, 0, v)
-
-
-def guarded_value_grads(v, dk, dv):
-  """The gradients of ``k, v`` from those of ``guard_masked_values``' outputs (none
-  reach the keys it took out)."""
-  bad = nonfinite_value_keys(v)[..., None]
-  return jnp.where(bad, 0, dk), jnp.where(bad, 0, dv)

@@ -1,25 +1,23 @@
 """Keeping a non-finite value (inf, NaN) in the rows that see it.
 
 A masked product ``where(visible, w, 0) @ X`` still carries a non-finite row of ``X``
-into every row of the result: the masked weights are 0, and ``0 · inf = NaN``. Two
-guards keep it to the rows that see it; either makes such a row NaN as a whole
-(where the dense product might leave some of its columns finite).
+into every row of the result: the masked weights are 0, and ``0 · inf = NaN``. The
+kernels guard the tiles that straddle the mask (the others need nothing), in
+registers, at no cost in memory traffic; a guarded row that sees such a value is NaN
+as a whole (where the dense product might leave some of its columns finite):
 
-- In the tiles that straddle the mask (the others need nothing):
-  ``bad = nonfinite_rows(k, v)`` marks the rows (keys) where ``k`` or ``v`` holds
+- ``bad = nonfinite_rows(k, v)`` marks the rows (keys) where ``k`` or ``v`` holds
   one; ``clear(v, bad)`` zeroes them in the operand the masked weights multiply, and
   ``poison(k, bad)`` fills them with NaN in the operand the weights are computed
-  from (``guard_rows`` does both). After the mask, a row that sees the key has a NaN
-  weight, one that does not has the mask's 0 and meets a 0 value. Free of memory
-  traffic: for kernels that hold both operands' tiles in registers.
-- On the host, for a causal kernel whose value tiles it cannot change (they sit in
-  shared memory that rows on both sides of a key read): ``clear_nonfinite(v)`` and
-  ``first_nonfinite_row(v)``, the first position per (batch, head) whose row held
-  one; the kernel then writes NaN to the rows at and after it. Costs about one copy
-  of ``v``.
+  from (``guard_rows`` does both: retention). After the mask, a row that sees the key
+  has a NaN weight, one that does not has the mask's 0 and meets a 0 value.
+- The softmax kernels poison the logits instead (``guard_masked_tile``: a -inf logit,
+  a weight of 0, stays), before the mask, and clear the rows of the operands their
+  backward matmuls multiply by masked gradients (``clear_nonfinite_rows``); their
+  references (``guard_values=True``) do the same on whole arrays.
 
-The helpers are plain jnp (the tile guard's on ``[..., rows, d]``), so one code
-serves kernel tiles and whole arrays.
+The Hopper kernels read V tiles from shared memory that rows on both sides of the mask
+share; they do not guard (docs/flash_attention.md says what that leaves).
 """
 
 from __future__ import annotations
@@ -61,14 +59,24 @@ def finite_or(x, fallback):
   return jnp.where(jnp.abs(x) < jnp.inf, x, fallback)
 
 
-def clear_nonfinite(x):
-  """``x`` with every inf and NaN entry replaced by 0."""
-  return jnp.where(jnp.isfinite(x), x, 0.0)
+def guard_masked_tile(s, v, key_axis: int):
+  """A masked tile's logits ``s`` and values ``v [keys, d]``, guarded: the logits of keys
+  whose value row is not finite are NaN (the rows that see such a key are NaN; apply the
+  mask after, so that the rows which do not see it keep their -inf) and those value rows
+  zero (the masked weights meet zeros). ``key_axis``: the axis of ``s`` over keys.
+  Returns ``(s, v)``."""
+  bad = nonfinite_rows(v)  # [keys, 1]
+  return poison_logits(s, bad[:, 0][None, :] if key_axis == 1 else bad), clear(v, bad)
 
 
-def first_nonfinite_row(x):
-  """``[batch, heads]`` int32: the first position whose row of ``x`` (``[batch, seq,
-  heads, d]``) holds an inf or NaN, ``seq`` where none does."""
-  bad = ~jnp.isfinite(x).all(-1)
-  positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :, None]
-  return jnp.where(bad, positions, jnp.int32(x.shape[1])).min(axis=1)
+def poison_logits(s, bad):
+  """Logits ``s`` with NaN where ``bad`` (broadcastable) holds, except where they are
+  -inf: a weight of 0 (a score function's mask, an infinite product) sees nothing."""
+  return jnp.where(bad & jnp.logical_not(jnp.isneginf(s)), jnp.nan, s)
+
+
+def clear_nonfinite_rows(x):
+  """``x [rows, d]`` with the rows that hold an inf or a NaN zeroed: the operand a masked
+  weight (or its gradient) multiplies in a backward matmul."""
+  return clear(x, nonfinite_rows(x))
+

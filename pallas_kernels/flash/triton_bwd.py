@@ -23,8 +23,10 @@ from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
                                          whole_sequence_spec)
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
-                                          range_tiles, run_tiles, split_extra_refs)
+from jattn.kernels.common.masking import (MaskSpec, element_mask, kv_block_range,
+                                          q_block_range, range_tiles, run_tiles,
+                                          split_extra_refs)
+from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_masked_tile
 from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
 
 
@@ -60,14 +62,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
     bh = (batch_row, head)
     s_t, c, g_t = log2_logits(dot(k, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p_t = backward_probs(s_t * c - lse2[None, :], lse2[None, :], dropout_rate)
-    if masked:
+    v_t, mask = v, None
+    if masked:  # masked weights (and their dS) must not meet non-finite rows (nonfinite.py)
+      s_t, v_t = guard_masked_tile(s_t, v, key_axis=0)
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
-      p_t = apply_mask(p_t, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
+      mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
+      q = clear_nonfinite_rows(q)
+    p_t = backward_probs(s_t * c - lse2[None, :], lse2[None, :], dropout_rate)
+    if mask is not None:
+      p_t = jnp.where(mask, p_t, 0.0)
     rows = row_hash(seed_ref[0], batch_row, head, q_idx) if dropout_rate else None
-    p_v, dp_t = _dropped(p_t, dot(v, do, 1, 1), rows, seed_ref, k_idx, dropout_rate)
+    p_v, dp_t = _dropped(p_t, dot(v_t, do, 1, 1), rows, seed_ref, k_idx, dropout_rate)
     dv = dv + dot(p_v.astype(do.dtype), do, 1, 0)
     ds_t = logit_grad(p_t * (dp_t - delta[None, :]), g_t)
+    if mask is not None:  # a NaN row's delta times a masked weight of 0
+      ds_t = jnp.where(mask, ds_t, 0.0)
     dk = dk + dot(ds_t.astype(q.dtype), q, 1, 0)
     return dk, dv
 
@@ -112,12 +121,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     v = v_ref[k_slice, :]
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     s, c, g = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p = backward_probs(s * c - lse2[:, None], lse2[:, None], dropout_rate)
-    if masked:
+    mask = None
+    if masked:  # as in the dK/dV kernel
+      s, v = guard_masked_tile(s, v, key_axis=1)
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
-      p = apply_mask(p, 0.0, spec, q_idx, k_idx, q_seg, k_seg, bh)
+      mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
+      k = clear_nonfinite_rows(k)
+    p = backward_probs(s * c - lse2[:, None], lse2[:, None], dropout_rate)
+    if mask is not None:
+      p = jnp.where(mask, p, 0.0)
     _, dp = _dropped(p, dot(do, v, 1, 1), rows, seed_ref, k_idx, dropout_rate)
     ds = logit_grad(p * (dp - delta[:, None]), g)
+    if mask is not None:
+      ds = jnp.where(mask, ds, 0.0)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
   if lists:

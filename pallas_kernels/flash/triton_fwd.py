@@ -24,6 +24,7 @@ from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, 
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
                                           run_tiles, split_extra_refs)
+from jattn.kernels.common.nonfinite import guard_masked_tile
 from jattn.kernels.common.softmax import (dot, log2_logits, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
 
@@ -43,11 +44,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     s, c, _ = log2_logits(dot(q, k_ref[k_slice, :], 1, 1), scale, score, bh + (q_idx, k_idx))
-    if masked:
+    v = v_ref[k_slice, :]
+    if masked:  # masked weights must not meet a non-finite value (nonfinite.py)
+      s, v = guard_masked_tile(s, v, key_axis=1)
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg, bh)
     kept = keep(rows, col_hash(seed_ref[1], k_idx), dropout_rate) if dropout_rate else None
-    return online_softmax_step(carry, s, c, v_ref[k_slice, :], kept=kept)
+    return online_softmax_step(carry, s, c, v, kept=kept)
 
   if lists:
     schedule = listed_tiles(tile_lists, pl.program_id(0))

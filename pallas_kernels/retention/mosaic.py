@@ -13,13 +13,13 @@ kernels take.
 Non-finite values: the masked decay is selected, not multiplied, so a non-finite
 score past the diagonal stays out. A masked weight still meets, in the P·V wgmma, the
 V rows of keys its row does not see (0 · inf = NaN), and those V tiles sit in shared
-memory that rows on both sides of the key read. So the host clears V's non-finite
-entries and passes, per (batch, head), the first position whose V row held one; the
-rows at and after it (exactly those that see it) are written NaN. On an H100 (fp16,
-16 heads of 128) the forward took 55 µs instead of 40 at (8, 512), 494 instead of 453
-at (4, 4096): about one copy of V. A guard rewriting K and V (NaN K rows, as the
-Triton kernels do in their diagonal tiles) measured 2.1x and 1.31x; a ``lax.cond`` on
-V's finiteness 1.8x and 1.10x (the branch waits for the host).
+memory that rows on both sides of the key read: a non-finite value reaches the earlier
+rows of its diagonal block, the one exception to the rule (as in the Hopper flash
+kernels; docs/flash_attention.md). Guarding it on the host measured on an H100 (fp16,
+16 heads of 128): clearing V and writing NaN from each head's first bad position took
+the forward from 40 to 55 µs at (8, 512) and 453 to 494 µs at (4, 4096); rewriting K
+and V 2.1x and 1.31x; a ``lax.cond`` on V's finiteness 1.8x and 1.10x (the branch
+waits for the host).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.nonfinite import clear_nonfinite, first_nonfinite_row
 from jattn.kernels.common.tiling import pad_to, tile_axis
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, mosaic_head_dim
@@ -43,19 +42,16 @@ from jattn.kernels.retention.parallel import abs_sum_denominator
 @dataclasses.dataclass(frozen=True)
 class DecayRows:
   """Retention's row rule (causal ``spec`` without a window or segments); reads
-  ``log2 γ`` per head (``[heads]`` float32) and the first position whose V row held a
-  non-finite value per (batch, head) (``[batch, heads]`` int32; its rows and later
-  ones come out NaN)."""
+  ``log2 γ`` per head (``[heads]`` float32)."""
 
   spec: MaskSpec
   scale: float
   normalize: bool
-  n_inputs = 2
+  n_inputs = 1
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
-    log2_decay_ref, first_nonfinite_ref = inputs
+    (log2_decay_ref,) = inputs
     lg = log2_decay_ref[t.head]
-    first_nonfinite = first_nonfinite_ref[t.batch, t.head]
     log2_scale = math.log2(self.scale)
     q_first = t.q_start + self.spec.offset  # the first row's absolute position
     _, _, first_masked, hi = t.own
@@ -92,9 +88,7 @@ class DecayRows:
       row_scale = joins(hi == first_masked)  # no diagonal block: the factor joins here
       den = den * row_scale
       den = abs_sum_denominator(den) if self.normalize else mp.row_vector(1.0, t.block_q)
-      # The rows that see a non-finite value of V (cleared on the host) come out NaN.
-      factor = jnp.where(q_first + rows >= first_nonfinite, jnp.nan, row_scale / den)
-      return acc * lax.broadcast_in_dim(factor, acc.shape, [0]), den
+      return acc * lax.broadcast_in_dim(row_scale / den, acc.shape, [0]), den
 
     return Rows((mp.row_vector(0.0, t.block_q),), update, finish)
 
@@ -124,10 +118,8 @@ def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bo
   spec = MaskSpec.build(q_len, kv_len, causal=True, local_window=None, kv_padded=False,
                         segments=False)
   dk_p, dv_p = mosaic_head_dim(dk), mosaic_head_dim(dv)
-  first_nonfinite = first_nonfinite_row(v)
   o, den = rows_forward(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p),
-                        pad_to(clear_nonfinite(v), kv_len_p, dv_p),
-                        (log2_decay.astype(jnp.float32), first_nonfinite),
+                        pad_to(v, kv_len_p, dv_p), (log2_decay.astype(jnp.float32),),
                         rule=DecayRows(spec, scale, normalize), spec=spec, block_q=c.block_q,
                         block_kv=c.block_kv, stages=c.stages, persistent=c.persistent)
   return o[:, :q_len, :, :dv], den[:, :, :q_len]

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_masked_tile
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
 from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, online_softmax_finish,
@@ -51,16 +52,20 @@ def _logits2(qk, scale: float, bias, mask, v, key_axis: int):
 
   Where the bias or the mask is ``-inf`` the logit is ``-inf`` (a NaN or infinite
   product there never reaches the row). Keys whose value row is not finite are taken
-  out of the matmuls (``masking.guard_masked_values``, here per tile): their logits
-  NaN (every row that sees them is NaN), their values zero (rows that do not see them
-  never multiply them)."""
+  out of the matmuls (``nonfinite.guard_masked_tile``; any tile may hold masked keys):
+  their logits NaN (every row that sees them is NaN), their values zero (rows that do
+  not see them never multiply them)."""
   terms = bias if mask is None else bias + mask
   masked = jnp.isneginf(bias) if mask is None else jnp.isneginf(bias) | jnp.isneginf(mask)
-  finite = jnp.isfinite(v)
-  good = jnp.all(finite, axis=1)
-  good = good[None, :] if key_axis == 1 else good[:, None]
-  s = jnp.where(good, qk * (scale * LOG2E) + terms, jnp.nan)
-  return jnp.where(masked, -jnp.inf, s), jnp.where(finite, v, jnp.zeros((), v.dtype))
+  s, v = guard_masked_tile(qk * (scale * LOG2E) + terms, v, key_axis)
+  return jnp.where(masked, -jnp.inf, s), v
+
+
+def _logit_grads(s, p, dp, delta):
+  """dS = P (dP - delta), 0 where the logit is masked (-inf): a row made NaN by a value it
+  sees has a NaN delta, which a masked weight of 0 would carry into other rows' dK and
+  the bias's gradient."""
+  return jnp.where(jnp.isneginf(s), 0.0, p * (dp - delta))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, scale: float,
@@ -117,9 +122,8 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
     mask = None if mask_ref is None else mask_ref[:, cols]
     s, v = _logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask, v_ref[cols, :],
                     key_axis=1)
-    p = backward_probs(s - lse2, lse2)
-    ds = p * (dot(do, v, 1, 1, fast) - delta)
-    return dq + dot(ds.astype(k.dtype), k, 1, 0, fast)
+    ds = _logit_grads(s, backward_probs(s - lse2, lse2), dot(do, v, 1, 1, fast), delta)
+    return dq + dot(ds.astype(k.dtype), clear_nonfinite_rows(k), 1, 0, fast)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -140,8 +144,8 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
     lse2 = lse_ref[rows][None, :]
     p_t = backward_probs(s_t - lse2, lse2)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
-    ds_t = p_t * (dot(v_safe, do, 1, 1, fast) - delta_ref[rows][None, :])
-    return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
+    ds_t = _logit_grads(s_t, p_t, dot(v_safe, do, 1, 1, fast), delta_ref[rows][None, :])
+    return dk + dot(ds_t.astype(q.dtype), clear_nonfinite_rows(q), 1, 0, fast), dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zeros, jnp.zeros(v.shape, jnp.float32)))
@@ -161,7 +165,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
     s, v = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask, v_ref[w], key_axis=1)
     lse2 = lse_ref[w][:, None]
     p = backward_probs(s - lse2, lse2)
-    return acc + p * (dot(do, v, 1, 1, fast) - delta_ref[w][:, None])
+    return acc + _logit_grads(s, p, dot(do, v, 1, 1, fast), delta_ref[w][:, None])
 
   per_group = q_ref.shape[0] // groups
   dbias_ref[...] = lax.fori_loop(0, per_group, body, jnp.zeros(bias.shape, jnp.float32))
