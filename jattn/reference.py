@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jattn.core.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
 from jattn.kernels.common.dropout import keep_mask
-from jattn.kernels.common.nonfinite import clear, nonfinite_rows, poison_logits
+from jattn.kernels.common.nonfinite import clear, nonfinite_rows
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, floor_sinks
 
 
@@ -63,9 +63,9 @@ def masked_softmax(logits, mask):
 def guarded_values(v):
   """For ``guard_values=True``: ``(bad keys, v)``, the keys of ``v [..., keys, heads,
   d]`` whose value row is not finite (bool ``[..., keys, heads]``) and ``v`` with those
-  rows zeroed: the logits of such a key are made NaN (``nonfinite.poison_logits``), so
-  the rows that see it are NaN and the others meet a 0 value, as the kernels guard
-  their masked tiles (``nonfinite.guard_masked_tile``)."""
+  rows zeroed. The caller makes such a key's logits NaN, so the rows that see it are NaN
+  and the others meet a 0 value: what the kernels do in the tiles that straddle a mask
+  (``nonfinite.guard_values``)."""
   bad = nonfinite_rows(v)
   return bad[..., 0], clear(v, bad)
 
@@ -102,11 +102,11 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   precision = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=dtype,
                       precision=precision) * scale
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
   if guard_values:
     bad, v = guarded_values(v)
-    logits = poison_logits(logits, jnp.moveaxis(bad, 1, 2)[:, :, None, None, :])
+    logits = jnp.where(jnp.moveaxis(bad, 1, 2)[:, :, None, None, :], jnp.nan, logits)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
@@ -160,14 +160,14 @@ def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=No
   vg = jnp.repeat(v, group, axis=2)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, kg, preferred_element_type=dtype,
                       precision=precision) * scale_of(scale, head_dim)
+  if bad is not None:
+    scores = jnp.where(bad, jnp.nan, scores)
   index = dense_indices(batch, q_heads, q_len, kv_len)
   if score_mod is not None:
     scores = elementwise(score_mod, scores, *index).astype(dtype)
   allowed = jnp.logical_not(jnp.isneginf(scores))  # NaN stays in: its row is NaN
   if mask_mod is not None:
     allowed = allowed & elementwise(mask_mod, *index)
-  if bad is not None:
-    scores = poison_logits(scores, bad)
   p, lse = masked_softmax(scores, allowed)
   o = jnp.einsum("bhqk,bkhd->bqhd", p, vg.astype(dtype), precision=precision)
   return o.astype(q.dtype), lse[..., 0]
@@ -217,9 +217,9 @@ def window_attention_reference(q, k, v, bias, *, mask=None, scale=None, return_l
   if mask is not None:
     mask = additive_window_mask(mask).astype(dtype)
     terms = terms + mask[jnp.arange(windows) % mask.shape[0]][:, None]
-  logits = poison_logits(jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=dtype,
-                                    precision=precision) * scale + terms,
-                         jnp.moveaxis(bad, 1, 2)[:, :, None, :])
+  logits = jnp.einsum("wqhd,wkhd->whqk", q, k, preferred_element_type=dtype,
+                      precision=precision) * scale
+  logits = jnp.where(jnp.moveaxis(bad, 1, 2)[:, :, None, :], jnp.nan, logits) + terms
   # Masked: a -inf bias or mask term (a NaN logit there does not reach the row), or a
   # -inf logit (a weight of 0, as in the dense formula).
   p, lse = masked_softmax(logits, ~(jnp.isneginf(terms) | jnp.isneginf(logits)))
@@ -357,7 +357,7 @@ def dilated_pair_reference(q, k, v, segment_length: int, dilation_rate: int, *, 
   logits = jnp.einsum("bnqhd,bnkhd->bnhqk", qs, ks, precision=jax.lax.Precision.HIGHEST) * scale
   if guard_values:  # (flash_attention_reference's)
     bad, vs = guarded_values(vs)  # [b, n, L, h]
-    logits = poison_logits(logits, jnp.moveaxis(bad, 2, 3)[:, :, :, None, :])
+    logits = jnp.where(jnp.moveaxis(bad, 2, 3)[:, :, :, None, :], jnp.nan, logits)
   mask = jnp.moveaxis(valid, -1, 1)[:, :, None, :]  # [n, H, 1, L]: keys that exist
   if causal:
     rows = jnp.arange(w // r)

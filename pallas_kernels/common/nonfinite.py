@@ -11,10 +11,11 @@ as a whole (where the dense product might leave some of its columns finite):
   ``poison(k, bad)`` fills them with NaN in the operand the weights are computed
   from (``guard_rows`` does both: retention). After the mask, a row that sees the key
   has a NaN weight, one that does not has the mask's 0 and meets a 0 value.
-- The softmax kernels poison the logits instead (``guard_masked_tile``: a -inf logit,
-  a weight of 0, stays), before the mask, and clear the rows of the operands their
-  backward matmuls multiply by masked gradients (``clear_nonfinite_rows``); their
-  references (``guard_values=True``) do the same on whole arrays.
+- The softmax kernels mark the keys by their values alone (``guard_values``: a non-finite
+  key row follows the dense formula, whose -inf logits are weights of 0), and clear the
+  rows of the operands their backward matmuls multiply by masked gradients
+  (``clear_nonfinite_rows``); their references (``guard_values=True``) do the same on
+  whole arrays.
 
 The Hopper kernels read V tiles from shared memory that rows on both sides of the mask
 share; they do not guard (docs/flash_attention.md says what that leaves).
@@ -59,20 +60,13 @@ def finite_or(x, fallback):
   return jnp.where(jnp.abs(x) < jnp.inf, x, fallback)
 
 
-def guard_masked_tile(s, v, key_axis: int):
-  """A masked tile's logits ``s`` and values ``v [keys, d]``, guarded: the logits of keys
-  whose value row is not finite are NaN (the rows that see such a key are NaN; apply the
-  mask after, so that the rows which do not see it keep their -inf) and those value rows
-  zero (the masked weights meet zeros). ``key_axis``: the axis of ``s`` over keys.
-  Returns ``(s, v)``."""
-  bad = nonfinite_rows(v)  # [keys, 1]
-  return poison_logits(s, bad[:, 0][None, :] if key_axis == 1 else bad), clear(v, bad)
-
-
-def poison_logits(s, bad):
-  """Logits ``s`` with NaN where ``bad`` (broadcastable) holds, except where they are
-  -inf: a weight of 0 (a score function's mask, an infinite product) sees nothing."""
-  return jnp.where(bad & jnp.logical_not(jnp.isneginf(s)), jnp.nan, s)
+def guard_values(k, v):
+  """The key and value rows ``[..., keys, d]`` of a tile that straddles a mask, guarded:
+  a key whose value row is not finite gets a NaN key row (its logits are NaN: the rows
+  that see it come out NaN, those that do not are masked as usual) and a zero value row
+  (the masked weights meet zeros). Returns ``(k, v)``."""
+  bad = nonfinite_rows(v)
+  return poison(k, bad), clear(v, bad)
 
 
 def clear_nonfinite_rows(x):

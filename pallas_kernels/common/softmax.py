@@ -40,13 +40,15 @@ def dot(a, b, contract_a: int, contract_b: int, fast_fp32: bool = False):
                          precision=precision, preferred_element_type=jnp.float32)
 
 
-def online_softmax_init(rows: int, width: int, sink=None):
+def online_softmax_init(rows: int, width: int, sink=None, c: float = 1.0):
   """Carry ``(acc, m, l)`` of the online softmax before the first key tile; ``sink``
-  (a scalar logit, natural units) starts every row's denominator at ``exp(sink)``."""
+  (a scalar logit, natural units) starts every row's denominator at ``exp(sink)``. The
+  running max ``m`` is in the units of the logits the steps take (``s``, with ``s * c``
+  in base 2)."""
   acc = jnp.zeros((rows, width), jnp.float32)
   if sink is None:
     return acc, jnp.full((rows,), EMPTY_ROW_LSE, jnp.float32), jnp.zeros((rows,), jnp.float32)
-  m = jnp.full((rows,), 1.0, jnp.float32) * (sink.astype(jnp.float32) * LOG2E)
+  m = jnp.full((rows,), 1.0, jnp.float32) * (sink.astype(jnp.float32) * (LOG2E / c))
   return acc, m, jnp.ones((rows,), jnp.float32)
 
 
@@ -61,20 +63,24 @@ def floor_sinks(sinks):
 
 
 def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
-  """Folds one key tile into ``(acc, m, l)``: logits ``s * c`` in base-2 units
-  (``[rows, keys]``, -inf where masked) and values ``v: [keys, width]``
-  (``fast_fp32`` as in ``dot``); ``kept``: dropout's keep-mask of the tile (the
-  denominator counts every weight, the output only the kept ones).
+  """Folds one key tile into ``(acc, m, l)``: logits ``s`` (``[rows, keys]``, -inf where
+  masked) with ``s * c`` in base-2 units, and values ``v: [keys, width]`` (``fast_fp32``
+  as in ``dot``); ``kept``: dropout's keep-mask of the tile (the denominator counts every
+  weight, the output only the kept ones).
 
-  The denominator sums the weights as the output's matmul takes them (rounded to
-  v's dtype), so the output is a convex combination of v: a saturated row (one weight
-  1, the rest 0) gives its value row exactly, even where the compiler fuses ``s * c -
-  m`` into one rounding and the top weight comes out a few ulps from 1 (the backward's
-  ``rowsum(o * dO)`` then cancels exactly against that key's ``dP``)."""
+  A saturated row (one weight 1, the rest 0) gives its key's value exactly: the
+  backward's ``rowsum(o * dO)`` must cancel that key's ``dP``, or dQ is off by an ulp of
+  ``o`` times ``|k|``. Two things see to it. Each weight is ``exp2((s - m) * c)``, the
+  running max ``m`` in the units of ``s``: the subtraction comes first, so the largest
+  logit weighs exactly 1 (``s * c - m * c`` fused into one FMA leaves it a few ulps
+  off). And the denominator sums the weights as the PV matmul takes them (in v's
+  dtype), so the output is a convex combination of v whatever the weights are (a
+  compiler may also compute ``s`` twice, once for the max and once for the weights,
+  rounded differently: XLA on the CPU does, in interpret mode)."""
   acc, m_prev, l_prev = carry
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * c)
-  alpha = jnp.exp2(m_prev - m_next)
-  p = jnp.exp2(s * c - m_next[:, None]).astype(v.dtype)
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+  alpha = jnp.exp2((m_prev - m_next) * c)
+  p = jnp.exp2((s - m_next[:, None]) * c).astype(v.dtype)
   l_next = l_prev * alpha + jnp.sum(p.astype(jnp.float32), axis=1)
   if kept is not None:
     p = jnp.where(kept, p, jnp.zeros((), p.dtype))
@@ -82,13 +88,14 @@ def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
   return acc, m_next, l_next
 
 
-def online_softmax_finish(carry):
-  """``(o, lse)`` from the final carry: o float32, lse in natural log; rows that saw
-  no key give zeros and ``EMPTY_ROW_LSE``."""
+def online_softmax_finish(carry, c: float = 1.0):
+  """``(o, lse)`` from the final carry (``c`` as the steps took it): o float32, lse in
+  natural log; rows that saw no key give zeros and ``EMPTY_ROW_LSE``."""
   acc, m, l = carry
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
-  return acc / l_safe[:, None], jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
+  return acc / l_safe[:, None], jnp.where(empty, EMPTY_ROW_LSE,
+                                          m * (c * LN2) + jnp.log(l_safe))
 
 
 def merge_weights(lse1, lse2):
@@ -145,6 +152,11 @@ class ScoreFunction:
     return jax.jvp(f, (x,), (jnp.ones_like(x),))
 
 
+def log2_units(scale: float, score=None) -> float:
+  """The ``c`` of ``log2_logits``: what its logits are multiplied by into base 2."""
+  return scale * LOG2E if score is None else 1.0
+
+
 def log2_logits(qk, scale: float, score=None, index=None, with_grad: bool = False):
   """Raw q.k products -> ``(s, c, g)`` with ``s * c`` the logits in base-2 units.
 
@@ -154,9 +166,9 @@ def log2_logits(qk, scale: float, score=None, index=None, with_grad: bool = Fals
   ``c = 1`` and ``g = d score / d x`` where ``with_grad`` (the backward's chain rule).
   """
   if score is None:
-    return qk, scale * LOG2E, None
+    return qk, log2_units(scale), None
   y, g = score.apply(qk * scale, index, with_grad)
-  return y * LOG2E, 1.0, g
+  return y * LOG2E, log2_units(scale, score), g
 
 
 def logit_grad(ds, g):

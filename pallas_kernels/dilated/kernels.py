@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn.kernels.common.launch import triton_call
-from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_masked_tile
+from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, merge_weights,
                                           online_softmax_finish, online_softmax_init,
                                           online_softmax_step)
@@ -134,10 +134,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *
 
   def body(masked, j, carry):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    s = dot(q, k_ref[cols, :], 1, 1, fast) * (geo.scale * LOG2E)
-    v = v_ref[cols, :]
+    k, v = k_ref[cols, :], v_ref[cols, :]
     if masked:  # masked weights must not meet a non-finite value (nonfinite.py)
-      s, v = guard_masked_tile(s, v, key_axis=1)
+      k, v = guard_values(k, v)
+    s = dot(q, k, 1, 1, fast) * (geo.scale * LOG2E)
+    if masked:
       s = jnp.where(geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head), s, -jnp.inf)
     return online_softmax_step(carry, s, 1.0, v, fast)
 
@@ -212,11 +213,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_re
   def body(masked, j, dq):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k, v = k_ref[cols, :], v_ref[cols, :]
-    s = dot(q, k, 1, 1, fast) * (geo.scale * LOG2E)
-    if masked:  # as the forward; and a NaN row's delta must not meet a masked weight
-      s, v = guard_masked_tile(s, v, key_axis=1)
+    k_scored = k
+    if masked:  # as the forward; and masked dS must not meet a non-finite key row
+      k_scored, v = guard_values(k, v)
       mask = geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head)
       k = clear_nonfinite_rows(k)
+    s = dot(q, k_scored, 1, 1, fast) * (geo.scale * LOG2E)
     p = backward_probs(s - lse2, lse2)
     if masked:
       p = jnp.where(mask, p, 0.0)
@@ -237,17 +239,17 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
   del dk_in_ref, dv_in_ref
   head = pl.program_id(2)
   k_start = pl.program_id(0) * block_k
-  k, v = k_ref[...], v_ref[...]
+  # Guarded for every tile (nonfinite.py): the rows of a tile without a mask all see a
+  # key whose value is not finite, and are NaN either way.
+  k_scored, v = guard_values(k_ref[...], v_ref[...])
   k_idx = _iota(k_start, 0, (block_k, 1))  # tiles kept transposed: [keys, queries]
 
   def body(masked, i, carry):
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    s_t = dot(k, q, 1, 1, fast) * (geo.scale * LOG2E)
-    v_t = v
-    if masked:  # as the dQ kernel
-      s_t, v_t = guard_masked_tile(s_t, v, key_axis=0)
+    s_t = dot(k_scored, q, 1, 1, fast) * (geo.scale * LOG2E)
+    if masked:  # masked dS must not meet a non-finite query row
       mask = geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head)
       q = clear_nonfinite_rows(q)
     lse2 = lse_ref[rows][None, :]
@@ -255,13 +257,13 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
     if masked:
       p_t = jnp.where(mask, p_t, 0.0)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
-    ds_t = p_t * (dot(v_t, do, 1, 1, fast) - delta_ref[rows][None, :])
+    ds_t = p_t * (dot(v, do, 1, 1, fast) - delta_ref[rows][None, :])
     if masked:
       ds_t = jnp.where(mask, ds_t, 0.0)
     return dk + dot(ds_t.astype(q.dtype), q, 1, 0, fast), dv
 
   lo, hi = geo.query_range(k_start, block_k)
-  zeros = jnp.zeros(k.shape, jnp.float32)
+  zeros = jnp.zeros(k_scored.shape, jnp.float32)
   dk, dv = _split_loop(lo // block_q, _cdiv(hi, block_q),
                        geo.full_query_tiles(k_start, block_k, block_q, head), body,
                        (zeros, zeros))

@@ -42,7 +42,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E, log2_units
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import forward_q_buffers, output_view_rows
 from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
@@ -83,8 +83,9 @@ class Rows(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxRows:
-  """Flash attention's row rule: the online softmax in base-2 units, with the mask
-  (segment ids, a mask function) and the score transform (soft-cap, a score
+  """Flash attention's row rule: the online softmax (``softmax.online_softmax_step``'s:
+  the running max in the logits' units, each weight ``exp2((s - m) * c)``), with the
+  mask (segment ids, a mask function) and the score transform (soft-cap, a score
   function) of ``positions`` applied to the logits, and its dropout of the weights;
   saves the log-sum-exp (natural log; ``EMPTY_ROW_LSE`` for rows that see no key,
   whose output is zeros)."""
@@ -100,25 +101,25 @@ class SoftmaxRows:
     return int(self.sinks)
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
+    score = self.positions.score if self.positions.score is not None else self.softcap
+    c = log2_units(self.scale, score)
 
     def update(s, stats, j, masked, tile):
       m, l = stats
-      s, c, _ = self.positions.logits(s, self.scale, self.softcap, tile)
+      s, _, _ = self.positions.logits(s, self.scale, self.softcap, tile)
       if masked:
         s = self.positions.apply_mask(s, self.spec, tile)
-      m_next = jnp.maximum(m, s.max(axis=1) * c)
-      alpha = jnp.exp2(m - m_next)
-      # The weights as the PV matmul takes them (16 bits), and the denominator their
-      # sum: the output is a convex combination of V (softmax.online_softmax_step).
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next, s.shape, [0])).astype(t.dtype)
+      m_next = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2((m - m_next) * c)
+      p = jnp.exp2((s - lax.broadcast_in_dim(m_next, s.shape, [0])) * c)
 
       def late(stats):
         m, l = stats
-        return m, l * alpha + p.astype(jnp.float32).sum(axis=1)
+        return m, l * alpha + p.sum(axis=1)
 
       # Dropout: the denominator counts every weight, V meets the kept ones (selected
       # in 16 bits: half the registers of an fp32 copy of the tile).
-      p_v = p
+      p_v = p.astype(t.dtype)
       if self.positions.dropout:
         p_v = jnp.where(self.positions.kept(tile), p_v, jnp.zeros((), t.dtype))
       return p_v, alpha, (m_next, l), late
@@ -130,10 +131,11 @@ class SoftmaxRows:
       # Dropout scales the kept weights by 1 / (1 - rate).
       l_out = l_safe * (1.0 - self.positions.dropout) if self.positions.dropout else l_safe
       o = acc * lax.broadcast_in_dim(1.0 / l_out, acc.shape, [0])
-      return o, jnp.where(empty, EMPTY_ROW_LSE, m * LN2 + jnp.log(l_safe))
+      return o, jnp.where(empty, EMPTY_ROW_LSE, m * (c * LN2) + jnp.log(l_safe))
 
     if self.sinks:  # every row's denominator starts at exp(sink)
-      init = (mp.row_vector(inputs[0][t.head] * LOG2E, t.block_q), mp.row_vector(1.0, t.block_q))
+      init = (mp.row_vector(inputs[0][t.head] * (LOG2E / c), t.block_q),
+              mp.row_vector(1.0, t.block_q))
     else:
       init = (mp.row_vector(EMPTY_ROW_LSE, t.block_q), mp.row_vector(0.0, t.block_q))
     return Rows(init, update, finish)

@@ -26,7 +26,7 @@ from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, 
 from jattn.kernels.common.masking import (MaskSpec, element_mask, kv_block_range,
                                           q_block_range, range_tiles, run_tiles,
                                           split_extra_refs)
-from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_masked_tile
+from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
 
 
@@ -46,8 +46,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
   spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
   k_start = pl.program_id(0) * block_k
   batch_row, kv_head = pl.program_id(1), pl.program_id(2)
-  k = k_ref[...]
-  v = v_ref[...]
+  # Guarded for every tile (nonfinite.py): the rows of a tile without a mask all see a
+  # key whose value is not finite, and are NaN either way.
+  k_scored, v = guard_values(k_ref[...], v_ref[...])
   # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
   k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
   k_seg = kv_seg_ref[...][:, None] if spec.segments else None
@@ -61,10 +62,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     delta = delta_ref[head, q_slice]
     q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
     bh = (batch_row, head)
-    s_t, c, g_t = log2_logits(dot(k, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    v_t, mask = v, None
-    if masked:  # masked weights (and their dS) must not meet non-finite rows (nonfinite.py)
-      s_t, v_t = guard_masked_tile(s_t, v, key_axis=0)
+    s_t, c, g_t = log2_logits(dot(k_scored, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
+    mask = None
+    if masked:  # masked dS must not meet a non-finite query row (nonfinite.py)
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
       mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
       q = clear_nonfinite_rows(q)
@@ -72,7 +72,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     if mask is not None:
       p_t = jnp.where(mask, p_t, 0.0)
     rows = row_hash(seed_ref[0], batch_row, head, q_idx) if dropout_rate else None
-    p_v, dp_t = _dropped(p_t, dot(v_t, do, 1, 1), rows, seed_ref, k_idx, dropout_rate)
+    p_v, dp_t = _dropped(p_t, dot(v, do, 1, 1), rows, seed_ref, k_idx, dropout_rate)
     dv = dv + dot(p_v.astype(do.dtype), do, 1, 0)
     ds_t = logit_grad(p_t * (dp_t - delta[None, :]), g_t)
     if mask is not None:  # a NaN row's delta times a masked weight of 0
@@ -120,13 +120,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     k = k_ref[k_slice, :]
     v = v_ref[k_slice, :]
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    s, c, g = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    mask = None
-    if masked:  # as in the dK/dV kernel
-      s, v = guard_masked_tile(s, v, key_axis=1)
+    k_scored, mask = k, None
+    if masked:  # as the forward; and masked dS must not meet a non-finite key row
+      k_scored, v = guard_values(k, v)
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
       k = clear_nonfinite_rows(k)
+    s, c, g = log2_logits(dot(q, k_scored, 1, 1), scale, score, bh + (q_idx, k_idx), True)
     p = backward_probs(s * c - lse2[:, None], lse2[:, None], dropout_rate)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)

@@ -24,8 +24,8 @@ from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, 
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
                                           run_tiles, split_extra_refs)
-from jattn.kernels.common.nonfinite import guard_masked_tile
-from jattn.kernels.common.softmax import (dot, log2_logits, online_softmax_finish,
+from jattn.kernels.common.nonfinite import guard_values
+from jattn.kernels.common.softmax import (dot, log2_logits, log2_units, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
 
 
@@ -43,10 +43,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
   def body(masked: bool, j, carry):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    s, c, _ = log2_logits(dot(q, k_ref[k_slice, :], 1, 1), scale, score, bh + (q_idx, k_idx))
-    v = v_ref[k_slice, :]
+    k, v = k_ref[k_slice, :], v_ref[k_slice, :]
     if masked:  # masked weights must not meet a non-finite value (nonfinite.py)
-      s, v = guard_masked_tile(s, v, key_axis=1)
+      k, v = guard_values(k, v)
+    s, c, _ = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx))
+    if masked:
       k_seg = kv_seg_ref[k_slice][None, :] if spec.segments else None
       s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx, q_seg, k_seg, bh)
     kept = keep(rows, col_hash(seed_ref[1], k_idx), dropout_rate) if dropout_rate else None
@@ -57,8 +58,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
   else:
     schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
   sink = None if sink_ref is None else sink_ref[bh[1]]
-  carry = run_tiles(schedule, body, online_softmax_init(block_q, v_ref.shape[-1], sink))
-  o, lse = online_softmax_finish(carry)
+  c = log2_units(scale, score)
+  carry = run_tiles(schedule, body, online_softmax_init(block_q, v_ref.shape[-1], sink, c))
+  o, lse = online_softmax_finish(carry, c)
   if dropout_rate:
     o = o * (1.0 / (1.0 - dropout_rate))
   o_ref[...] = o.astype(o_ref.dtype)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_masked_tile
+from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
 from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, online_softmax_finish,
@@ -45,20 +45,13 @@ def _mask_rows(block: int, tokens: int, mask_windows: int):
   return pl.BlockSpec((None, block, tokens), lambda i, w, h: (w % mask_windows, i, 0))
 
 
-def _logits2(qk, scale: float, bias, mask, v, key_axis: int):
-  """``(s, v)`` of one tile: the logits in base-2 units from raw ``q·k`` and the (base-2)
-  bias and mask tiles, and the values ``v [keys, d]`` of its keys (``key_axis``: the
-  axis of the tile that runs over keys).
-
-  Where the bias or the mask is ``-inf`` the logit is ``-inf`` (a NaN or infinite
-  product there never reaches the row). Keys whose value row is not finite are taken
-  out of the matmuls (``nonfinite.guard_masked_tile``; any tile may hold masked keys):
-  their logits NaN (every row that sees them is NaN), their values zero (rows that do
-  not see them never multiply them)."""
+def _logits2(qk, scale: float, bias, mask):
+  """Logits in base-2 units from raw ``q·k`` and the (base-2) bias and mask tiles: -inf
+  where the bias or the mask is (a NaN or infinite product there never reaches the
+  row)."""
   terms = bias if mask is None else bias + mask
   masked = jnp.isneginf(bias) if mask is None else jnp.isneginf(bias) | jnp.isneginf(mask)
-  s, v = guard_masked_tile(qk * (scale * LOG2E) + terms, v, key_axis)
-  return jnp.where(masked, -jnp.inf, s), v
+  return jnp.where(masked, -jnp.inf, qk * (scale * LOG2E) + terms)
 
 
 def _logit_grads(s, p, dp, delta):
@@ -75,8 +68,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, 
   def body(j, carry):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     mask = None if mask_ref is None else mask_ref[:, cols]
-    s, v = _logits2(dot(q, k_ref[cols, :], 1, 1, fast), scale, bias_ref[:, cols], mask,
-                    v_ref[cols, :], key_axis=1)
+    # Any tile may hold masked keys: guarded, every one (nonfinite.py).
+    k, v = guard_values(k_ref[cols, :], v_ref[cols, :])
+    s = _logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask)
     return online_softmax_step(carry, s, 1.0, v, fast)
 
   carry = online_softmax_init(q.shape[0], v_ref.shape[-1])
@@ -120,8 +114,8 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = k_ref[cols, :]
     mask = None if mask_ref is None else mask_ref[:, cols]
-    s, v = _logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask, v_ref[cols, :],
-                    key_axis=1)
+    k_scored, v = guard_values(k, v_ref[cols, :])
+    s = _logits2(dot(q, k_scored, 1, 1, fast), scale, bias_ref[:, cols], mask)
     ds = _logit_grads(s, backward_probs(s - lse2, lse2), dot(do, v, 1, 1, fast), delta)
     return dq + dot(ds.astype(k.dtype), clear_nonfinite_rows(k), 1, 0, fast)
 
@@ -132,19 +126,18 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mask_t_ref,
                 dk_ref, dv_ref, *, scale: float, block_q: int, fast: bool):
   # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
-  k, v = k_ref[...], v_ref[...]
+  k, v = guard_values(k_ref[...], v_ref[...])
 
   def body(i, carry):
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     mask = None if mask_t_ref is None else mask_t_ref[:, rows]
-    s_t, v_safe = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask, v,
-                           key_axis=0)
+    s_t = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask)
     lse2 = lse_ref[rows][None, :]
     p_t = backward_probs(s_t - lse2, lse2)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
-    ds_t = _logit_grads(s_t, p_t, dot(v_safe, do, 1, 1, fast), delta_ref[rows][None, :])
+    ds_t = _logit_grads(s_t, p_t, dot(v, do, 1, 1, fast), delta_ref[rows][None, :])
     return dk + dot(ds_t.astype(q.dtype), clear_nonfinite_rows(q), 1, 0, fast), dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
@@ -162,7 +155,8 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
     w = group + i * groups  # windows strided over the groups
     q, do = q_ref[w], do_ref[w]
     mask = None if mask_ref is None else mask_ref[w % mask_windows]
-    s, v = _logits2(dot(q, k_ref[w], 1, 1, fast), scale, bias, mask, v_ref[w], key_axis=1)
+    k, v = guard_values(k_ref[w], v_ref[w])
+    s = _logits2(dot(q, k, 1, 1, fast), scale, bias, mask)
     lse2 = lse_ref[w][:, None]
     p = backward_probs(s - lse2, lse2)
     return acc + _logit_grads(s, p, dot(do, v, 1, 1, fast), delta_ref[w][:, None])
