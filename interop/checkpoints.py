@@ -139,9 +139,10 @@ def infer_dat_config(state, **overrides):
   except DATConfigError as e:
     keys = dict.fromkeys(sources[f] for f in e.fields if f in sources)
     named = ", ".join(f"{k!r} {tuple(np.shape(state[k]))}" for k in keys)
-    raise CheckpointError(f"not a DAT checkpoint jattn can run: {named or 'the options'} "
-                          f"give a config where {e}") from None
-  masks = [v for k, v in state.items() if k.endswith("attn.attn_mask_0")]
+    raise CheckpointError(f"not a DAT checkpoint jattn can run ({named or 'the options'}): "
+                          f"{e}") from None
+  masks = [v for k, v in state.items()
+           if k.endswith("attn.attn_mask_0") and len(np.shape(v)) == 3]
   img_size = None
   if masks:
     windows = np.shape(masks[0])[0]

@@ -76,8 +76,8 @@ class StoredTensor:
   strides: tuple[int, ...]
 
   def __post_init__(self):
-    if not (isinstance(self.storage, Storage) and isinstance(self.shape, tuple) and isinstance(self.strides, tuple)
-            and len(self.shape) == len(self.strides) <= MAX_NDIM
+    if not (isinstance(self.storage, Storage) and isinstance(self.shape, tuple)
+            and isinstance(self.strides, tuple) and len(self.shape) == len(self.strides) <= MAX_NDIM
             and all(_is_int(n) and n >= 0 for n in self.shape + self.strides)
             and _is_int(self.offset) and self.offset >= 0):
       raise ValueError(f"a tensor's shape {self.shape!r}, strides {self.strides!r} or offset "
@@ -108,19 +108,21 @@ class StoredTensor:
     if s.refusal is not None:
       raise CheckpointError(s.refusal)
     dtype = DTYPES[s.dtype].newbyteorder(">" if s.big_endian else "<")
-    nbytes = self.extent * dtype.itemsize
+    buffer = np.empty(self.extent * dtype.itemsize, np.uint8)
     with open(s.path, "rb") as f:
       f.seek(s.start + self.offset * dtype.itemsize)
-      data = f.read(nbytes)
-    if len(data) != nbytes:  # the file changed or ends early: the index said otherwise
+      complete = f.readinto(buffer) == buffer.size
+    if not complete:  # the file changed or ends early: its index said otherwise
       raise CheckpointError(f"checkpoint {s.path!r} is truncated or corrupt (it ends inside "
                             "a tensor's data); download or save it again")
-    flat = np.frombuffer(data, dtype)
-    values = (np.zeros(self.shape, dtype) if not self.extent else
-              np.lib.stride_tricks.as_strided(flat, self.shape,
-                                              [n * dtype.itemsize for n in self.strides]))
-    values = np.array(values, dtype.newbyteorder("="))
-    return values.astype(np.float32) if self.is_floating_point else values
+    flat = buffer.view(dtype)
+    if self.strides == contiguous_strides(self.shape):
+      values = flat.reshape(self.shape)
+    else:  # a view into a larger storage: its elements gathered into an array of its own
+      values = np.array(np.lib.stride_tricks.as_strided(
+          flat, self.shape, [n * dtype.itemsize for n in self.strides]))
+    values = values.astype(dtype.newbyteorder("="), copy=False)
+    return values.astype(np.float32, copy=False) if self.is_floating_point else values
 
   def __array__(self, dtype=None, copy=None):
     values = self.read()

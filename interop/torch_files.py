@@ -280,7 +280,7 @@ def _next_pickle(path: str, stream: io.BytesIO, capped: bool) -> bytes:
   start = stream.tell()
   try:
     end = next(pos for op, _, pos in pickletools.genops(stream) if op.name == "STOP") + 1
-  except (StopIteration, ValueError):  # no end in sight: _unpickle says what is wrong
+  except Exception:  # no end in sight, or damaged bytes: _unpickle says which
     if capped and len(stream.getbuffer()) - start > MAX_INDEX_BYTES:
       raise CheckpointError(f"checkpoint {path!r}: its pickled index is more than "
                             f"{MAX_INDEX_BYTES} bytes, more than jattn reads") from None

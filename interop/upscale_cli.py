@@ -30,12 +30,13 @@ examples:
   jattn-upscale --model 4xModel_dat2.pth photo.png photo_x4.png
   jattn-upscale --model converted/ --precision bf16 --tile 256 photos/ upscaled/
 
-The model is a PyTorch DAT checkpoint (.pth as torch.save writes it, no pickled code
-run; or .safetensors) or a folder written by `jattn convert dat`. Images larger than --tile
-run in overlapping tiles blended at the seams; all tiles share one shape, so one
-compiled function serves them. Grey images come out grey; an alpha channel is upscaled
-bicubically beside the model's colours (write it to .png, .webp or .tif). A folder of
-inputs gives .png files of the same names in the output folder.
+The model is a PyTorch DAT checkpoint (.pth as torch.save writes it, read without
+running pickled code, or .safetensors) or a folder written by `jattn convert dat`.
+Images larger than --tile run in overlapping tiles blended at the seams; all tiles
+share one shape, so one compiled function serves them. Grey images come out grey; an
+alpha channel is upscaled bicubically beside the model's colours (write it to .png,
+.webp or .tif). A folder of inputs gives .png files of the same names in the output
+folder. Images of more than --max-pixels pixels are refused before they are decoded.
 """
 MIN_TILE = 8
 # 4096 x 4096: upscaled x4 into float32 with its blend weights, 4.3 GB of output.
@@ -99,10 +100,10 @@ def plan_jobs(args) -> list[tuple[str, str, str]]:
     pairs = [(existing_file("input", src), writable_destination("output", dst))]
   jobs = []
   for image_in, image_out in pairs:
-    if os.path.exists(image_out) and os.path.samefile(image_in, image_out):
-      raise UsageError(f"output {image_out!r} is the input: give another name or folder")
-    if any(os.path.exists(image_out) and os.path.samefile(f, image_out) for f in model_files):
-      raise UsageError(f"output {image_out!r} is a file of --model: give another name or folder")
+    read = [(image_in, "the input")] + [(f, "a file of --model") for f in model_files]
+    for path, what in read if os.path.exists(image_out) else ():
+      if os.path.samefile(path, image_out):
+        raise UsageError(f"output {image_out!r} is {what}: give another name or folder")
     try:
       _, _, has_alpha = inspect_image(image_in, args.max_pixels)
       jobs.append((image_in, image_out, output_format(image_out, has_alpha)))

@@ -5,9 +5,10 @@ A user's mistake (a bad option, a missing or unreadable file, a checkpoint of an
 model) is a ``UsageError``: the tool prints it as one line, ``<prog>: error: ...``, and
 exits with status 2, before any slow work where it can be known then; so is an
 optional module missing from the install (the line names the extra that adds it).
-Anything else is a bug: one line saying so and exit status 1; ``--verbose`` prints the traceback of
-either. Outputs go to a temporary name beside the destination and are renamed into
-place only once complete (``atomic_output``), so a failed run leaves no partial file.
+Anything else is a bug: one line saying so and exit status 1; ``--verbose`` prints the
+traceback of either. Outputs go to a temporary name beside the destination and are
+renamed into place only once complete (``atomic_output``), so a failed run leaves no
+partial file.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import warnings
 from typing import Callable, Iterator
 
 
-# The optional modules a tool may need, and the extra of pyproject.toml that installs each.
-EXTRAS = {"torch": "torch", "safetensors": "torch", "PIL": "image", "torchscale": "test-torch",
-          "matplotlib": "bench"}
+# The optional modules a tool may need (pillow for images; torch for the torch side),
+# and the extra of pyproject.toml that installs each.
+EXTRAS = {"PIL": "image", "torch": "torch"}
 
 
 class UsageError(Exception):

@@ -122,11 +122,11 @@ SHIFTED_TABLE = np.roll(relative_positions(4, 8)[0], 1, axis=0)  # the right row
      r"has shape \(16130, 2\), expected \[offsets, 2\] with at most 16129 offsets"),
     # item 15: a mis-shaped tensor is named
     ("layers.0.blocks.0.ffn.fc1.weight", np.ones((63, 32), np.float32),
-     r"'layers.0.blocks.0.ffn.fc1.weight' \(63, 32\) give a config where embed_dim \* "
-     r"expansion_factor must give an even FFN width"),
+     r"'layers.0.blocks.0.ffn.fc1.weight' \(63, 32\)\): embed_dim \* expansion_factor must "
+     r"give an even FFN width"),
     ("layers.1.blocks.1.attn.temperature", np.ones((5, 1, 1), np.float32),
-     r"'layers.1.blocks.1.attn.temperature' \(5, 1, 1\), 'conv_first.weight' \(32, 3, 3, 3\) "
-     r"give a config where num_heads 5 must divide embed_dim 32"),
+     r"\('layers.1.blocks.1.attn.temperature' \(5, 1, 1\), 'conv_first.weight' "
+     r"\(32, 3, 3, 3\)\): num_heads 5 must divide embed_dim 32"),
     ("layers.5.blocks.0.norm1.weight", np.ones(32, np.float32),
      r"its 'layers.<i>' keys are numbered \[0, 1, 5\], not 0, 1, ... in order"),
 ])
