@@ -3,6 +3,7 @@ subprocess. Every mistake exits with status 2 and one line naming the option or 
 before the model loads where it can be known then, and leaves no output behind; the
 working runs write what they say, grey and alpha images kept as such."""
 
+import json
 import os
 import shutil
 import struct
@@ -20,6 +21,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from conftest import ON_GPU  # noqa: E402
 from jattn.command_line import UsageError, atomic_folder, atomic_output  # noqa: E402
+from jattn.interop.cli import convert_main  # noqa: E402
 from jattn.interop.dat_torch import dat_torch  # noqa: E402
 from jattn.nn import DATConfig  # noqa: E402
 
@@ -250,6 +252,18 @@ def test_convert_then_upscale_keeps_grey_and_alpha(files, tmp_path):
     alpha = np.asarray(img)[:, :, 3].astype(np.float32)
     small = np.asarray(src)[:, :, 3].astype(np.float32)
     assert abs(alpha.mean() - small.mean()) < 8
+
+
+def test_overwrite_replaces_the_converted_files_and_keeps_the_rest(files, tmp_path, capsys):
+  out = tmp_path / "conv"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  (out / "config.json").write_text("an old one")
+  assert convert_main(["dat", str(files / "tiny.pth"), str(out), "--overwrite"]) == 0, \
+      capsys.readouterr().err
+  assert sorted(os.listdir(out)) == ["config.json", "notes.txt", "params.safetensors"]
+  assert json.loads((out / "config.json").read_text())["model"] == "DAT"
+  assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_a_write_that_fails_says_so_in_one_line_and_leaves_nothing(files, tmp_path):
