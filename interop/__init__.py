@@ -15,6 +15,7 @@ lazy_exports(__name__, {
     "flash_attention_torch": "jattn.interop.torch_reference:flash_attention_torch",
     "load_dat": "jattn.interop.checkpoints:load_dat",
     "load_retnet": "jattn.interop.retnet_checkpoints:load_retnet",
+    "read_checkpoint": "jattn.interop.checkpoint_files:read_checkpoint",
     "read_state_dict": "jattn.interop.checkpoint_files:read_state_dict",
     "retention_torch": "jattn.interop.torch_reference:retention_torch",
     "same_memory": "jattn.interop.dlpack:same_memory",

@@ -1,26 +1,24 @@
-"""Reading PyTorch checkpoint files: what format a file is (read off its first bytes),
-and its tensors as numpy arrays (``torch.load(weights_only=True)``, or safetensors).
+"""Reading checkpoint files: what format a file is (read off its first bytes), and its
+tensors by key, as ``StoredTensor``s whose bytes are read only when asked for
+(``read_checkpoint``), or as numpy arrays (``read_state_dict``).
 
-Light to import (numpy; torch and safetensors only when a file is read), so that the
-command-line tools check the files they are given before JAX loads.
+Files are untrusted input: ``.safetensors`` headers are parsed here, and what
+``torch.save`` writes is read through a restricted unpickler that runs no pickled code
+and builds no storage (``jattn.interop.torch_files``). Numpy alone: neither torch nor
+JAX is imported, so the command-line tools check the files they are given first.
 """
 
 from __future__ import annotations
 
 import os
-import zipfile
 
 import numpy as np
 
-from jattn.command_line import first_line
+from jattn.interop.safetensors_files import safetensors_index
+from jattn.interop.stored_tensors import CheckpointError, StoredTensor
+from jattn.interop.torch_files import open_archive, torch_legacy_index, torch_zip_index
 
 WRAPPERS = ("params_ema", "params", "state_dict", "model")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint file that cannot be used: missing, not a checkpoint, truncated or
-  corrupt, holding pickled objects, or of another model. The message is one line that
-  names the file and says which."""
 
 
 def _unwrap(obj, path):
@@ -51,13 +49,9 @@ def checkpoint_format(path) -> str:
   except OSError as e:
     raise CheckpointError(f"checkpoint {path!r} cannot be read ({e.strerror})") from None
   if head.startswith(b"PK\x03\x04"):
-    try:
-      zipfile.ZipFile(path).close()  # reads the directory at the end: finds truncation
-    except (zipfile.BadZipFile, OSError):
-      raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt (its zip archive "
-                            "cannot be read); download or save it again") from None
+    open_archive(path).close()  # reads the directory at the end: finds truncation
     return "torch"
-  if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 1 << 30:
+  if len(head) == 9 and head[8:9] == b"{":
     return "safetensors"  # an 8-byte header length, then the JSON header
   if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
     return "torch-legacy"
@@ -65,53 +59,40 @@ def checkpoint_format(path) -> str:
                         "torch.save writes it) nor a .safetensors file")
 
 
-def read_state_dict(path) -> dict[str, np.ndarray]:
-  """The tensors of a checkpoint file as numpy arrays by torch key.
+def read_checkpoint(path) -> dict[str, StoredTensor]:
+  """The tensors of a checkpoint file by torch key, their values not read yet.
 
   The format is read off the file's content: ``.safetensors``, or what ``torch.save``
-  writes, loaded with ``torch.load(weights_only=True)`` (no pickled code runs). Raises
-  ``CheckpointError`` (one line naming the file) for anything that is not that.
+  writes (no pickled code runs: only tensors in dicts are accepted). BasicSR's
+  ``params_ema`` / ``params`` wrappers and a DataParallel ``module.`` prefix are
+  removed. Raises ``CheckpointError`` (one line naming the file) for anything else.
   """
   path = os.fspath(path)
-  if checkpoint_format(path) == "safetensors":
-    from safetensors.numpy import load_file
-
-    try:
-      state = load_file(path)
-    except Exception as e:  # safetensors raises its own error type for a bad header
-      raise CheckpointError(f"checkpoint {path!r} is not a valid .safetensors file "
-                            f"(truncated or corrupt: {first_line(e)})") from None
+  kind = checkpoint_format(path)
+  if kind == "safetensors":
+    state = safetensors_index(path)
   else:
-    state = _unwrap(_torch_load(path), path)
-    state = {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.cpu().numpy()
-             for k, v in state.items() if hasattr(v, "detach")}
-  if not state:
+    obj = (torch_zip_index if kind == "torch" else torch_legacy_index)(path)
+    state = _unwrap(obj, path)
+  tensors = {}
+  for key, value in state.items():
+    if not isinstance(value, StoredTensor):
+      continue  # an entry that is no tensor (a step count) is no weight either
+    if not isinstance(key, str):
+      raise CheckpointError(f"checkpoint {path!r} is not a state dict: a tensor's key is "
+                            f"{key!r}, of type {type(key).__name__}, not a parameter name")
+    tensors[key] = value
+  if not tensors:
     raise CheckpointError(f"checkpoint {path!r} holds no tensors")
-  if all(k.startswith("module.") for k in state):  # saved from DataParallel
-    state = {k[len("module."):]: v for k, v in state.items()}
-  return state
+  if all(k.startswith("module.") for k in tensors):  # saved from DataParallel
+    tensors = {k[len("module."):]: v for k, v in tensors.items()}
+  return tensors
 
 
-def _torch_load(path: str):
-  import pickle
-
-  import torch
-
-  try:
-    return torch.load(path, map_location="cpu", weights_only=True)
-  except pickle.UnpicklingError as e:
-    # torch's own message suggests weights_only=False: never for a file from elsewhere,
-    # so none of its text is passed on.
-    if "Unsupported global" in str(e):
-      raise CheckpointError(
-          f"checkpoint {path!r} holds Python objects besides tensors, which jattn does not "
-          "unpickle (torch.load(weights_only=True)); save model.state_dict() or convert it "
-          "to .safetensors") from None
-    raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt (its pickled index "
-                          "cannot be read); download or save it again") from None
-  except Exception as e:
-    raise CheckpointError(f"checkpoint {path!r} is truncated or corrupt (torch cannot read "
-                          f"it: {first_line(e)})") from None
+def read_state_dict(path) -> dict[str, np.ndarray]:
+  """Every tensor of a checkpoint file (``read_checkpoint``) as a numpy array by torch
+  key: floating types as float32, the others as stored."""
+  return {key: tensor.read() for key, tensor in read_checkpoint(path).items()}
 
 
 def key_summary(state) -> str:

@@ -13,9 +13,9 @@ import os
 import sys
 
 from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_folder,
-                                check_choices, comma_list, first_line, positive_float,
-                                positive_int, run_tool, writable_folder)
-from jattn.interop.checkpoint_files import checkpoint_format, read_state_dict
+                                check_choices, comma_list, positive_float, positive_int,
+                                run_tool, writable_folder)
+from jattn.interop.checkpoint_files import checkpoint_format, read_checkpoint
 from jattn.interop.converted import CONVERTED_FILES, save_converted
 from jattn.interop.upscale_cli import DESCRIPTION as UPSCALE_DESCRIPTION
 from jattn.interop.upscale_cli import add_upscale_arguments, run_upscale
@@ -55,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("model_type", choices=MODEL_TYPES,
                       help="the architecture: DAT, or torchscale's RetNetDecoder")
-  parser.add_argument("checkpoint", help=".pth (torch.load weights_only) or .safetensors")
-  parser.add_argument("out_dir", help="writes params.safetensors and config.json here")
+  parser.add_argument("checkpoint", help=".pth (as torch.save writes it; no pickled code "
+                      "runs) or .safetensors")
+  parser.add_argument("out_dir", help="writes params.safetensors and config.json here (a new "
+                      "or empty folder, unless --overwrite)")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="write into a folder that holds files (replacing its "
+                      "params.safetensors and config.json)")
   parser.add_argument("--img-range", type=positive_float, help="dat: img_range if not 1.0")
   parser.add_argument("--num-heads", type=positive_int,
                       help="retnet: the head count, if the checkpoint has no decay buffer")
@@ -68,7 +73,7 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _converted_model(args):
   """The Flax model of ``args.checkpoint`` and a line describing it."""
-  state = read_state_dict(args.checkpoint)  # before JAX loads: a corrupt file is said at once
+  state = read_checkpoint(args.checkpoint)  # before JAX loads: a corrupt file is said at once
   from jattn.interop.checkpoints import dat_from_state_dict, infer_dat_config
   from jattn.interop.retnet_checkpoints import retnet_from_state_dict
 
@@ -81,6 +86,25 @@ def _converted_model(args):
   options = {} if args.activation is None else {"activation": args.activation}
   model = retnet_from_state_dict(state, num_heads=args.num_heads, **options)
   return model, f"RetNet {model.config}"
+
+
+def _check_out_dir(args) -> None:
+  """A ``UsageError`` if writing ``out_dir`` would replace the checkpoint (even with
+  ``--overwrite``), or files there without ``--overwrite``."""
+  if not os.path.isdir(args.out_dir):
+    return
+  for name in CONVERTED_FILES:
+    path = os.path.join(args.out_dir, name)
+    if os.path.exists(path) and os.path.samefile(path, args.checkpoint):
+      raise UsageError(f"out_dir {args.out_dir!r}: writing {path!r} would replace the checkpoint "
+                       "being converted; give another folder")
+  try:
+    taken = os.listdir(args.out_dir)
+  except OSError as e:
+    raise UsageError(f"out_dir {args.out_dir!r} cannot be read ({e.strerror})") from None
+  if taken and not args.overwrite:
+    raise UsageError(f"out_dir {args.out_dir!r} is not empty: give a new or empty folder, or "
+                     "--overwrite to replace its params.safetensors and config.json")
 
 
 # The options that only one model type reads: given for the other, they are mistakes.
@@ -98,17 +122,13 @@ def run_convert(args) -> int:
     checkpoint_format(args.checkpoint)
   except ValueError as e:
     raise UsageError(str(e)) from None
+  _check_out_dir(args)
   try:
     model, description = _converted_model(args)
   except ValueError as e:  # not a checkpoint of that model, or not matching its config
     raise UsageError(about(args.checkpoint, e)) from None
-  from safetensors import SafetensorError
-
-  try:
-    with atomic_folder(args.out_dir) as tmp:
-      save_converted(model, tmp)
-  except SafetensorError as e:  # its writer's OSErrors (a full disk) come as this type
-    raise UsageError(f"cannot write {args.out_dir!r}: {first_line(e)}") from None
+  with atomic_folder(args.out_dir) as tmp:
+    save_converted(model, tmp)
   print(f"{args.checkpoint}: {description}")
   print("wrote " + " and ".join(os.path.join(args.out_dir, name) for name in CONVERTED_FILES))
   return 0

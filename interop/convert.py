@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jattn.interop.stored_tensors import as_numpy
+
 _NORM_NAMES = {"scale": "weight", "bias": "bias", "mean": "running_mean", "var": "running_var"}
 ALWAYS_DERIVED = ("num_batches_tracked",)
 
@@ -59,12 +61,6 @@ def torch_names(module) -> dict[str, tuple[nnx.Variable, str]]:
   return out
 
 
-def _as_numpy(value) -> np.ndarray:
-  if hasattr(value, "detach"):  # a torch tensor
-    value = value.detach().float().cpu().numpy()
-  return np.asarray(value)
-
-
 def _is_derived(key: str, derived) -> bool:
   return key.rsplit(".", 1)[-1] in (*ALWAYS_DERIVED, *derived)
 
@@ -73,7 +69,8 @@ def load_torch_state_dict(module, state_dict, *, derived=()) -> None:
   """Copies a torch ``state_dict`` into the NNX ``module`` in place.
 
   Args:
-    state_dict: torch tensors or numpy arrays by torch key.
+    state_dict: torch tensors, numpy arrays or ``StoredTensor``s by torch key; every
+      shape is checked before any value is read.
     derived: key suffixes (the part after the last dot) of buffers the module
       recomputes, accepted and ignored (``num_batches_tracked`` always is).
 
@@ -86,21 +83,21 @@ def load_torch_state_dict(module, state_dict, *, derived=()) -> None:
   names = [f"missing keys {_few(missing)}"] if missing else []
   names += [f"unexpected keys {_few(unexpected)}"] if unexpected else []
   problems = [", ".join(names)] if names else []
-  values = {}
-  for key in sorted(set(expected) & given):
+  matched = sorted(set(expected) & given)
+  for key in matched:  # shapes first: no value is read from a checkpoint that does not fit
     var, kind = expected[key]
-    value = _as_numpy(state_dict[key])
+    shape = tuple(np.shape(state_dict[key]))
     want = _relayout(kind, np.empty(var.shape, np.bool_), to_torch=True).shape
-    if value.shape != want:
-      problems.append(f"{key!r} has shape {value.shape}, the module expects {want}")
-    values[key] = value
+    if shape != want:
+      problems.append(f"{key!r} has shape {shape}, the module expects {want}")
   if problems:
     raise ValueError(f"checkpoint does not match {type(module).__name__}: "
                      + "; ".join(problems[:4]) + ("" if len(problems) <= 4 else
                                                   f"; ... {len(problems) - 4} more"))
-  for key, value in values.items():
+  for key in matched:
     var, kind = expected[key]
-    _assign(var, jnp.asarray(_relayout(kind, value, to_torch=False), var.dtype))
+    value = _relayout(kind, as_numpy(state_dict[key]), to_torch=False)
+    _assign(var, jnp.asarray(value, var.dtype))
 
 
 def _few(keys: list[str], shown: int = 4) -> str:

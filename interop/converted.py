@@ -1,9 +1,12 @@
 """Converted models: Flax params as ``params.safetensors`` (torch names and layouts)
-plus ``config.json`` in a folder, what ``jattn-convert`` writes; read back without
-torch.
+plus ``config.json`` in a folder, what ``jattn-convert`` writes; written and read back
+with numpy alone (no torch, no safetensors package).
 
 Light to import (the models load when a folder is read), so that the command-line
-tools check a converted folder before JAX loads."""
+tools check a converted folder before JAX loads. Both files are untrusted when read:
+``config.json`` is read up to a size cap, and each field it gives that the weights fix
+(widths, depths, head counts) must agree with them before a model is built.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import json
 import os
 
 from jattn.command_line import first_line
-from jattn.interop.checkpoint_files import CheckpointError
+from jattn.interop.safetensors_files import safetensors_index, write_safetensors
+from jattn.interop.stored_tensors import CheckpointError
 from jattn.lazy_exports import import_attribute
 
 # The model name config.json gives -> the function that builds it from the params and
@@ -21,18 +25,17 @@ BUILDERS = {"DAT": "jattn.interop.checkpoints:dat_from_state_dict",
             "RetNet": "jattn.interop.retnet_checkpoints:retnet_from_state_dict"}
 PARAMS_FILE, CONFIG_FILE = "params.safetensors", "config.json"
 CONVERTED_FILES = (PARAMS_FILE, CONFIG_FILE)
+MAX_CONFIG_BYTES = 1 << 20  # what save_converted writes is under 1 KB
 
 
 def save_converted(model, out_dir) -> tuple[str, str]:
   """Writes ``model``'s weights to ``out_dir/params.safetensors`` and its config to
   ``out_dir/config.json``; returns both paths."""
-  from safetensors.numpy import save_file
-
   from jattn.interop.convert import to_torch_state_dict
 
   os.makedirs(out_dir, exist_ok=True)
   params, config = (os.path.join(out_dir, name) for name in CONVERTED_FILES)
-  save_file(to_torch_state_dict(model), params)
+  write_safetensors(params, to_torch_state_dict(model))
   with open(config, "w") as f:
     json.dump({"model": type(model).__name__, "config": dataclasses.asdict(model.config)}, f,
               indent=1)
@@ -44,12 +47,15 @@ def read_converted_config(out_dir, model: str | None = None) -> tuple[str, dict]
   ``config.json`` (quick: no weights, no JAX); a ``CheckpointError`` where that is not
   what ``save_converted`` writes, or (given ``model``) of another model."""
   try:
-    with open(os.path.join(out_dir, CONFIG_FILE)) as f:
-      meta = json.load(f)
-  except (OSError, ValueError) as e:
+    with open(os.path.join(out_dir, CONFIG_FILE), "rb") as f:
+      text = f.read(MAX_CONFIG_BYTES + 1)
+    if len(text) > MAX_CONFIG_BYTES:
+      raise ValueError(f"more than {MAX_CONFIG_BYTES} bytes")
+    meta = json.loads(text)
+  except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested brackets
     raise CheckpointError(f"{out_dir!r}: no readable {CONFIG_FILE} ({first_line(e)})") from None
   kind = meta.get("model") if isinstance(meta, dict) else None
-  if kind not in BUILDERS or not isinstance(meta.get("config"), dict):
+  if not (isinstance(kind, str) and kind in BUILDERS and isinstance(meta.get("config"), dict)):
     raise CheckpointError(f"{out_dir!r}: {CONFIG_FILE} is not what jattn-convert writes "
                           '({"model": one of ' + f"{sorted(BUILDERS)}, " + '"config": {...}})')
   if model is not None and kind != model:
@@ -60,21 +66,15 @@ def read_converted_config(out_dir, model: str | None = None) -> tuple[str, dict]
 def load_converted(out_dir, *, dtype=None, backend: str = "auto", model: str | None = None):
   """The model ``save_converted`` (or ``jattn-convert``) wrote to ``out_dir``; ``model``
   (``"DAT"``, ``"RetNet"``): the kind it must be. A ``CheckpointError`` (one line naming
-  the folder) for a folder that does not hold one."""
-  from safetensors.numpy import load_file
-
+  the folder) for a folder that does not hold one, or whose two files disagree."""
   kind, config = read_converted_config(out_dir, model)
-  try:
-    state = load_file(os.path.join(out_dir, PARAMS_FILE))
-  except Exception as e:  # safetensors raises its own error type for a bad header
-    raise CheckpointError(f"{out_dir!r}: {PARAMS_FILE} is not a valid .safetensors file "
-                          f"(truncated or corrupt: {first_line(e)})") from None
+  state = safetensors_index(os.path.join(out_dir, PARAMS_FILE))
   build = import_attribute(BUILDERS[kind])
   try:
     return build(state, dtype=dtype, backend=backend, **config)
-  except TypeError as e:  # a config field the model does not have
-    raise CheckpointError(f"{out_dir!r}: {CONFIG_FILE} does not describe a {kind} "
-                          f"({first_line(e)})") from None
+  except (TypeError, ValueError) as e:  # a field the model lacks, or not what the weights say
+    raise CheckpointError(f"{out_dir!r} does not hold a {kind} jattn can load: "
+                          f"{first_line(e, 300)}") from None
 
 
 __all__ = ["CONVERTED_FILES", "load_converted", "read_converted_config", "save_converted"]

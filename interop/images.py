@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 
 import numpy as np
 
@@ -58,38 +57,48 @@ def _pil():
 
 
 @contextlib.contextmanager
-def _reading(path: str):
-  """Turns PIL's errors while reading ``path`` into one ``ImageError`` naming it. PIL's
-  warning for images past its pixel limit is not printed (the error, at twice that
-  limit, is the one that matters); the tools' stderr is their one-line message."""
+def _opened(path: str, max_pixels: int):
+  """The image ``path``, opened (its header read, no pixel decoded) and no larger than
+  ``max_pixels``; PIL's errors while reading it become one ``ImageError`` naming it.
+  That limit replaces PIL's own (a warning at 89 million pixels, an error at twice
+  that): one limit, said in one line, that the tools' --max-pixels sets."""
   Image = _pil()
+  pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
   try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-      yield Image
-  except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    with Image.open(path) as img:
+      width, height = img.size
+      if width * height > max_pixels:
+        raise ImageError(f"{path!r} is {width}x{height} = {width * height:,} pixels, more than "
+                         f"the limit of {max_pixels:,} (--max-pixels raises it)")
+      yield img
+  except ImageError:
+    raise
+  except (OSError, SyntaxError, ValueError) as e:
     raise ImageError(f"{path!r} is not an image that can be read ({first_line(e, 120)})"
                      ) from None
+  finally:
+    Image.MAX_IMAGE_PIXELS = pil_limit
 
 
-def inspect_image(path: str) -> tuple[int, int, bool]:
+def inspect_image(path: str, max_pixels: int) -> tuple[int, int, bool]:
   """``(width, height, has_alpha)`` of an image file, decoded once so that a file
   whose pixels cannot be read is found before any slow work; an ``ImageError`` naming
-  the file if it is not an image."""
-  with _reading(path) as Image:
-    with Image.open(path) as img:
-      img.verify()  # the header and, for PNG, the chunks' checksums
-    with Image.open(path) as img:  # verify() leaves the file unusable: open it again
-      img.load()
-      mode, size, info = img.mode, img.size, dict(img.info)
+  the file if it is not an image or has more than ``max_pixels`` pixels (checked
+  before any pixel is decoded)."""
+  with _opened(path, max_pixels) as img:
+    img.verify()  # the header and, for PNG, the chunks' checksums
+  with _opened(path, max_pixels) as img:  # verify() leaves the file unusable: open it again
+    img.load()
+    mode, size, info = img.mode, img.size, dict(img.info)
   has_alpha = mode in ("RGBA", "RGBa") + GREY_ALPHA_MODES or (
       mode == "P" and "transparency" in info)
   return size[0], size[1], has_alpha
 
 
-def read_image(path: str) -> Picture:
-  """Decodes ``path`` into a ``Picture`` (see the module docstring for the modes)."""
-  with _reading(path) as Image, Image.open(path) as img:
+def read_image(path: str, max_pixels: int) -> Picture:
+  """Decodes ``path`` into a ``Picture`` (see the module docstring for the modes); an
+  ``ImageError`` as ``inspect_image``'s."""
+  with _opened(path, max_pixels) as img:
     img.load()
     mode = img.mode
     if mode == "P":

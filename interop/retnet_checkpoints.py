@@ -18,9 +18,11 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from jattn.interop.checkpoint_files import CheckpointError, read_state_dict, tensor_of
+from jattn.interop.checkpoint_files import (CheckpointError, key_summary, read_checkpoint,
+                                            tensor_of)
 from jattn.interop.convert import load_torch_state_dict
-from jattn.nn.retention import RetNet, RetNetConfig
+from jattn.interop.stored_tensors import as_numpy
+from jattn.nn.retention import RetNet, RetNetConfig, check_heads
 from jattn.reference import default_decay
 
 # Buffers the model recomputes from its config (the decay checked against num_heads).
@@ -34,48 +36,57 @@ def _strip_prefix(state: dict, prefix: str = "decoder.") -> dict:
 
 
 def infer_retnet_config(state, *, num_heads: int | None = None, **options) -> RetNetConfig:
-  """The ``RetNetConfig`` of a torchscale ``RetNetDecoder`` state dict."""
+  """The ``RetNetConfig`` of a torchscale ``RetNetDecoder`` state dict, read off its
+  shapes (and the small decay buffer); ``options`` give the fields the tensors do not
+  record, and one they record must agree with them."""
   state = _strip_prefix(dict(state))
   if "embed_tokens.weight" not in state or "layers.0.retention.q_proj.weight" not in state:
-    keys = sorted(state)
     raise CheckpointError("not a RetNet checkpoint: no 'embed_tokens.weight' and "
-                          "'layers.0.retention.q_proj.weight' (it holds "
-                          f"{len(keys)} tensors: {', '.join(map(repr, keys[:3]))}"
-                          f"{', ...' if len(keys) > 3 else ''})")
-  need = lambda key, ndim: tensor_of(state, key, ndim, "RetNet")
-  vocab_size, embed_dim = (int(n) for n in need("embed_tokens.weight", 2).shape)
+                          f"'layers.0.retention.q_proj.weight' ({key_summary(state)})")
+  need = lambda key, ndim: np.shape(tensor_of(state, key, ndim, "RetNet"))
+  vocab_size, embed_dim = (int(n) for n in need("embed_tokens.weight", 2))
+  value_dim = int(need("layers.0.retention.v_proj.weight", 2)[0])
+  layers = 0
+  while f"layers.{layers}.retention.q_proj.weight" in state:
+    layers += 1
+  embed, output = state["embed_tokens.weight"], state.get("output_projection.weight")
+  tied = output is None or (np.shape(output) == np.shape(embed)
+                            and np.array_equal(as_numpy(output), as_numpy(embed)))
+  fields = dict(
+      vocab_size=vocab_size, embed_dim=embed_dim, num_layers=layers, value_dim=value_dim,
+      ffn_dim=int(need("layers.0.ffn.fc1.weight", 2)[0]),
+      layernorm_embedding="layernorm_embedding.weight" in state, tie_embeddings=bool(tied))
+  for name, value in options.items():
+    if name in fields and value != fields[name]:
+      raise CheckpointError(f"{name}={value!r} does not match the checkpoint, whose tensors give "
+                            f"{name}={fields[name]!r}")
   if "retnet_rel_pos.decay" in state:
-    decay = need("retnet_rel_pos.decay", 1)
-    stored = int(np.shape(decay)[0])
+    stored = int(need("retnet_rel_pos.decay", 1)[0])
     if num_heads is not None and num_heads != stored:
       raise CheckpointError(f"num_heads={num_heads} but the checkpoint's decay buffer has "
                             f"{stored} heads")
+    try:  # before the buffer is read: its length must be a head count of these widths
+      check_heads(embed_dim, value_dim, stored)
+    except ValueError as e:
+      raise CheckpointError(f"not a RetNet checkpoint jattn can run: 'retnet_rel_pos.decay' "
+                            f"has {stored} heads: {e}") from None
     num_heads = stored
-    if not np.allclose(np.exp(np.asarray(decay, np.float64)), default_decay(stored), atol=1e-6):
+    decay = as_numpy(state["retnet_rel_pos.decay"]).astype(np.float64)
+    if not np.allclose(np.exp(decay), default_decay(stored), atol=1e-6):
       raise CheckpointError("the checkpoint's decay buffer is not RetNet's "
                             "1 - 2**(-5 - h): jattn.nn.RetNet has no other decay")
   if num_heads is None:
     raise CheckpointError("the checkpoint has no 'retnet_rel_pos.decay' buffer to read the "
                           "head count from: pass num_heads")
-  layers = 0
-  while f"layers.{layers}.retention.q_proj.weight" in state:
-    layers += 1
-  output = state.get("output_projection.weight")
-  tied = output is None or np.array_equal(np.asarray(output), np.asarray(state["embed_tokens.weight"]))
-  fields = dict(
-      vocab_size=vocab_size, embed_dim=embed_dim, num_heads=num_heads, num_layers=layers,
-      value_dim=int(need("layers.0.retention.v_proj.weight", 2).shape[0]),
-      ffn_dim=int(need("layers.0.ffn.fc1.weight", 2).shape[0]),
-      layernorm_embedding="layernorm_embedding.weight" in state, tie_embeddings=bool(tied))
-  fields.update(options)
-  return RetNetConfig(**fields)
+  return RetNetConfig(num_heads=num_heads, **{**fields, **options})
 
 
 def retnet_from_state_dict(state, *, num_heads: int | None = None, backend: str = "auto",
                            dtype=None, rngs=None, **options) -> RetNet:
-  """A ``jattn.nn.RetNet`` with the weights of a torchscale ``RetNetDecoder`` state dict."""
-  state = _strip_prefix({k: np.asarray(v.detach().cpu().float() if hasattr(v, "detach") else v)
-                         for k, v in state.items()})
+  """A ``jattn.nn.RetNet`` with the weights of a torchscale ``RetNetDecoder`` state dict
+  (torch tensors, numpy arrays or ``StoredTensor``s: keys and shapes are checked
+  against the model before any value is read)."""
+  state = _strip_prefix(dict(state))
   config = infer_retnet_config(state, num_heads=num_heads, **options)
   for key in RETNET_DERIVED + (("output_projection.weight",) if config.tie_embeddings else ()):
     state.pop(key, None)
@@ -88,12 +99,12 @@ def retnet_from_state_dict(state, *, num_heads: int | None = None, backend: str 
 
 def load_retnet(source, *, num_heads: int | None = None, backend: str = "auto", dtype=None,
                 rngs=None, **options) -> RetNet:
-  """``RetNet.from_torch``: ``source`` is a checkpoint path (``.pth`` through
-  ``torch.load(weights_only=True)``, or ``.safetensors``) or a state dict; ``options``
+  """``RetNet.from_torch``: ``source`` is a checkpoint path (``.pth``, as ``torch.save``
+  writes it, or ``.safetensors``) or a state dict; ``options``
   are ``RetNetConfig`` fields the tensors do not record (see the module docstring).
   Raises ``CheckpointError`` (a ``ValueError``) for a file or state dict that is not
   such a checkpoint, naming what does not match."""
-  state = source if isinstance(source, dict) else read_state_dict(source)
+  state = source if isinstance(source, dict) else read_checkpoint(source)
   return retnet_from_state_dict(state, num_heads=num_heads, backend=backend, dtype=dtype,
                                 rngs=rngs, **options)
 

@@ -17,7 +17,7 @@ import time
 from jattn.command_line import (Parser, UsageError, about, add_verbose, atomic_output,
                                 existing_file, non_negative_int, positive_int, run_tool,
                                 writable_destination, writable_folder)
-from jattn.interop.checkpoint_files import checkpoint_format, read_state_dict
+from jattn.interop.checkpoint_files import checkpoint_format, read_checkpoint
 from jattn.interop.converted import CONVERTED_FILES, read_converted_config
 from jattn.interop.images import (IMAGE_SUFFIXES, ImageError, inspect_image, output_format,
                                   read_image, write_image)
@@ -30,14 +30,17 @@ examples:
   jattn-upscale --model 4xModel_dat2.pth photo.png photo_x4.png
   jattn-upscale --model converted/ --precision bf16 --tile 256 photos/ upscaled/
 
-The model is a PyTorch DAT checkpoint (.pth, loaded with torch.load(weights_only=True),
-or .safetensors) or a folder written by `jattn convert dat`. Images larger than --tile
-run in overlapping tiles blended at the seams; all tiles share one shape, so one
-compiled function serves them. Grey images come out grey; an alpha channel is upscaled
-bicubically beside the model's colours (write it to .png, .webp or .tif). A folder of
-inputs gives .png files of the same names in the output folder.
+The model is a PyTorch DAT checkpoint (.pth as torch.save writes it, read without
+running pickled code, or .safetensors) or a folder written by `jattn convert dat`.
+Images larger than --tile run in overlapping tiles blended at the seams; all tiles
+share one shape, so one compiled function serves them. Grey images come out grey; an
+alpha channel is upscaled bicubically beside the model's colours (write it to .png,
+.webp or .tif). A folder of inputs gives .png files of the same names in the output
+folder. Images of more than --max-pixels pixels are refused before they are decoded.
 """
 MIN_TILE = 8
+# 4096 x 4096: upscaled x4 into float32 with its blend weights, 4.3 GB of output.
+DEFAULT_MAX_PIXELS = 1 << 24
 
 
 def add_upscale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +52,9 @@ def add_upscale_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"tile side in input pixels (at least {MIN_TILE})")
   parser.add_argument("--overlap", type=non_negative_int, default=16,
                       help="input pixels shared by adjacent tiles (less than --tile)")
+  parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,
+                      help="refuse input images of more pixels (width x height): decoding and "
+                      "upscaling one takes memory in proportion")
   parser.add_argument("input", help="an image, or a folder of images")
   parser.add_argument("output", help="the output image, or a folder (made if missing)")
   add_verbose(parser)
@@ -67,7 +73,7 @@ def plan_jobs(args) -> list[tuple[str, str, str]]:
     raise UsageError(f"--tile must be at least {MIN_TILE} pixels, got {args.tile}")
   if args.overlap >= args.tile:
     raise UsageError(f"--overlap ({args.overlap}) must be smaller than --tile ({args.tile})")
-  _check_model_path(args.model)
+  model_files = _check_model_path(args.model)
   src, dst = args.input, args.output
   if not os.path.exists(src):
     raise UsageError(f"input {src!r}: no such file or folder")
@@ -94,19 +100,21 @@ def plan_jobs(args) -> list[tuple[str, str, str]]:
     pairs = [(existing_file("input", src), writable_destination("output", dst))]
   jobs = []
   for image_in, image_out in pairs:
-    if os.path.exists(image_out) and os.path.samefile(image_in, image_out):
-      raise UsageError(f"output {image_out!r} is the input: give another name or folder")
+    read = [(image_in, "the input")] + [(f, "a file of --model") for f in model_files]
+    for path, what in read if os.path.exists(image_out) else ():
+      if os.path.samefile(path, image_out):
+        raise UsageError(f"output {image_out!r} is {what}: give another name or folder")
     try:
-      _, _, has_alpha = inspect_image(image_in)
+      _, _, has_alpha = inspect_image(image_in, args.max_pixels)
       jobs.append((image_in, image_out, output_format(image_out, has_alpha)))
     except ImageError as e:
       raise UsageError(str(e)) from None
   return jobs
 
 
-def _check_model_path(path: str) -> None:
-  """A checkpoint file's format, or a converted folder's files and config: checked
-  without loading JAX or torch."""
+def _check_model_path(path: str) -> list[str]:
+  """A checkpoint file's format, or a converted folder's files and config, checked
+  without loading JAX; returns the model's files (no output may replace one)."""
   if os.path.isdir(path):
     missing = [n for n in CONVERTED_FILES if not os.path.isfile(os.path.join(path, n))]
     if missing:
@@ -119,14 +127,15 @@ def _check_model_path(path: str) -> None:
       checkpoint_format(path)
   except ValueError as e:
     raise UsageError(f"--model: {about(path, e)}") from None
+  return [os.path.join(path, n) for n in CONVERTED_FILES] if os.path.isdir(path) else [path]
 
 
 def load_model(path: str, precision: str):
   """The DAT model of a checkpoint file or a converted folder; a ``UsageError`` for a
-  file that is not a DAT checkpoint. A file's tensors are read before JAX loads, so
-  that a corrupt one is said at once."""
+  file that is not a DAT checkpoint. A file's index is read before JAX loads, so that a
+  corrupt one is said at once; its tensors once their keys and shapes fit the model."""
   try:
-    state = None if os.path.isdir(path) else read_state_dict(path)
+    state = None if os.path.isdir(path) else read_checkpoint(path)
     import jax.numpy as jnp
 
     from jattn.interop.checkpoints import dat_from_state_dict
@@ -160,7 +169,7 @@ def run_upscale(args) -> int:
   for src, dst, fmt in jobs:
     start = time.perf_counter()
     try:
-      picture = read_image(src)
+      picture = read_image(src, args.max_pixels)
     except ImageError as e:
       raise UsageError(str(e)) from None
     width, height = picture.size

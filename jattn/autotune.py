@@ -24,7 +24,7 @@ import sys
 from jattn.command_line import Parser, UsageError, add_verbose, run_tool
 from jattn.core.device import gpu_info, shared_memory_limit
 from jattn.core.op import OPS
-from jattn.tuning.cache import cache_path, load_cache
+from jattn.tuning.cache import cache_path, load_cache, writable_cache_path
 from jattn.tuning.search import fields_text, plan, tune, tunable, tuning_key
 
 # flag -> the problem fields it fills, first match wins
@@ -114,7 +114,10 @@ def problem_from_args(op, args):
 
 
 def _show_cache(stream) -> int:
-  path = cache_path()
+  try:
+    path = cache_path()
+  except ValueError as e:
+    raise UsageError(str(e)) from None
   entries = load_cache(path)
   stream.write(f"{path}: {len(entries)} entries\n")
   for key, entry in sorted(entries.items()):
@@ -159,6 +162,11 @@ def _run(args) -> int:
     value = getattr(args, name)
     if value is not None and value < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+  if not args.dry_run:
+    try:
+      writable_cache_path()  # where the result goes, checked before the search
+    except ValueError as e:
+      raise UsageError(str(e)) from None
   info = gpu_info()
   unusable = impl.supported_on(info)
   if unusable is not None:

@@ -3,10 +3,12 @@
 
 A user's mistake (a bad option, a missing or unreadable file, a checkpoint of another
 model) is a ``UsageError``: the tool prints it as one line, ``<prog>: error: ...``, and
-exits with status 2, before any slow work where it can be known then. Anything else is
-a bug: one line saying so and exit status 1; ``--verbose`` prints the traceback of
-either. Outputs go to a temporary name beside the destination and are renamed into
-place only once complete (``atomic_output``), so a failed run leaves no partial file.
+exits with status 2, before any slow work where it can be known then; so is an
+optional module missing from the install (the line names the extra that adds it).
+Anything else is a bug: one line saying so and exit status 1; ``--verbose`` prints the
+traceback of either. Outputs go to a temporary name beside the destination and are
+renamed into place only once complete (``atomic_output``), so a failed run leaves no
+partial file.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import tempfile
 import traceback
 import warnings
 from typing import Callable, Iterator
+
+
+# The optional modules a tool may need (pillow for images; torch for the torch side),
+# and the extra of pyproject.toml that installs each.
+EXTRAS = {"PIL": "image", "torch": "torch"}
 
 
 class UsageError(Exception):
@@ -62,8 +69,9 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
 def run_tool(prog: str, parser: argparse.ArgumentParser, handler: Callable[[argparse.Namespace], int],
              argv=None) -> int:
   """Parses ``argv`` and runs ``handler(args)``, turning its errors into exit statuses:
-  0 (or the handler's own), 2 for a ``UsageError``, 1 for a bug or a closed output
-  pipe, 130 on Ctrl-C; warnings print as one line each."""
+  0 (or the handler's own), 2 for a ``UsageError`` or a missing optional module (the
+  extra that installs it named), 1 for a bug or a closed output pipe, 130 on Ctrl-C;
+  warnings print as one line each."""
   verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
   try:
     with warnings.catch_warnings():
@@ -87,6 +95,11 @@ def run_tool(prog: str, parser: argparse.ArgumentParser, handler: Callable[[argp
   except Exception as e:  # a bug: say so in one line unless asked for the traceback
     if verbose:
       traceback.print_exc()
+    extra = isinstance(e, ModuleNotFoundError) and EXTRAS.get((e.name or "").split(".")[0])
+    if extra:  # an install without the extra that adds it: the user's to fix
+      print(f"{prog}: error: this needs {e.name}, which jattn's {extra!r} extra installs "
+            f"(pip install -e '.[{extra}]' in jattn's folder)", file=sys.stderr)
+      return 2
     print(f"{prog}: internal error: {type(e).__name__}: {first_line(e)} (run again with --verbose "
           "and report the traceback)", file=sys.stderr)
     return 1

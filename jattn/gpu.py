@@ -16,7 +16,7 @@ from jattn.core.device import (GPUInfo, architecture_name, current_device,
                                shared_memory_limit)
 from jattn.core.op import OPS, Op
 from jattn.core.timing import MODES, time_op
-from jattn.tuning.cache import save_backend_times
+from jattn.tuning.cache import save_backend_times, writable_cache_path
 
 __all__ = ["GPUInfo", "architecture_name", "backend_choices", "benchmark_backends", "describe",
            "gpu_info", "interpret_mode", "ops", "recommended_dtype", "select_backend",
@@ -91,6 +91,8 @@ def benchmark_backends(op: str = "flash_attention", *, mode: str = "fwd+bwd", re
   if save and (not info.is_gpu or key is None):
     raise ValueError(f"save=True stores times for a GPU and a problem with a tuning key; "
                      f"this {op} problem on {info.name} has none")
+  if save:
+    writable_cache_path()  # before the timing, whose result would be lost
   rows = [{"backend": name, "ms": time_op(the_op, problem, name, mode=mode, reps=reps)}
           for name, reason in the_op.choices(problem, info) if reason is None]
   rows.sort(key=lambda r: r["ms"])

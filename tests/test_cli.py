@@ -3,11 +3,13 @@ subprocess. Every mistake exits with status 2 and one line naming the option or 
 before the model loads where it can be known then, and leaves no output behind; the
 working runs write what they say, grey and alpha images kept as such."""
 
+import json
 import os
 import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 import zlib
 
@@ -19,6 +21,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from conftest import ON_GPU  # noqa: E402
 from jattn.command_line import UsageError, atomic_folder, atomic_output  # noqa: E402
+from jattn.interop.cli import convert_main  # noqa: E402
 from jattn.interop.dat_torch import dat_torch  # noqa: E402
 from jattn.nn import DATConfig  # noqa: E402
 
@@ -33,14 +36,21 @@ def tool(name: str) -> str:
   return found
 
 
-def run(*argv, cwd=None, shell_prefix=None):
+def run(*argv, cwd=None, shell_prefix=None, without=()):
   """``argv`` with its first item an installed tool; ``shell_prefix``: sh commands first
-  (``ulimit ...``)."""
+  (``ulimit ...``); ``without``: modules the tool cannot import, as in an install that
+  lacks them (the light one)."""
   env = {k: v for k, v in os.environ.items() if k != "JATTN_INTERPRET"}
   command = [tool(argv[0]), *argv[1:]]
   if shell_prefix:
     command = ["sh", "-c", f'{shell_prefix}; exec "$0" "$@"', *command]
-  return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+  with tempfile.TemporaryDirectory() as site:
+    if without:  # a sitecustomize, first on the path, that makes importing them fail
+      with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(f"import sys\nsys.modules.update(dict.fromkeys({list(without)!r}))\n")
+      env["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +65,9 @@ def files(tmp_path_factory):
       body = src.read(item)
       dst.writestr(item, b"\x80\x02garbage" if item.filename.endswith("data.pkl") else body)
   torch.save({"model": torch.nn.Linear(2, 2)}, d / "pickled.pth")  # a module, not weights
+  state = torch.load(d / "tiny.pth")
   torch.save({"encoder.weight": torch.ones(3, 3)}, d / "other.pth")
   (d / "notes.txt").write_text("not a checkpoint\n")
-  state = torch.load(d / "tiny.pth")
   torch.save({**state, "conv_first.weight": torch.tensor(1.0)}, d / "scalar.pth")
   os.mkfifo(d / "fifo.pth")  # reading it would block forever
   (d / "listed").mkdir()  # a converted folder whose config.json is not jattn-convert's
@@ -74,6 +84,16 @@ def files(tmp_path_factory):
   (d / "short.png").write_bytes(  # a valid header and checksums, too few pixels
       b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20, 20, 8, 2, 0, 0, 0))
       + chunk(b"IDAT", zlib.compress(b"\0" * 10)) + chunk(b"IEND", b""))
+  (d / "huge.png").write_bytes(  # 12000 x 12000 1-bit: 18 KB that decode to 144 Mpixels
+      b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 12000, 12000, 1, 0, 0, 0, 0))
+      + chunk(b"IDAT", zlib.compress(bytes(12000 * 1501), 9)) + chunk(b"IEND", b""))
+  shutil.copy(d / "tiny.pth", d / "model.png")  # a checkpoint under an image's name
+  from safetensors.torch import save_file
+
+  save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
+            d / "bf16.safetensors")
+  (d / "held").mkdir()  # a checkpoint named as jattn-convert's output, inside its out_dir
+  shutil.copy(d / "bf16.safetensors", d / "held/params.safetensors")
   Image.fromarray((rng.uniform(size=(17, 19)) * 255).astype(np.uint8)).save(d / "in/grey.png")
   Image.fromarray((rng.uniform(size=(18, 16, 4)) * 255).astype(np.uint8), "RGBA").save(
       d / "in/rgba.png")
@@ -132,6 +152,14 @@ MISTAKES = {
                             ["rgb.png", "is the input"]),
     "output under a file": (["--model", "{d}/tiny.pth", "{d}/in", "{d}/notes.txt/out"],
                             ["notes.txt", "is not a folder"]),
+    "image beyond the pixel limit": (["--model", "{d}/tiny.pth", "{d}/huge.png", "{out}/o.png"],
+                                     ["huge.png", "12000x12000 = 144,000,000 pixels, more than "
+                                      "the limit of 16,777,216 (--max-pixels raises it)"]),
+    "image beyond --max-pixels": (["--model", "{d}/tiny.pth", "--max-pixels", "539",
+                                   "{d}/in/rgb.png", "{out}/o.png"],
+                                  ["rgb.png", "27x20 = 540 pixels, more than the limit of 539"]),
+    "output is the model": (["--model", "{d}/model.png", "{d}/in/rgb.png", "{d}/model.png"],
+                            ["model.png", "is a file of --model"]),
 }
 
 
@@ -159,16 +187,23 @@ def test_upscale_mistakes_exit_2_with_one_line_and_write_nothing(files, tmp_path
     (["convert", "dat", "{d}/tiny.pth", "{d}/notes.txt/sub"], ["notes.txt", "is not a folder"]),
     (["check", "--ops", ""], ["--ops", "expected a comma-separated list"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+    (["convert", "dat", "{d}/held/params.safetensors", "{d}/held"],
+     ["writing '{d}/held/params.safetensors' would replace the checkpoint being converted"]),
+    (["convert", "dat", "{d}/tiny.pth", "{d}/in"],
+     ["out_dir '{d}/in' is not empty", "or --overwrite"]),
 ], ids=["dtype", "reps", "backend", "op", "convert-text", "convert-other-model",
         "convert-malformed", "convert-img-range", "convert-other-option", "convert-out-dir",
-        "empty-ops", "command"])
+        "empty-ops", "command", "convert-onto-its-input", "convert-into-files"])
 def test_jattn_mistakes_exit_2_with_one_line(files, tmp_path, argv, needles):
   if "cudnn" in argv and ON_GPU:
     pytest.skip("cudnn is usable on this machine")
   out = tmp_path / "out"
+  held = (files / "held/params.safetensors").read_bytes()
   done = run("jattn", *(a.format(d=files, out=out) for a in argv))
-  _one_line_error(done, *needles)
+  _one_line_error(done, *(n.format(d=files) for n in needles))
   assert not out.exists()
+  assert (files / "held/params.safetensors").read_bytes() == held
+  assert sorted(os.listdir(files / "in")) == ["grey.png", "rgb.png", "rgba.png"]
 
 
 def test_verbose_shows_the_traceback(files, tmp_path):
@@ -188,9 +223,18 @@ def test_help_shows_every_default():
   assert "upscale" in run("jattn", "--help").stdout
 
 
+def test_without_an_extra_the_tool_says_which_to_install(files, tmp_path):
+  done = run("jattn-upscale", "--model", str(files / "tiny.pth"), str(files / "in/rgb.png"),
+             str(tmp_path / "o.png"), without=("PIL",))
+  _one_line_error(done, "this needs PIL, which jattn's 'image' extra installs")
+
+
 def test_convert_then_upscale_keeps_grey_and_alpha(files, tmp_path):
   conv = tmp_path / "conv"  # relative names, as typed
-  done = run("jattn-convert", "dat", str(files / "tiny.pth"), "conv", cwd=tmp_path)
+  # A bfloat16 .safetensors checkpoint, converted by an install without torch,
+  # safetensors or pillow (the light one): jattn-convert needs none of them.
+  done = run("jattn-convert", "dat", str(files / "bf16.safetensors"), "conv", cwd=tmp_path,
+             without=("torch", "safetensors", "PIL"))
   assert done.returncode == 0, done.stderr
   assert sorted(os.listdir(conv)) == ["config.json", "params.safetensors"]
   out = tmp_path / "out"
@@ -210,6 +254,18 @@ def test_convert_then_upscale_keeps_grey_and_alpha(files, tmp_path):
     assert abs(alpha.mean() - small.mean()) < 8
 
 
+def test_overwrite_replaces_the_converted_files_and_keeps_the_rest(files, tmp_path, capsys):
+  out = tmp_path / "conv"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  (out / "config.json").write_text("an old one")
+  assert convert_main(["dat", str(files / "tiny.pth"), str(out), "--overwrite"]) == 0, \
+      capsys.readouterr().err
+  assert sorted(os.listdir(out)) == ["config.json", "notes.txt", "params.safetensors"]
+  assert json.loads((out / "config.json").read_text())["model"] == "DAT"
+  assert (out / "notes.txt").read_text() == "mine"
+
+
 def test_a_write_that_fails_says_so_in_one_line_and_leaves_nothing(files, tmp_path):
   """A full disk, as a file-size limit below the converted weights' size."""
   done = run("jattn-convert", "dat", str(files / "tiny.pth"), str(tmp_path / "conv"),
@@ -220,7 +276,7 @@ def test_a_write_that_fails_says_so_in_one_line_and_leaves_nothing(files, tmp_pa
 
 def test_upscale_a_file_from_a_pth_checkpoint(files, tmp_path):
   done = run("jattn-upscale", "--model", str(files / "tiny.pth"), "--precision", "bf16",
-             str(files / "in/rgb.png"), str(tmp_path / "new/x2.webp"))
+             "--max-pixels", "540", str(files / "in/rgb.png"), str(tmp_path / "new/x2.webp"))
   assert done.returncode == 0, done.stderr
   with Image.open(tmp_path / "new/x2.webp") as img:
     assert img.size == (54, 40)

@@ -3,6 +3,8 @@ converter (config inference, errors, files) and tiled upscaling (the command lin
 test_cli.py)."""
 
 import dataclasses
+import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,10 +17,11 @@ torch = pytest.importorskip("torch")
 from jattn.interop.checkpoint_files import read_state_dict
 from jattn.interop.checkpoints import (DAT_DERIVED, dat_from_state_dict, dat_to_torch_state_dict,
                                        infer_dat_config, load_dat)
-from jattn.interop.converted import load_converted, save_converted
+from jattn.interop.converted import load_converted, read_converted_config, save_converted
 from jattn.interop.convert import load_torch_state_dict
 from jattn.interop.dat_torch import dat_torch
 from jattn.nn import DAT, DAT_PRESETS, DATConfig
+from jattn.nn.dat import relative_positions
 from jattn.upscale import jit_model, tile_starts, upscale_image
 
 # Presets with fewer blocks for CI time; (2, 2) keeps a plain and a shifted spatial
@@ -104,6 +107,35 @@ def test_checkpoint_errors_name_the_keys():
   assert infer_dat_config(no_rpe, split_size=(4, 8))[0] == SMALL
 
 
+RPE = "layers.0.blocks.0.attn.attns.0.rpe_biases"
+SHIFTED_TABLE = np.roll(relative_positions(4, 8)[0], 1, axis=0)  # the right rows, not in order
+
+
+@pytest.mark.parametrize("key,value,message", [
+    # issue 37, item 8: a window size read off one crafted value
+    (RPE, np.full((5, 2), 1e9, np.float32), r"'layers.0.blocks.0.attn.attns.0.rpe_biases' is not "
+     r"a table of relative window offsets \(its last row is \(1000000000.0, 1000000000.0\) of 5"),
+    (RPE, np.full((5, 2), -7.0, np.float32), r"its last row is \(-7.0, -7.0\) of 5"),
+    (RPE, SHIFTED_TABLE,
+     r"not a table of relative window offsets \(its last row is \(3.0, 6.0\) of 105"),
+    (RPE, np.zeros((127 * 127 + 1, 2), np.float32),
+     r"has shape \(16130, 2\), expected \[offsets, 2\] with at most 16129 offsets"),
+    # item 15: a mis-shaped tensor is named
+    ("layers.0.blocks.0.ffn.fc1.weight", np.ones((63, 32), np.float32),
+     r"'layers.0.blocks.0.ffn.fc1.weight' \(63, 32\)\): embed_dim \* expansion_factor must "
+     r"give an even FFN width"),
+    ("layers.1.blocks.1.attn.temperature", np.ones((5, 1, 1), np.float32),
+     r"\('layers.1.blocks.1.attn.temperature' \(5, 1, 1\), 'conv_first.weight' "
+     r"\(32, 3, 3, 3\)\): num_heads 5 must divide embed_dim 32"),
+    ("layers.5.blocks.0.norm1.weight", np.ones(32, np.float32),
+     r"its 'layers.<i>' keys are numbered \[0, 1, 5\], not 0, 1, ... in order"),
+])
+def test_every_value_a_config_is_read_from_is_checked(key, value, message):
+  state = {k: v.numpy() for k, v in dat_torch(SMALL).state_dict().items()}
+  with pytest.raises(ValueError, match=message):
+    infer_dat_config({**state, key: value})
+
+
 def test_checkpoint_files_and_wrappers(tmp_path):
   reference = dat_torch(SMALL, seed=4)
   state = reference.state_dict()
@@ -125,8 +157,50 @@ def test_converted_params_round_trip(tmp_path):
   model = load_dat_from(dat_torch(SMALL, seed=5), tmp_path)
   save_converted(model, tmp_path / "out")
   again = load_converted(tmp_path / "out")
+  assert again.config == model.config
   x = jnp.asarray(_image(*IMAGE))
   np.testing.assert_array_equal(np.asarray(_forward(again, x)), np.asarray(_forward(model, x)))
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"model": ["DAT"], "config": {}}', "config.json is not what jattn-convert writes"),
+    ("[" * 100000, "no readable config.json"),
+    (" " * (1 << 20) + "{}", r"no readable config.json \(more than 1048576 bytes\)"),
+])
+def test_a_foreign_config_json_is_named_in_one_line(tmp_path, text, message):
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ValueError, match=message):
+    read_converted_config(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """A converted folder of SMALL."""
+  out = tmp_path_factory.mktemp("converted") / "small"
+  save_converted(dat_from_state_dict(dat_torch(SMALL, seed=5).state_dict()), out)
+  return out
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("depth", [1000000, 2], r"depth=\[1000000, 2\] does not match the checkpoint, whose tensors "
+                            r"give depth=\(1, 2\)"),
+    ("embed_dim", 1 << 40, "embed_dim=1099511627776 does not match"),
+    ("split_size", [1 << 30, 1 << 30], "split_size must be an int from 1 to 64, got 1073741824"),
+    ("split_size", [-6, -6], "split_size must be an int from 1 to 64, got -6"),
+    ("img_range", "nan", "img_range must be a finite number > 0"),
+    ("frobnicate", 1, "unexpected keyword argument 'frobnicate'"),
+], ids=["depth", "embed_dim", "huge-window", "negative-window", "img_range", "unknown"])
+def test_a_tampered_config_json_is_refused_before_a_model_is_built(converted, tmp_path, field,
+                                                                    value, message):
+  """What config.json says is checked against the weights (and range-checked where they
+  do not say it) before anything is built."""
+  out = tmp_path / "out"
+  shutil.copytree(converted, out)
+  meta = json.loads((out / "config.json").read_text())
+  meta["config"][field] = value
+  (out / "config.json").write_text(json.dumps(meta))
+  with pytest.raises(ValueError, match=f"does not hold a DAT jattn can load: .*{message}"):
+    load_converted(out)
 
 
 def test_export_is_the_original_state_dict():
@@ -184,10 +258,27 @@ def test_config_errors():
     DATConfig(embed_dim=31, num_heads=(2,), depth=(1,))
   with pytest.raises(ValueError, match="even FFN width"):
     DATConfig(embed_dim=18, num_heads=(2,), depth=(1,), expansion_factor=1.5)
+  for kwargs, message in [
+      (dict(split_size=(-6, -6)), "split_size must be an int from 1 to 64, got -6"),
+      (dict(split_size=(8, 65)), "split_size must be an int from 1 to 64, got 65"),
+      (dict(upscale=32), "upscale must be an int from 1 to 16, got 32"),
+      (dict(img_range=float("nan")), "img_range must be a finite number > 0"),
+      (dict(depth=(1.5,), num_heads=(6,)), r"depth\[0\] must be an int >= 1")]:
+    with pytest.raises(ValueError, match=message):
+      DATConfig(**kwargs)
   with pytest.raises(ValueError, match=r"x must be \[batch, H, W, 3\]"):
     _abstract(SMALL)(jnp.zeros((1, 3, 8, 8)))
   with pytest.raises(TypeError, match="x has dtype uint8: DAT takes float images in"):
     _abstract(SMALL)(jnp.full((1, 8, 8, 3), 200, jnp.uint8))
+
+
+def test_preset_takes_config_fields_and_refuses_other_keywords():
+  model = nnx.eval_shape(lambda: DAT.preset("DAT-light", upscale=2, depth=(1,),
+                                            dtype=jnp.bfloat16))
+  assert (model.config.depth, model.config.upscale, model.dtype) == ((1,), 2, jnp.bfloat16)
+  with pytest.raises(TypeError, match=r"DAT.preset\(\) got unexpected keywords \['bogus'\]: it "
+                                      r"takes the DATConfig fields \['depth', "):
+    DAT.preset("DAT-light", bogus=1)
 
 
 # What the original accepts beyond the presets: odd head counts (a spatial branch then

@@ -1,8 +1,10 @@
 """Every ```python block in the README and docs/ runs as written."""
 
 import importlib.util
+import os
 import pathlib
 import re
+import tempfile
 
 import pytest
 
@@ -14,9 +16,15 @@ BLOCKS = [(page, i, code) for page in PAGES
 
 @pytest.mark.parametrize("page,index,code", BLOCKS,
                          ids=[f"{p.name}-{i}" for p, i, _ in BLOCKS])
-def test_documented_example_runs(page, index, code, monkeypatch):
-  # As a user runs them on a CPU: without interpret mode (an example may set it).
+def test_documented_example_runs(page, index, code, monkeypatch, tmp_path):
+  # As a user runs them on a CPU: without interpret mode (an example may set it), in a
+  # folder of their own, with a temporary folder that must be left empty (an example
+  # that makes temporary files removes them).
   monkeypatch.delenv("JATTN_INTERPRET", raising=False)
+  monkeypatch.chdir(tmp_path)
+  temporary = tmp_path / "tmp"
+  temporary.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temporary))
   try:
     exec(compile(code, f"{page.name}[{index}]", "exec"), {})
   except ModuleNotFoundError as e:
@@ -24,6 +32,7 @@ def test_documented_example_runs(page, index, code, monkeypatch):
     if e.name in OPTIONAL and importlib.util.find_spec(e.name) is None:
       pytest.skip(f"needs {e.name}, not installed")
     raise
+  assert os.listdir(temporary) == [], "the example leaves temporary files behind"
 
 
 OPTIONAL = ("torch", "safetensors", "PIL", "matplotlib")

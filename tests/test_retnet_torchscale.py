@@ -5,6 +5,7 @@ form in our parallel and chunkwise forms and when decoding step by step. (torchs
 own chunkwise form scales rows differently, which the RMS norm's epsilon does not
 fully cancel: see ``jattn.nn.retention``.)"""
 
+import json
 import subprocess
 
 import jax
@@ -106,3 +107,26 @@ def test_a_checkpoint_of_another_model_is_named():
     load_retnet(state)
   with pytest.raises(ValueError, match="num_heads=3 but the checkpoint's decay buffer has 2"):
     load_retnet(decoder.state_dict(), num_heads=3)
+  # A head count is checked against the widths before the buffer it is read off is read.
+  with pytest.raises(ValueError, match=r"'retnet_rel_pos.decay' has 5 heads: embed_dim \(32\) "
+                                       r"must be divisible by num_heads \(5\)"):
+    load_retnet({**decoder.state_dict(), "retnet_rel_pos.decay": torch.zeros(5)})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_heads", 10 ** 9, r"embed_dim \(32\) must be divisible by num_heads \(1000000000\)"),
+    ("num_layers", 10 ** 6, "num_layers=1000000 does not match the checkpoint, whose tensors "
+                            "give num_layers=1"),
+    ("eps", -1.0, "eps must be a finite number > 0, got -1.0"),
+])
+def test_a_tampered_converted_retnet_is_refused(tmp_path, field, value, message):
+  """config.json's fields are checked against the weights, and range-checked where the
+  weights do not fix them (the head count: a converted folder has no decay buffer)."""
+  from flax import nnx
+
+  save_converted(RetNet(VOCAB, 32, 2, 1, rngs=nnx.Rngs(0)), tmp_path / "conv")
+  meta = json.loads((tmp_path / "conv/config.json").read_text())
+  meta["config"][field] = value
+  (tmp_path / "conv/config.json").write_text(json.dumps(meta))
+  with pytest.raises(ValueError, match=f"does not hold a RetNet jattn can load: .*{message}"):
+    load_converted(tmp_path / "conv")

@@ -366,6 +366,36 @@ def test_search_limits_and_errors(toy, capsys):
     search.tune("flash_attention", "cudnn", FlashProblem(), info=FAKE_H100)
 
 
+@pytest.mark.parametrize("where", ["/proc", "a file", "a folder named as the file"])
+def test_an_unwritable_cache_is_refused_before_the_search(toy, tmp_path, monkeypatch, capsys,
+                                                          where):
+  """Issue 37, item 12: the result of a long search is not lost at its end."""
+  location = {"/proc": "/proc/jattn-cache", "a file": tmp_path / "file",
+              "a folder named as the file": tmp_path / "cache"}[where]
+  (tmp_path / "file").write_text("not a folder")
+  (tmp_path / "cache/autotune.json").mkdir(parents=True)
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, str(location))
+  with pytest.raises(ValueError, match="cannot write the autotune cache"):
+    search.tune("toy", "fake", FlashProblem(), info=FAKE_H100, progress=False)
+  assert cli.main(["--op", "toy", "--backend", "fake"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "error: cannot write the autotune cache" in err, err
+  assert toy == []  # nothing was timed
+
+
+def test_an_empty_cache_dir_is_not_the_home_cache(toy, tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+  monkeypatch.setenv(cache.CACHE_DIR_ENV, "")
+  with pytest.raises(ValueError, match="JATTN_CACHE_DIR is set but empty"):
+    search.tune("toy", "fake", FlashProblem(), info=FAKE_H100, progress=False)
+  with pytest.warns(RuntimeWarning, match="no autotune cache: JATTN_CACHE_DIR is set but empty"):
+    assert cache.load_cache() == {}
+  assert cli.main(["--show-cache"]) == 2
+  assert "JATTN_CACHE_DIR is set but empty" in capsys.readouterr().err
+  assert toy == [] and not (tmp_path / "home").exists()
+
+
 def test_search_raises_when_nothing_runs(toy, monkeypatch):
   monkeypatch.setattr(search, "time_op", lambda *a, **k: (_ for _ in ()).throw(OSError("gone")))
   with pytest.raises(RuntimeError, match="no candidate ran .* OSError: gone"):

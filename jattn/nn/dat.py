@@ -109,9 +109,43 @@ def shift_masks(h: int, w: int, split: tuple[int, int], shift: tuple[int, int]):
           regions(split[1], split[0], shift[1], shift[0]))
 
 
+# Bounds on what a config may ask for, so that one read from a file cannot ask for
+# unbounded memory: the relative-position bias [heads, T, T] of a window of T tokens is
+# built whole and images are padded to a multiple of the longer window side (DAT's own
+# windows are 8 x 32), and the output has upscale^2 times the input's pixels.
+MAX_WINDOW_SIDE = 64
+MAX_UPSCALE = 16
+
+
+class DATConfigError(ValueError):
+  """A ``DATConfig`` the model cannot run. ``fields`` names the fields at fault, a
+  group's entry of ``depth`` or ``num_heads`` as ``"num_heads[i]"``: what a checkpoint
+  loader needs to name the tensors the values were read from."""
+
+  def __init__(self, message: str, *fields: str):
+    super().__init__(message)
+    self.fields = fields
+
+
+def _int_field(name: str, value, low: int, high: int | None = None) -> None:
+  if (not isinstance(value, int) or isinstance(value, bool) or value < low
+      or (high is not None and value > high)):
+    bounds = f">= {low}" if high is None else f"from {low} to {high}"
+    raise DATConfigError(f"{name} must be an int {bounds}, got {value!r}", name)
+
+
+def _int_tuple(name: str, value) -> tuple:
+  if not isinstance(value, (list, tuple)):
+    raise DATConfigError(f"{name} must be a list of ints, got {value!r}", name)
+  return tuple(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class DATConfig:
-  """Hyper-parameters of a DAT model (the original constructor's, minus training ones)."""
+  """Hyper-parameters of a DAT model (the original constructor's, minus training
+  ones). Each is checked when the config is made: a ``DATConfigError`` (a
+  ``ValueError``) names the fields of one the forward pass cannot run, or that are
+  out of bounds (``MAX_WINDOW_SIDE``, ``MAX_UPSCALE``)."""
 
   in_chans: int = 3
   embed_dim: int = 180
@@ -126,42 +160,64 @@ class DATConfig:
   upsampler: str = "pixelshuffle"
 
   def __post_init__(self):
-    object.__setattr__(self, "split_size", tuple(self.split_size))
-    object.__setattr__(self, "depth", tuple(self.depth))
-    object.__setattr__(self, "num_heads", tuple(self.num_heads))
+    for name in ("split_size", "depth", "num_heads"):
+      object.__setattr__(self, name, _int_tuple(name, getattr(self, name)))
+    _int_field("in_chans", self.in_chans, 1)
+    _int_field("embed_dim", self.embed_dim, 1)
+    if len(self.split_size) != 2:
+      raise DATConfigError(f"split_size must be two window sides (h, w), got {self.split_size}",
+                           "split_size")
+    for side in self.split_size:
+      _int_field("split_size", side, 1, MAX_WINDOW_SIDE)
     if len(self.depth) != len(self.num_heads) or not self.depth:
-      raise ValueError(f"depth {self.depth} and num_heads {self.num_heads} must be non-empty "
-                       "and of the same length (one entry per residual group)")
+      raise DATConfigError(f"depth {self.depth} and num_heads {self.num_heads} must be non-empty "
+                           "and of the same length (one entry per residual group)",
+                           "depth", "num_heads")
+    for i, (blocks, heads) in enumerate(zip(self.depth, self.num_heads)):
+      _int_field(f"depth[{i}]", blocks, 1)
+      _int_field(f"num_heads[{i}]", heads, 1)
+    _int_field("upscale", self.upscale, 1, MAX_UPSCALE)
+    for name in ("expansion_factor", "img_range"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and value > 0):
+        raise DATConfigError(f"{name} must be a finite number > 0, got {value!r}", name)
+    if not isinstance(self.qkv_bias, bool):
+      raise DATConfigError(f"qkv_bias must be True or False, got {self.qkv_bias!r}", "qkv_bias")
     if self.resi_connection not in ("1conv", "3conv"):
-      raise ValueError(f"resi_connection must be '1conv' or '3conv', got {self.resi_connection!r}")
+      raise DATConfigError("resi_connection must be '1conv' or '3conv', got "
+                           f"{self.resi_connection!r}", "resi_connection")
     if self.upsampler not in ("pixelshuffle", "pixelshuffledirect"):
-      raise ValueError("upsampler must be 'pixelshuffle' or 'pixelshuffledirect', got "
-                       f"{self.upsampler!r}")
+      raise DATConfigError("upsampler must be 'pixelshuffle' or 'pixelshuffledirect', got "
+                           f"{self.upsampler!r}", "upsampler")
     scale = self.upscale
-    if self.upsampler == "pixelshuffle" and not (scale == 3 or (scale >= 1 and not scale & (scale - 1))):
-      raise ValueError(f"upscale {scale} is not supported by 'pixelshuffle': use 2^n or 3")
+    if self.upsampler == "pixelshuffle" and not (scale == 3 or not scale & (scale - 1)):
+      raise DATConfigError(f"upscale {scale} is not supported by 'pixelshuffle': use 2^n or 3",
+                           "upscale")
     # What the original's forward pass needs (its constructor checks none of it):
     # two spatial branches of half the channels and half the heads (rounded down),
     # channel attention over all of them, and a gate that halves the FFN's width.
     # Widths from 16 to 30 are fine: the position-bias MLP is embed_dim // 32 wide, and
     # at 0 its output is its last bias, as in the original.
     if self.embed_dim < 16 or self.embed_dim % 2:
-      raise ValueError(f"embed_dim must be even (the spatial branches take half the "
-                       f"channels each) and >= 16 (the spatial interaction map is "
-                       f"embed_dim // 16 channels wide), got {self.embed_dim}")
+      raise DATConfigError(f"embed_dim must be even (the spatial branches take half the "
+                           f"channels each) and >= 16 (the spatial interaction map is "
+                           f"embed_dim // 16 channels wide), got {self.embed_dim}", "embed_dim")
     hidden = int(self.embed_dim * self.expansion_factor)
     if hidden < 2 or hidden % 2:
-      raise ValueError(f"embed_dim * expansion_factor must give an even FFN width (its gate "
-                       f"splits it in halves), got int({self.embed_dim} * "
-                       f"{self.expansion_factor}) = {hidden}")
-    for heads, blocks in zip(self.num_heads, self.depth):
+      raise DATConfigError(f"embed_dim * expansion_factor must give an even FFN width (its gate "
+                           f"splits it in halves), got int({self.embed_dim} * "
+                           f"{self.expansion_factor}) = {hidden}", "embed_dim", "expansion_factor")
+    for i, (heads, blocks) in enumerate(zip(self.num_heads, self.depth)):
       if heads < 2 or (self.embed_dim // 2) % (heads // 2):
-        raise ValueError(f"num_heads {heads} must be >= 2 with {heads // 2 or 'its half'} "
-                         f"dividing embed_dim / 2 = {self.embed_dim // 2} (each spatial branch "
-                         "takes half the heads, rounded down)")
+        raise DATConfigError(f"num_heads {heads} must be >= 2 with {heads // 2 or 'its half'} "
+                             f"dividing embed_dim / 2 = {self.embed_dim // 2} (each spatial "
+                             "branch takes half the heads, rounded down)",
+                             f"num_heads[{i}]", "embed_dim")
       if blocks >= 2 and self.embed_dim % heads:
-        raise ValueError(f"num_heads {heads} must divide embed_dim {self.embed_dim} (the "
-                         "channel-attention blocks split the channels among the heads)")
+        raise DATConfigError(f"num_heads {heads} must divide embed_dim {self.embed_dim} (the "
+                             "channel-attention blocks split the channels among the heads)",
+                             f"num_heads[{i}]", "embed_dim")
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -410,6 +466,9 @@ class ResidualGroup(nnx.Module):
     return res + _apply(self.conv, x)
 
 
+MODEL_OPTIONS = ("dtype", "param_dtype", "backend")  # DAT's keywords besides config and rngs
+
+
 class DAT(nnx.Module):
   """Dual Aggregation Transformer: ``[batch, H, W, in_chans]`` in ``[0, 1]`` ->
   ``[batch, H * upscale, W * upscale, in_chans]``.
@@ -448,12 +507,22 @@ class DAT(nnx.Module):
     self.mean = RGB_MEAN if c.in_chans == 3 else (0.0,) * c.in_chans
 
   @classmethod
-  def preset(cls, name: str, *, upscale: int = 4, **kwargs):
-    """A randomly initialised preset (``"DAT"``, ``"DAT-S"``, ``"DAT-2"``, ``"DAT-light"``)."""
+  def preset(cls, name: str, *, upscale: int = 4, rngs: nnx.Rngs | None = None, **kwargs):
+    """A randomly initialised preset (``"DAT"``, ``"DAT-S"``, ``"DAT-2"``,
+    ``"DAT-light"``). ``kwargs``: the model's ``dtype``, ``param_dtype`` and
+    ``backend``, and ``DATConfig`` fields that change the preset (``depth=(2, 2)``);
+    ``rngs`` defaults to ``nnx.Rngs(0)``. Any other keyword is a ``TypeError``."""
     if name not in PRESETS:
       raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    rngs = kwargs.pop("rngs", None) or nnx.Rngs(0)
-    return cls(dataclasses.replace(PRESETS[name], upscale=upscale), rngs=rngs, **kwargs)
+    fields = {f.name for f in dataclasses.fields(DATConfig)}
+    unknown = sorted(set(kwargs) - fields - set(MODEL_OPTIONS))
+    if unknown:
+      raise TypeError(f"DAT.preset() got unexpected keywords {unknown}: it takes the DATConfig "
+                      f"fields {sorted(fields)} and {', '.join(MODEL_OPTIONS)}, rngs")
+    config = dataclasses.replace(PRESETS[name], upscale=upscale,
+                                 **{k: v for k, v in kwargs.items() if k in fields})
+    return cls(config, rngs=rngs or nnx.Rngs(0),
+               **{k: v for k, v in kwargs.items() if k in MODEL_OPTIONS})
 
   @classmethod
   def from_torch(cls, path, **kwargs):

@@ -19,6 +19,7 @@ form by as much.)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,17 @@ def theta_shift(x, positions):
   return (x * cos + rotated * sin).astype(x.dtype)
 
 
+def check_heads(embed_dim: int, value_dim: int, num_heads: int) -> None:
+  """A ``ValueError`` unless the key and value widths divide among ``num_heads`` heads,
+  each with an even key dim (the rotary theta shift rotates pairs)."""
+  for name, width in (("embed_dim", embed_dim), ("value_dim", value_dim)):
+    if width % num_heads:
+      raise ValueError(f"{name} ({width}) must be divisible by num_heads ({num_heads})")
+  if (embed_dim // num_heads) % 2:
+    raise ValueError(f"the key dim per head ({embed_dim // num_heads}) must be even for "
+                     "the rotary theta shift")
+
+
 class MultiScaleRetention(nnx.Module):
   """Multi-scale retention: ``x: [batch, seq, embed_dim] -> [batch, seq, embed_dim]``.
 
@@ -99,12 +111,7 @@ class MultiScaleRetention(nnx.Module):
                eps: float = 1e-6, backend: str = "auto", dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     value_dim = 2 * embed_dim if value_dim is None else value_dim
-    for name, width in (("embed_dim", embed_dim), ("value_dim", value_dim)):
-      if width % num_heads:
-        raise ValueError(f"{name} ({width}) must be divisible by num_heads ({num_heads})")
-    if (embed_dim // num_heads) % 2:
-      raise ValueError(f"the key dim per head ({embed_dim // num_heads}) must be even for "
-                       "the rotary theta shift")
+    check_heads(embed_dim, value_dim, num_heads)
     self.embed_dim, self.value_dim, self.num_heads = embed_dim, value_dim, num_heads
     self.key_dim, self.head_dim = embed_dim // num_heads, value_dim // num_heads
     self.eps, self.backend, self.dtype = eps, backend, dtype
@@ -205,9 +212,19 @@ class RetNetConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if self.activation not in ACTIVATIONS:
+    check_heads(self.embed_dim, self.value_dim, self.num_heads)
+    if not (isinstance(self.activation, str) and self.activation in ACTIVATIONS):
       raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got "
                        f"{self.activation!r}")
+    for name, low in (("eps", 0.0), ("embed_scale", None)):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and (low is None or value > low)):
+        raise ValueError(f"{name} must be a finite number{'' if low is None else ' > 0'}, "
+                         f"got {value!r}")
+    for name in ("layernorm_embedding", "tie_embeddings"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 class RetNetLayer(nnx.Module):

@@ -10,8 +10,9 @@ Under the backend name ``"auto"`` an entry holds measured times of every backend
 that ran a problem (``{"backend_ms": {backend: ms}, "mode": ...}``): what ``"auto"``
 ranks backends by (``backend_times``, ``save_backend_times``).
 
-User cache file: ``$JATTN_CACHE_DIR/autotune.json``, else
-``$XDG_CACHE_HOME/jattn/autotune.json``, else ``~/.cache/jattn/autotune.json``:
+User cache file: ``$JATTN_CACHE_DIR/autotune.json`` (an empty value is an error,
+not the default), else ``$XDG_CACHE_HOME/jattn/autotune.json``, else
+``~/.cache/jattn/autotune.json``:
 ``{"version": 1, "entries": {key: {"config": {...}, "ms": ..., "mode": ...,
 "jax": ..., "tuned_at": ...}}}``. Writes are atomic; a corrupt file warns once and
 counts as empty.
@@ -58,11 +59,38 @@ class TuningKey:
 
 
 def cache_path() -> str:
-  """The user cache file (see the module docstring for the environment variables)."""
-  if os.environ.get(CACHE_DIR_ENV):
-    return os.path.join(os.environ[CACHE_DIR_ENV], "autotune.json")
+  """The user cache file (see the module docstring for the environment variables); a
+  ``ValueError`` if ``JATTN_CACHE_DIR`` is set but empty (a script's unset variable:
+  not a request for the home folder's cache)."""
+  folder = os.environ.get(CACHE_DIR_ENV)
+  if folder is not None:
+    if not folder:
+      raise ValueError(f"{CACHE_DIR_ENV} is set but empty: name a folder, or unset it for "
+                       "the default cache")
+    return os.path.join(folder, "autotune.json")
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(base, "jattn", "autotune.json")
+
+
+def writable_cache_path(path: str | None = None) -> str:
+  """The user cache file (or ``path``) once its folder exists (made if missing) and a
+  file and its lock can be made there; a one-line ``ValueError`` otherwise. A tuning
+  run calls it before it starts, so that its result is not lost at the end."""
+  path = cache_path() if path is None else path
+  directory = os.path.dirname(path) or "."
+  try:
+    if os.path.isdir(path):
+      raise IsADirectoryError(f"{path} is a folder")
+    os.makedirs(directory, exist_ok=True)
+    with open(path + ".lock", "a"):
+      pass
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".autotune.", suffix=".probe")
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:  # a file in the way, a read-only or special file system
+    raise ValueError(f"cannot write the autotune cache {path!r}: {e.strerror or e} (set "
+                     f"{CACHE_DIR_ENV} to a folder you can write)") from None
+  return path
 
 
 _LOADED: dict[str, tuple[tuple[int, int], dict]] = {}  # path -> ((mtime_ns, size), entries)
@@ -81,9 +109,15 @@ def _parse_entries(text: str) -> dict:
 def load_cache(path: str | None = None) -> dict:
   """Entries of the user cache, read once per change of the file (``{}`` if absent).
 
-  An unreadable or corrupt file warns once and counts as empty.
+  An unreadable or corrupt file, or an empty ``JATTN_CACHE_DIR``, warns once and
+  counts as empty.
   """
-  path = cache_path() if path is None else path
+  if path is None:
+    try:
+      path = cache_path()
+    except ValueError as e:  # told once per place it is read from (warnings' default)
+      warnings.warn(f"no autotune cache: {e}", RuntimeWarning, stacklevel=2)
+      return {}
   try:
     st = os.stat(path)
   except OSError:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 from jattn.core.device import GPUInfo, gpu_info
 from jattn.core.op import OPS, Impl, Op
 from jattn.core.timing import MODES, time_op
-from jattn.tuning.cache import TuningKey, save_config
+from jattn.tuning.cache import TuningKey, save_config, writable_cache_path
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: ``space`` is a dict
@@ -134,7 +134,8 @@ def tune(op_name: str, backend: str, problem, *, reps: int = 10, info: GPUInfo |
 
   Each timing is the median of ``reps`` calls. Candidates that fail to compile or
   run are skipped. ``max_candidates`` caps how many are timed per stage (the
-  current best comes first). With ``save``, the winner goes to the user cache.
+  current best comes first). With ``save``, the winner goes to the user cache (a
+  ``ValueError`` before any timing if it cannot be written).
   """
   op, impl = tunable(op_name, backend)
   if not (isinstance(reps, int) and reps >= 1):
@@ -145,6 +146,8 @@ def tune(op_name: str, backend: str, problem, *, reps: int = 10, info: GPUInfo |
   unusable = impl.supported_on(info)
   if unusable is not None:
     raise ValueError(f"backend {backend!r} is not usable on {info.name}: it {unusable}")
+  if save:
+    writable_cache_path()  # now, not after the search: its result would be lost
   out = sys.stderr if progress else None
   stages = impl.tuning_stages()
   best = _start(impl, problem, info)
