@@ -307,11 +307,13 @@ def test_flash_gradients_are_exact_where_the_softmax_saturates(dtype, scale, bac
                    jnp.asarray(do, jnp.float64))
   size = lambda x: float(np.abs(np.asarray(x, np.float64)).max())
   # dq and dk are 0 here but for float32 rounding of terms of size |k| |v| |dO| (resp.
-  # |q| ...): allow a few epsilons of those; dv is as large as dO.
+  # |q| ...): allow a few epsilons of those. dv is as large as dO; at logits of 1e6 a
+  # row that is not quite one-hot (a second key within a few units) has its weights
+  # only to float32's resolution of the lse (an ulp there is 0.06).
   rounding = {"q": size(args[1]), "k": size(args[0]), "v": 0.0}
   for name, g, g_ref in zip("qkv", ours, exact):
     g, g_ref = np.asarray(g, np.float64), np.asarray(g_ref)
-    bound = 1e-2 * max(np.abs(g_ref).max(), 1.0) + 1e-6 * rounding[name] * size(v) * size(do)
+    bound = 2e-2 * max(np.abs(g_ref).max(), 1.0) + 1e-6 * rounding[name] * size(v) * size(do)
     assert np.abs(g - g_ref).max() < bound, (name, np.abs(g - g_ref).max(), bound)
 
 

@@ -176,34 +176,37 @@ def logit_grad(ds, g):
   return ds if g is None else ds * g
 
 
-# How close to the saved log-sum-exp a recomputed logit must come, relative to the lse's
-# size (a few float32 ulps), for the backward to take its weight as the whole row's. The
-# backward recomputes each logit in other tiles (another summation order) and reads the
-# lse through a change of base, each off by an ulp or two; at logits of 1e6 and beyond
-# an ulp is worth more than 1 in the exponent, and the weight of a saturated row's key
-# (1) would come back as 2^-64 or 2^64.
-LSE_SNAP = 2.0 ** -21
+# How far below the saved log-sum-exp the backward places it, relative to its size: a
+# few float32 ulps. The backward recomputes each logit in other tiles (another summation
+# order; the Hopper dK/dV kernel starts its accumulators at -lse) and reads the lse
+# through a change of base, each off by an ulp or two; at logits of 1e6 and beyond an
+# ulp is worth more than 1 in the exponent, and a saturated row's weight of 1 would come
+# back as 2^-64 (or 2^64). Lowered by the allowance and clamped (``backward_probs``),
+# the top weights come back as exactly 1 for one add on the host and one min per weight
+# (a compare-and-select per weight cost the Hopper backward 7%); the others grow by at
+# most 2^(2^-21 |lse|): 1 + 2e-6 at |lse| = 5, a few percent past 1e5, where float32
+# resolves the logits no better.
+LSE_ALLOWANCE = 2.0 ** -21
 
 
 def backward_lse(lse, length: int, score_function: bool):
   """The saved natural-log ``lse`` ``[batch, heads, q_len]`` as the backward kernels read
-  it: in base-2 units, padded to ``length`` rows; with a score function, padded rows get
-  ``PADDED_ROW_LSE`` (their probabilities are then 0 whatever the function makes of
-  their logits)."""
+  it: in base-2 units, lowered by ``LSE_ALLOWANCE`` of itself, padded to ``length`` rows;
+  with a score function, padded rows get ``PADDED_ROW_LSE`` (their probabilities are
+  then 0 whatever the function makes of their logits)."""
   q_len = lse.shape[-1]
-  lse2 = pad_rows(lse * LOG2E, length)
+  lse2 = lse * LOG2E
+  lse2 = pad_rows(lse2 - jnp.abs(lse2) * LSE_ALLOWANCE, length)
   return lse2.at[..., q_len:].set(PADDED_ROW_LSE) if score_function and length != q_len else lse2
 
 
-def backward_probs(x, lse2, dropout_rate: float = 0.0, expand=lambda row: row):
+def backward_probs(x, dropout_rate: float = 0.0):
   """The backward's recomputed weights ``exp2(x)`` from ``x = logits - lse2`` in base-2
-  units (``lse2`` as ``backward_lse`` gives it, per row; ``expand`` lays a row vector out
-  against ``x``, default: broadcasting). A weight cannot exceed the largest a softmax
-  gives (1, or ``1 / (1 - rate)`` where dropout's factor is folded into the lse:
-  ``dropout.backward_rows``); one within ``LSE_SNAP`` of it is taken as that, so the
-  weights of saturated rows come back exact."""
+  units (``lse2`` as ``backward_lse`` gives it), clamped to the largest weight a softmax
+  gives: 1, or ``1 / (1 - rate)`` where dropout's factor is folded into the lse
+  (``dropout.backward_rows``)."""
   cap = -math.log2(1.0 - dropout_rate) if dropout_rate else 0.0
-  return jnp.where(x >= expand(cap - LSE_SNAP * jnp.abs(lse2)), 2.0 ** cap, jnp.exp2(x))
+  return jnp.exp2(jnp.minimum(x, cap))
 
 
 def backward_delta(o, do, dlse):

@@ -219,7 +219,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_in_ref, dq_re
       mask = geo.mask(q_idx, _iota(j * block_k, 1, (1, block_k)), head)
       k = clear_nonfinite_rows(k)
     s = dot(q, k_scored, 1, 1, fast) * (geo.scale * LOG2E)
-    p = backward_probs(s - lse2, lse2)
+    p = backward_probs(s - lse2)
     if masked:
       p = jnp.where(mask, p, 0.0)
     ds = p * (dot(do, v, 1, 1, fast) - delta)
@@ -253,7 +253,7 @@ def _dkv_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_in_ref, dv_i
       mask = geo.mask(_iota(i * block_q, 1, (1, block_q)), k_idx, head)
       q = clear_nonfinite_rows(q)
     lse2 = lse_ref[rows][None, :]
-    p_t = backward_probs(s_t - lse2, lse2)
+    p_t = backward_probs(s_t - lse2)
     if masked:
       p_t = jnp.where(mask, p_t, 0.0)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)

@@ -111,8 +111,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       s, c, g = positions.logits(s, scale, softcap, at, with_grad=True)
       if masked:
         s = positions.apply_mask(s, spec, at)
-      rows = lambda r: lax.broadcast_in_dim(r, shape, [0])
-      p = backward_probs(s * c - rows(lse), lse, positions.dropout, rows)
+      p = backward_probs(s * c - lax.broadcast_in_dim(lse, shape, [0]), positions.dropout)
       if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
         dp = jnp.where(positions.kept(at), dp, 0.0)
       ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), g)
@@ -298,12 +297,12 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         s_t, c, g_t = positions.logits(s_t, scale, softcap, at, with_grad=True)
         if masked:
           s_t = positions.apply_mask(s_t, spec, at)
-        cols = lambda r: lax.broadcast_in_dim(r, shape, [1])
         if fold_stats:
-          p_t = backward_probs(s_t * c, lse(), expand=cols)
+          p_t = backward_probs(s_t * c)
           ds_t = p_t * dp_t
         else:
-          p_t = backward_probs(s_t * c - cols(lse()), lse(), positions.dropout, cols)
+          p_t = backward_probs(s_t * c - lax.broadcast_in_dim(lse(), shape, [1]),
+                               positions.dropout)
           if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
             kept = positions.kept(at)
             dp_t = jnp.where(kept, dp_t, 0.0)

@@ -68,7 +68,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
       q_seg = q_seg_ref[q_slice][None, :] if spec.segments else None
       mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
       q = clear_nonfinite_rows(q)
-    p_t = backward_probs(s_t * c - lse2[None, :], lse2[None, :], dropout_rate)
+    p_t = backward_probs(s_t * c - lse2[None, :], dropout_rate)
     if mask is not None:
       p_t = jnp.where(mask, p_t, 0.0)
     rows = row_hash(seed_ref[0], batch_row, head, q_idx) if dropout_rate else None
@@ -127,7 +127,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
       mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
       k = clear_nonfinite_rows(k)
     s, c, g = log2_logits(dot(q, k_scored, 1, 1), scale, score, bh + (q_idx, k_idx), True)
-    p = backward_probs(s * c - lse2[:, None], lse2[:, None], dropout_rate)
+    p = backward_probs(s * c - lse2[:, None], dropout_rate)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
     _, dp = _dropped(p, dot(do, v, 1, 1), rows, seed_ref, k_idx, dropout_rate)

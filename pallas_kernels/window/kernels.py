@@ -116,7 +116,7 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
     mask = None if mask_ref is None else mask_ref[:, cols]
     k_scored, v = guard_values(k, v_ref[cols, :])
     s = _logits2(dot(q, k_scored, 1, 1, fast), scale, bias_ref[:, cols], mask)
-    ds = _logit_grads(s, backward_probs(s - lse2, lse2), dot(do, v, 1, 1, fast), delta)
+    ds = _logit_grads(s, backward_probs(s - lse2), dot(do, v, 1, 1, fast), delta)
     return dq + dot(ds.astype(k.dtype), clear_nonfinite_rows(k), 1, 0, fast)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
@@ -135,7 +135,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
     mask = None if mask_t_ref is None else mask_t_ref[:, rows]
     s_t = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask)
     lse2 = lse_ref[rows][None, :]
-    p_t = backward_probs(s_t - lse2, lse2)
+    p_t = backward_probs(s_t - lse2)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
     ds_t = _logit_grads(s_t, p_t, dot(v, do, 1, 1, fast), delta_ref[rows][None, :])
     return dk + dot(ds_t.astype(q.dtype), clear_nonfinite_rows(q), 1, 0, fast), dv
@@ -158,7 +158,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
     k, v = guard_values(k_ref[w], v_ref[w])
     s = _logits2(dot(q, k, 1, 1, fast), scale, bias, mask)
     lse2 = lse_ref[w][:, None]
-    p = backward_probs(s - lse2, lse2)
+    p = backward_probs(s - lse2)
     return acc + _logit_grads(s, p, dot(do, v, 1, 1, fast), delta_ref[w][:, None])
 
   per_group = q_ref.shape[0] // groups
