@@ -34,7 +34,7 @@ import numpy as np
 
 from jattn.core.device import shared_memory_limit
 from jattn.core.op import MosaicImpl, Op, Problem, TritonImpl, XlaImpl, run
-from jattn.core.validation import (check_array, check_choice, check_positive_int,
+from jattn.core.validation import (check_array, check_choice, check_flag, check_positive_int,
                                    check_same_dtype, check_shape, scale_of)
 from jattn.kernels.common.config import padded_head_dim
 from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwise_config,
@@ -518,6 +518,7 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
     the other rows, and the gradients they send back, are exact.
   """
   check_choice("mode", mode, MODES)
+  return_state = check_flag("return_state", return_state)
   problem, arrays = bind_sequence(q, k, v, decay=decay, scale=scale, normalize=normalize,
                                   initial_state=initial_state, chunk_size=chunk_size)
   stateful = return_state or initial_state is not None

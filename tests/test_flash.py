@@ -343,6 +343,8 @@ def test_bad_inputs_raise_clear_errors(kwargs, error, match):
 def test_flags_are_not_traced():
   with pytest.raises(TypeError, match="causal must be a Python or numpy bool, not a traced"):
     jax.jit(lambda c: jattn.flash_attention(Q, KV, KV, causal=c, backend="xla"))(True)
+  with pytest.raises(TypeError, match="return_state must be True or False, got 'yes'"):
+    jattn.retention(Q, Q, Q, return_state="yes")
 
 
 def test_numpy_scalars_are_taken_as_numbers():
