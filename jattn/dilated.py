@@ -128,7 +128,6 @@ class DilatedAttention(SoftmaxOp):
   def finish(self, problem, outputs):
     return outputs[0].astype(problem.dtype)
 
-
   def example(self, p: DilatedProblem, key):
     kq, kk, kv = jax.random.split(key, 3)
     normal = lambda k, h: jax.random.normal(k, (p.batch, p.seq, h, p.head_dim),

@@ -356,7 +356,6 @@ class FlashAttention(SoftmaxOp):
         sinks=sinks is not None, dropout_rate=float(dropout_rate))
     return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed)
 
-
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o

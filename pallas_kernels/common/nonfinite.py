@@ -73,4 +73,3 @@ def clear_nonfinite_rows(x):
   """``x [rows, d]`` with the rows that hold an inf or a NaN zeroed: the operand a masked
   weight (or its gradient) multiplies in a backward matmul."""
   return clear(x, nonfinite_rows(x))
-

@@ -152,9 +152,10 @@ class ScoreFunction:
     return jax.jvp(f, (x,), (jnp.ones_like(x),))
 
 
-def log2_units(scale: float, score=None) -> float:
-  """The ``c`` of ``log2_logits``: what its logits are multiplied by into base 2."""
-  return scale * LOG2E if score is None else 1.0
+def log2_units(scale: float, transformed: bool) -> float:
+  """The ``c`` of ``log2_logits``: what its logits are multiplied by into base 2
+  (``transformed``: a score transform is applied, and its logits are base 2 already)."""
+  return 1.0 if transformed else scale * LOG2E
 
 
 def log2_logits(qk, scale: float, score=None, index=None, with_grad: bool = False):
@@ -166,9 +167,9 @@ def log2_logits(qk, scale: float, score=None, index=None, with_grad: bool = Fals
   ``c = 1`` and ``g = d score / d x`` where ``with_grad`` (the backward's chain rule).
   """
   if score is None:
-    return qk, log2_units(scale), None
+    return qk, log2_units(scale, False), None
   y, g = score.apply(qk * scale, index, with_grad)
-  return y * LOG2E, log2_units(scale, score), g
+  return y * LOG2E, log2_units(scale, True), g
 
 
 def logit_grad(ds, g):
@@ -183,8 +184,8 @@ def logit_grad(ds, g):
 # ulp is worth more than 1 in the exponent, and a saturated row's weight of 1 would come
 # back as 2^-64 (or 2^64). Lowered by the allowance and clamped (``backward_probs``),
 # the top weights come back as exactly 1 for one add on the host and one min per weight
-# (a compare-and-select per weight cost the Hopper backward 7%); the others grow by at
-# most 2^(2^-21 |lse|): 1 + 2e-6 at |lse| = 5, a few percent past 1e5, where float32
+# (cheaper in the kernels than a compare-and-select); the others grow by at most
+# 2^(2^-21 |lse|): 1 + 2e-6 at |lse| = 5, a few percent past 1e5, where float32
 # resolves the logits no better.
 LSE_ALLOWANCE = 2.0 ** -21
 

@@ -101,8 +101,7 @@ class SoftmaxRows:
     return int(self.sinks)
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
-    score = self.positions.score if self.positions.score is not None else self.softcap
-    c = log2_units(self.scale, score)
+    c = log2_units(self.scale, self.positions.score is not None or self.softcap is not None)
 
     def update(s, stats, j, masked, tile):
       m, l = stats

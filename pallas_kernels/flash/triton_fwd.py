@@ -58,7 +58,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
   else:
     schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
   sink = None if sink_ref is None else sink_ref[bh[1]]
-  c = log2_units(scale, score)
+  c = log2_units(scale, score is not None)
   carry = run_tiles(schedule, body, online_softmax_init(block_q, v_ref.shape[-1], sink, c))
   o, lse = online_softmax_finish(carry, c)
   if dropout_rate:

@@ -15,11 +15,8 @@ score past the diagonal stays out. A masked weight still meets, in the P·V wgmm
 V rows of keys its row does not see (0 · inf = NaN), and those V tiles sit in shared
 memory that rows on both sides of the key read: a non-finite value reaches the earlier
 rows of its diagonal block, the one exception to the rule (as in the Hopper flash
-kernels; docs/flash_attention.md). Guarding it on the host measured on an H100 (fp16,
-16 heads of 128): clearing V and writing NaN from each head's first bad position took
-the forward from 40 to 55 µs at (8, 512) and 453 to 494 µs at (4, 4096); rewriting K
-and V 2.1x and 1.31x; a ``lax.cond`` on V's finiteness 1.8x and 1.10x (the branch
-waits for the host).
+kernels; docs/flash_attention.md). A guard on the host costs more than it is worth
+(docs/retention.md has the measurements).
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
+from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
 
