@@ -1,14 +1,22 @@
-"""Writes the jaxpr of every Triton-family kernel (flash: plain, causal, window,
-soft-cap, segments; window, dilated, parallel and chunkwise retention; forward and
-backward; fp16 and fp32) and of the Hopper flash forward (traced, not compiled: this
-runs on a CPU; the Hopper backward traces only with the GPU image's newer jax) to one
-text file. Two checkouts whose files are equal run
-identical kernels, so a refactor's GPU figures still hold.
+"""Writes the jaxpr of every kernel jattn launches for a fixed set of calls (forward
+and gradient) to one text file, one kernel per section: the Triton-lowered families
+(flash: plain, causal, window, soft-cap, segments; window, dilated, parallel and
+chunkwise retention; fp16 and fp32) everywhere, and on a Hopper GPU the Mosaic
+kernels too (flash forward and backward with every mask and feature, the fused dQ,
+wide heads, flex functions, parallel retention). Two checkouts whose files are
+equal launch identical kernels, so a refactor's GPU figures still hold.
 
-    JATTN_INTERPRET=1 python bench/kernel_jaxprs.py before.txt   # in each checkout
+It calls only the public API, so one copy of this script traces any checkout:
+
+    PYTHONPATH=old JATTN_INTERPRET=1 python bench/kernel_jaxprs.py before.txt
+    PYTHONPATH=new JATTN_INTERPRET=1 python bench/kernel_jaxprs.py after.txt
     cmp before.txt after.txt
+
+Names of traced Python functions (``name=...``) are replaced by ``_``: renaming a
+helper changes no kernel. The Mosaic backward traces only with jax >= 0.11.
 """
 
+import re
 import sys
 
 import jax
@@ -16,9 +24,6 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr
 
 import jattn
-from jattn.core.op import Call, run
-from jattn.flash import FLASH
-from jattn.kernels.flash import default_mosaic_config
 
 
 def kernel_jaxprs(jaxpr, out):
@@ -47,8 +52,7 @@ def of_gradient(f, *args):
       *args).jaxpr, [])
 
 
-def main(path):
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+def triton_cases(keys):
   out = []
   for dtype in (jnp.float16, jnp.float32):
     q = jax.random.normal(keys[0], (2, 100, 4, 64), dtype)
@@ -70,18 +74,60 @@ def main(path):
     for mode in ("parallel", "chunkwise"):
       out += of_gradient(lambda q, k, v: jattn.retention(
           q, k, v, mode=mode, backend="pallas_triton"), x, x, x)
-  mosaic = FLASH.impl("pallas_mosaic")
-  for causal in (False, True):
-    x = jax.random.normal(keys[0], (1, 1024, 4, 128), jnp.bfloat16)
+  return out
 
-    def hopper(q, k, v):  # the call "auto" makes on a Hopper GPU
-      problem, arrays = FLASH.bind(q, k, v, causal=causal)
-      return FLASH.finish(problem, run(Call(FLASH, mosaic, problem, default_mosaic_config(128),
-                                            False), arrays))
-    out += kernel_jaxprs(jax.make_jaxpr(hopper)(x, x, x).jaxpr, [])
+
+def mosaic_cases(keys):
+  """Every Hopper kernel variant the op layer launches (fixed tiles, so that the
+  autotuner's cache does not choose them)."""
+  from jattn.kernels.flash import MosaicBlockConfig, default_mosaic_config
+  out = []
+  q = jax.random.normal(keys[0], (2, 300, 4, 128), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (2, 260, 2, 128), jnp.bfloat16) for key in keys[1:3])
+  ids = jnp.sort(jax.random.randint(keys[3], (2, 300), 0, 3), axis=1)
+  segments = dict(q_segment_ids=ids, kv_segment_ids=ids[:, :260])
+  config = default_mosaic_config(128)
+  for kw in [{}, dict(causal=True), dict(local_window=(70, 10)), dict(softcap=30.0),
+             dict(causal=True, **segments), dict(causal=True, dropout_rate=0.1,
+                                                 dropout_key=jax.random.PRNGKey(1)),
+             dict(config=MosaicBlockConfig(persistent=True)),
+             dict(deterministic=False, config=MosaicBlockConfig(fused_dq=True)),
+             dict(causal=True, config=MosaicBlockConfig(block_q=128, block_kv=64, stages=3,
+                                                        block_q_dkv=128, bwd_stages=3))]:
+    kw = dict(dict(config=config), **kw)
+    out += of_gradient(lambda q, k, v: jattn.flash_attention(
+        q, k, v, backend="pallas_mosaic", **kw), q, k, v)
+  out += of_gradient(lambda q, k, v, s: jattn.flash_attention(
+      q, k, v, sinks=s, causal=True, backend="pallas_mosaic", config=config), q, k, v,
+      jnp.linspace(-1.0, 1.0, 4))
+  for dk, dv in ((64, 64), (192, 128), (256, 256)):
+    a = jax.random.normal(keys[0], (1, 200, 2, dk), jnp.bfloat16)
+    b = jax.random.normal(keys[1], (1, 200, 2, dv), jnp.bfloat16)
+    out += of_gradient(lambda q, k, v: jattn.flash_attention(
+        q, k, v, causal=True, backend="pallas_mosaic",
+        config=default_mosaic_config(dk, dv)), a, a, b)
+  slopes = jnp.linspace(0.1, 1.0, 4)
+  docs = ids[:, :260]
+  out += of_gradient(lambda q, k, v: jattn.flex_attention(
+      q[:, :260], k, v, score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j),
+      mask_mod=lambda b, h, i, j: (docs[b, i] == docs[b, j]) & (j <= i),
+      backend="pallas_mosaic", config=config), q, k, v)
+  x = jax.random.normal(keys[0], (2, 300, 4, 128), jnp.bfloat16)
+  out += of_gradient(lambda q, k, v: jattn.retention(
+      q, k, v, mode="parallel", backend="pallas_mosaic"), x, x, x)
+  return out
+
+
+def main(path):
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  out = triton_cases(keys)
+  on_gpu = any(d.platform == "gpu" for d in jax.devices())
+  if on_gpu:
+    out += mosaic_cases(keys)
+  text = re.sub(r"name=[\w<>.-]+", "name=_", "\n=====\n".join(out))
   with open(path, "w") as f:
-    f.write("\n=====\n".join(out))
-  print(f"{len(out)} kernels -> {path}")
+    f.write(text)
+  print(f"{len(out)} kernels ({'with' if on_gpu else 'without'} Hopper) -> {path}")
 
 
 if __name__ == "__main__":

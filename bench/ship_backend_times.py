@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax.numpy as jnp  # noqa: E402
 
 from jattn.flash import FLASH  # noqa: E402
-from jattn.tuning.cache import RANKING, TuningKey  # noqa: E402
+from jattn.core.cache import RANKING, TuningKey  # noqa: E402
 
 BACKENDS = {"jattn_mosaic": "pallas_mosaic", "jattn_triton": "pallas_triton", "cudnn": "cudnn"}
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}

@@ -24,7 +24,7 @@ import sys
 from jattn.command_line import Parser, UsageError, add_verbose, run_tool
 from jattn.core.device import gpu_info, shared_memory_limit
 from jattn.core.op import OPS
-from jattn.tuning.cache import cache_path, load_cache, writable_cache_path
+from jattn.core.cache import cache_path, load_cache, writable_cache_path
 from jattn.tuning.search import fields_text, plan, tune, tunable, tuning_key
 
 # flag -> the problem fields it fills, first match wins

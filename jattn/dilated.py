@@ -27,7 +27,7 @@ from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
 from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
 from jattn.reference import dilated_attention_reference
-from jattn.tuning.cache import bucket
+from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jattn.core.device import CUDNN, GPUInfo
+from jattn.core.cache import bucket
+from jattn.core.device import CUDNN, GPUInfo, shared_memory_limit
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import (check_attention_inputs, check_flag, check_integer_array,
                                    check_shape, is_int, is_number, positive_number, scale_of)
@@ -24,16 +25,10 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
 from jattn.kernels.common.softmax import backward_delta
-from jattn.kernels.flash.mosaic_bwd import fused_dq_columns
-from jattn.kernels.flash.mosaic_config import (MOSAIC_MODELLED_BWD_WIDTH, mosaic_backward_runs,
-                                               mosaic_head_dim)
-from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
+from jattn.kernels.flash.config import (BACKWARD_SEARCH, FORWARD_SEARCH, backward_kernels,
+                                        backward_modelled, mosaic_backward_runs, mosaic_misfit)
 from jattn.reference import flash_attention_reference
-from jattn.tuning.cache import bucket
-from jattn.tuning.search import SearchStage
-from jattn.tuning.spaces import (MOSAIC_FORWARD_GRID, MOSAIC_PERSISTENT_GRID,
-                                 MOSAIC_SMEM_OVERHEAD, BlockTritonImpl,
-                                 mosaic_forward_cost, within_mosaic_budget)
+from jattn.tuning.spaces import BlockTritonImpl
 
 
 
@@ -164,79 +159,11 @@ class TritonFlash(AttentionTritonImpl):
     return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 
-def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int,
-                 dv: int | None = None) -> dict[str, tuple[int, float]]:
-  """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread
-  (``W`` consumer warpgroups of 128 threads, each owning ``block`` rows); ``d`` the
-  padded head dim of q and k, ``dv`` of v (default ``d``)."""
-  w, o = CONSUMERS, MOSAIC_SMEM_OVERHEAD
-  dv = d if dv is None else dv
-  dkv_smem = ((w * c.block_kv_dkv * (d + dv) + c.bwd_stages * c.block_q_dkv * (d + dv)) * nbytes
-              + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
-  dq_cols = fused_dq_columns(d)
-  return {
-      "forward": mosaic_forward_cost(c, d, dv, nbytes),
-      "dQ": ((w * c.block_q_dq * (d + dv) + c.bwd_stages * c.block_kv_dq * (d + dv)) * nbytes + o,
-             (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / 128),
-      "dK/dV": (dkv_smem,
-                (c.block_kv_dkv * (d + dv) + 2 * c.block_q_dkv * c.block_kv_dkv) / 128),
-      # deterministic=False: dS tiles (double-buffered) and an fp32 dQ tile per consumer;
-      # the dQ accumulator is live once S and dP are spent.
-      "dK/dV+dQ": (dkv_smem + (2 * w * c.block_kv_dkv * c.block_q_dkv * nbytes
-                               + w * c.block_q_dkv * dq_cols * 4),
-                   (c.block_kv_dkv * (d + dv) + max(2 * c.block_q_dkv * c.block_kv_dkv,
-                                                    c.block_q_dkv * (dq_cols + c.block_kv_dkv)))
-                   / 128),
-  }
-
-
-def _fuses_dq(c: MosaicBlockConfig, p: FlashProblem) -> bool:
-  """Deterministic calls never run the fused dQ (its atomic adds vary the sum order)."""
-  return c.fused_dq and not p.deterministic
-
-
 def mosaic_budget(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
                   kernels: tuple[str, ...], info: GPUInfo) -> str | None:
-  """Why the Hopper ``kernels`` (names of ``mosaic_costs``) of config ``c`` do not fit
-  ``info``'s device at head dims ``(dk, dv)`` (None: they fit)."""
-  dk, dv = (mosaic_head_dim(d) for d in head_dims)
-  costs = mosaic_costs(c, dk, nbytes, dv)
-  for name in kernels:
-    reason = within_mosaic_budget(name, costs[name], info)
-    if reason is not None:
-      return reason
-  return None
-
-
-def mosaic_fits(*kernels: str):
-  """The Hopper cost model restricted to ``kernels`` (when none are named: the kernels
-  the config runs)."""
-
-  def fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
-    backward = ("dK/dV+dQ",) if _fuses_dq(c, p) else ("dQ", "dK/dV")
-    return mosaic_budget(c, p.head_dims, p.dtype.itemsize, kernels or ("forward", *backward),
-                         info)
-
-  return fits
-
-
-def _fused_dq_fits(c: MosaicBlockConfig, p: FlashProblem, info: GPUInfo) -> str | None:
-  if c.fused_dq and p.deterministic:
-    return "deterministic calls never fuse dQ"
-  return mosaic_fits()(c, p, info)
-
-
-MOSAIC_STAGES = (
-    SearchStage("forward", "fwd", MOSAIC_FORWARD_GRID, mosaic_fits("forward")),
-    SearchStage("persistent", "fwd", MOSAIC_PERSISTENT_GRID, mosaic_fits("forward")),
-    # The dK/dV kernel shares the backward ring depth.
-    SearchStage("dQ", "fwd+bwd", {"block_q_dq": (64, 128), "block_kv_dq": (64, 128),
-                                  "bwd_stages": (2, 3)}, mosaic_fits("dQ", "dK/dV")),
-    SearchStage("dK/dV", "fwd+bwd", {"block_q_dkv": (64, 128), "block_kv_dkv": (64, 128)},
-                mosaic_fits("dK/dV")),
-    # deterministic=False calls: whether dQ fused into the dK/dV kernel is faster.
-    SearchStage("fused dQ", "fwd+bwd", {"fused_dq": (False, True)}, _fused_dq_fits),
-)
+  """Why the Hopper ``kernels`` of config ``c`` do not fit ``info``'s device at head
+  dims ``(dk, dv)`` (None: they fit); the cost model is ``kernels.flash.config``'s."""
+  return mosaic_misfit(c, head_dims, nbytes, kernels, shared_memory_limit(info))
 
 
 class MosaicFlash(MosaicImpl):
@@ -249,15 +176,25 @@ class MosaicFlash(MosaicImpl):
     return _cache_key(p)
 
   def tuning_stages(self):
-    return MOSAIC_STAGES
+    return FORWARD_SEARCH + BACKWARD_SEARCH
 
-  def fits(self, config, p, info):
-    # Heads wider than the Hopper backward takes run the Triton backward (its own tiles);
-    # the cost model's register counts hold up to MOSAIC_MODELLED_BWD_WIDTH (beyond, the
-    # backward runs the wide heads' 64-row tiles as measured).
-    widths = sum(mosaic_head_dim(d) for d in p.head_dims)
-    modelled = mosaic_backward_runs(*p.head_dims) and widths <= MOSAIC_MODELLED_BWD_WIDTH
-    return mosaic_fits(*(() if modelled else ("forward",)))(config, p, info)
+  def backward_backend(self, p) -> str:
+    """Which kernels run the backward: the Hopper ones, or for heads wider than those
+    take (``mosaic_backward_runs``) the Triton-lowered ones, on the Hopper forward's
+    ``(o, lse)`` with the Triton heuristic's tiles."""
+    return "pallas_mosaic" if mosaic_backward_runs(*p.head_dims) else "pallas_triton"
+
+  def normalize_config(self, config, p):
+    # Deterministic calls never run the fused dQ (its reduce-adds vary the sum order).
+    return dataclasses.replace(config, fused_dq=config.fused_dq and not p.deterministic)
+
+  def fits(self, config, p, info, kernels=()):
+    if not kernels:
+      if self.backward_backend(p) == "pallas_mosaic" and backward_modelled(*p.head_dims):
+        kernels = ("forward", *backward_kernels(config, p.deterministic))
+      else:  # the model's register counts do not hold for the wide heads' backward
+        kernels = ("forward",)
+    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, kernels, info)
 
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
     p = call.problem
@@ -270,12 +207,17 @@ class MosaicFlash(MosaicImpl):
   def backward(self, call, residuals, cotangents):
     (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
     p = call.problem
-    config = dataclasses.replace(call.config, fused_dq=_fuses_dq(call.config, p))
-    dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
-                                       causal=p.causal, scale=p.scale,
-                                       local_window=p.local_window, softcap=p.softcap,
-                                       config=config, dropout_rate=p.dropout_rate,
-                                       dropout_seed=seed)
+    kw = dict(causal=p.causal, scale=p.scale, local_window=p.local_window, softcap=p.softcap,
+              dropout_rate=p.dropout_rate, dropout_seed=seed)
+    if self.backward_backend(p) == "pallas_triton":
+      config = default_block_config(max(p.head_dims), p.dtype.itemsize)
+      dq, dk, dv = flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse,
+                                         cotangents[0].astype(q.dtype), cotangents[1],
+                                         config=config, interpret=False, **kw)
+    else:
+      config = self.normalize_config(call.config, p)
+      dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
+                                         config=config, **kw)
     return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 

@@ -16,7 +16,7 @@ from jattn.core.device import (GPUInfo, architecture_name, current_device,
                                shared_memory_limit)
 from jattn.core.op import OPS, Op
 from jattn.core.timing import MODES, time_op
-from jattn.tuning.cache import save_backend_times, writable_cache_path
+from jattn.core.cache import save_backend_times, writable_cache_path
 
 __all__ = ["GPUInfo", "architecture_name", "backend_choices", "benchmark_backends", "describe",
            "gpu_info", "interpret_mode", "ops", "recommended_dtype", "select_backend",
@@ -76,7 +76,7 @@ def benchmark_backends(op: str = "flash_attention", *, mode: str = "fwd+bwd", re
   of the output's sum). Without ``dtype``, the device's ``recommended_dtype``. The
   timing runs on this machine; ``info`` (default: its description) says which
   backends to try. ``save=True`` (on a GPU) stores the times in the user cache
-  (``jattn.tuning.cache``), so that ``"auto"`` takes the fastest backend for
+  (``jattn.core.cache``), so that ``"auto"`` takes the fastest backend for
   problems with the same key (e.g. flash attention's dtype, head dim, causal and
   length bucket); to include cuDNN for flash attention, pass ``deterministic=False``.
   """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn.core.elementwise import dense_indices, elementwise
+from jattn.kernels.common.elementwise import dense_indices, elementwise
 from jattn.core.validation import scale_of
 from jattn.kernels.common.dropout import keep_mask
 from jattn.kernels.common.nonfinite import clear, nonfinite_rows

@@ -42,15 +42,13 @@ from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwi
                                      retention_chunkwise_backward, retention_chunkwise_forward,
                                      retention_parallel_backward, retention_parallel_forward,
                                      retention_step_backward, retention_step_forward)
-from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, default_mosaic_config,
-                                               mosaic_head_dim)
-from jattn.kernels.retention.chunkwise import grad_kernel_bytes
+from jattn.kernels.flash.config import (FORWARD_SEARCH, MosaicBlockConfig,
+                                        default_mosaic_config, mosaic_misfit)
+from jattn.kernels.retention.chunkwise import CHUNKWISE_SEARCH, grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
 from jattn.reference import default_decay, retention_reference
-from jattn.tuning.cache import bucket
-from jattn.tuning.search import SearchStage
-from jattn.tuning.spaces import (MOSAIC_FORWARD_GRID, MOSAIC_PERSISTENT_GRID, BlockTritonImpl,
-                                 mosaic_forward_cost, within_mosaic_budget)
+from jattn.core.cache import bucket
+from jattn.tuning.spaces import BlockTritonImpl
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
@@ -213,11 +211,6 @@ class TritonParallel(BlockTritonImpl):
     return dq, dk, dv, None, None
 
 
-def _retention_mosaic_fits(c: MosaicBlockConfig, p: RetentionProblem, info) -> str | None:
-  cost = mosaic_forward_cost(c, mosaic_head_dim(p.dk), mosaic_head_dim(p.dv), p.dtype.itemsize)
-  return within_mosaic_budget("forward", cost, info)
-
-
 class MosaicParallel(MosaicImpl):
   """The Hopper forward (``jattn.kernels.retention.mosaic``); the backward runs the
   Triton kernels on its row denominators."""
@@ -231,17 +224,21 @@ class MosaicParallel(MosaicImpl):
     return _cache_fields(p) + (str(p.normalize),)
 
   def tuning_stages(self):
-    return (SearchStage("forward", "fwd", MOSAIC_FORWARD_GRID, _retention_mosaic_fits),
-            SearchStage("persistent", "fwd", MOSAIC_PERSISTENT_GRID, _retention_mosaic_fits))
+    return FORWARD_SEARCH
 
-  def fits(self, config, p, info):
-    return _retention_mosaic_fits(config, p, info)
+  def fits(self, config, p, info, kernels=()):
+    # The forward kernel alone: the backward runs the Triton kernels.
+    return mosaic_misfit(config, (p.dk, p.dv), p.dtype.itemsize, ("forward",),
+                         shared_memory_limit(info))
 
   def forward(self, call, q, k, v, decay, state):
     p = call.problem
     log2_decay = _log2_decay(decay)
+    c = call.config
     o, den = retention_mosaic_forward(q, k, v, log2_decay, scale=p.scale,
-                                      normalize=p.normalize == "abs_sum", config=call.config)
+                                      normalize=p.normalize == "abs_sum", block_q=c.block_q,
+                                      block_kv=c.block_kv, stages=c.stages,
+                                      persistent=c.persistent)
     return o, (q, k, v, log2_decay, den)
 
   def backward(self, call, residuals, do):
@@ -299,12 +296,9 @@ class TritonChunkwise(TritonImpl):
     return dataclasses.replace(config, chunk=p.chunk_size) if p.chunk_size else config
 
   def tuning_stages(self):
-    return (SearchStage("chunk", "fwd+bwd", {"chunk": (16, 32, 64, 128),
-                                             "state_block": (16, 32, 64)}, self.fits),
-            SearchStage("warps", "fwd+bwd", {"scan_warps": (2, 4, 8), "out_warps": (4, 8),
-                                             "grad_warps": (4, 8)}, self.fits))
+    return CHUNKWISE_SEARCH
 
-  def fits(self, config, p, info):
+  def fits(self, config, p, info, kernels=()):
     need, limit = _chunk_bytes(config.chunk, p), shared_memory_limit(info)
     if need > limit:
       return (f"needs {need // 1024} KiB of shared memory at chunk {config.chunk} "

@@ -21,7 +21,7 @@ from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.window import (default_window_config, window_triton_backward,
                                   window_triton_forward)
 from jattn.reference import additive_window_mask, window_attention_reference
-from jattn.tuning.cache import bucket
+from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
 
 LAYOUT = "windows, tokens, heads, head_dim"

@@ -23,7 +23,7 @@ from jattn.core.device import BACKEND_NAMES
 from jattn.core.op import OP_MODULES, OPS
 from jattn.flash import FLASH, FlashProblem
 from jattn.kernels.common.config import default_block_config
-from jattn.tuning import cache
+from jattn.core import cache
 
 CC = {"H100": (9, 0), "A100": (8, 0), "L4": (8, 9), "T4": (7, 5), "cpu": None}
 FAKES = {(name, interpret): gpu.describe(name, cc, interpret=interpret)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import jattn
 from conftest import ON_GPU, rel_err
-from jattn.kernels.flash.mosaic_config import default_mosaic_config
+from jattn.kernels.flash.config import default_mosaic_config
 from jattn.reference import flash_attention_reference
 
 

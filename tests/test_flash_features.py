@@ -14,7 +14,7 @@ import pytest
 import jattn
 from conftest import rel_err
 from jattn.kernels.common.dropout import hash_arrays, keep, keep_mask, seed_of
-from jattn.kernels.flash.mosaic_config import default_mosaic_config
+from jattn.kernels.flash.config import default_mosaic_config
 
 
 def _inputs(seed, batch, sq, sk, hq, hk, d, dv, dtype=jnp.float32):

@@ -12,7 +12,7 @@ import pytest
 import jattn
 from conftest import rel_err
 from jattn import flex
-from jattn.core.elementwise import dense_indices, elementwise
+from jattn.kernels.common.elementwise import dense_indices, elementwise
 from jattn.reference import flash_attention_reference
 
 B, SQ, SK, HQ, HK, D = 2, 11, 13, 4, 2, 8
@@ -208,7 +208,7 @@ def test_hopper_parts_are_padded_with_their_last_value_and_flex_tiles_fit():
   from jattn.core.device import describe
   from jattn.flex.attention import FLEX, MosaicFlex
   from jattn.kernels.flash import default_mosaic_config
-  from jattn.kernels.flash.mosaic_inputs import as_vector_array
+  from jattn.kernels.hopper.inputs import as_vector_array
   padded = as_vector_array(jnp.array([[1.0, 2.0, 4.0]], jnp.bfloat16), 6)
   assert padded.dtype == jnp.float32 and padded.tolist() == [[1.0, 2.0, 4.0, 4.0, 4.0, 4.0]]
   h100 = describe("NVIDIA H100 80GB HBM3", (9, 0), shared_memory_per_block_bytes=232448,
@@ -222,7 +222,7 @@ def test_hopper_parts_are_padded_with_their_last_value_and_flex_tiles_fit():
 def test_block_ranges_cover_every_nonempty_tile():
   """Each row's Hopper range holds all its nonempty tiles, and its unmasked run only
   full ones; rows without any get an empty range that unions ignore."""
-  from jattn.kernels.flash.mosaic_inputs import mask_ranges
+  from jattn.kernels.hopper.inputs import mask_ranges
   kinds = jax.random.randint(jax.random.PRNGKey(3), (2, 3, 6, 7), 0, 3).astype(jnp.int8)
   kinds = kinds.at[0, 0, 2].set(flex.EMPTY).at[1, 2, 4].set(flex.FULL)
   for transpose in (False, True):

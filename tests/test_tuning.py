@@ -15,18 +15,21 @@ import jattn.autotune as cli
 from conftest import ON_GPU
 from jattn.core.device import Backend, describe, shared_memory_limit
 from jattn.core.op import OPS, Impl, Op
-from jattn.flash import FLASH, MOSAIC_STAGES, FlashProblem, mosaic_fits
-from jattn.kernels.common.config import BlockConfig, default_block_config
+from jattn.core import cache
+from jattn.flash import FLASH, FlashProblem
+from jattn.kernels.common.config import (BLOCK_SEARCH, REGISTER_BUDGET, BlockConfig,
+                                         SearchGrid, default_block_config)
 from jattn.kernels.flash import MosaicBlockConfig, default_mosaic_config
-from jattn.kernels.flash.mosaic_config import output_view_rows
-from jattn.tuning import cache, search
-from jattn.tuning.spaces import BLOCK_STAGES, REGISTER_BUDGET, block_fits
+from jattn.kernels.flash.config import BACKWARD_SEARCH, FORWARD_SEARCH
+from jattn.kernels.hopper.forward import output_view_rows
+from jattn.tuning import search
 
 CPU_ONLY = pytest.mark.skipif(ON_GPU, reason="asserts what a machine without a GPU reports")
 H100 = "NVIDIA H100 80GB HBM3"
 FAKE_H100 = describe(H100, (9, 0), shared_memory_per_block_bytes=232448, interpret=False)
 FAKE_99K = describe("NVIDIA GeForce RTX 3090", (8, 6), interpret=False)  # no smem figure
 TRITON = FLASH.impl("pallas_triton")
+MOSAIC = FLASH.impl("pallas_mosaic")
 SMALL = BlockConfig(block_q=32, block_k=32, num_warps=4, num_stages=1, block_q_dkv=32,
                     block_k_dkv=32, block_q_dq=32, block_k_dq=32, bwd_num_warps=4,
                     bwd_num_stages=1)
@@ -92,17 +95,17 @@ def test_cost_model_registers():
 
 
 def test_backward_cost_is_checked_by_the_backward_stages_only():
-  fwd, dkv, _ = BLOCK_STAGES
+  fwd, dkv, _ = BLOCK_SEARCH
   too_big_dkv = dataclasses.replace(default_block_config(128, 2), block_q_dkv=128,
                                     block_k_dkv=128, bwd_num_stages=4)
-  assert fwd.fits(too_big_dkv, problem(), FAKE_H100) is None
-  assert dkv.fits(too_big_dkv, problem(), FAKE_H100).startswith("dK/dV")
-  assert block_fits()(too_big_dkv, problem(), FAKE_H100) is not None
+  assert TRITON.fits(too_big_dkv, problem(), FAKE_H100, fwd.kernels) is None
+  assert TRITON.fits(too_big_dkv, problem(), FAKE_H100, dkv.kernels).startswith("dK/dV")
+  assert TRITON.fits(too_big_dkv, problem(), FAKE_H100) is not None
 
 
 def test_mosaic_cost_model_matches_what_failed_or_spilled_on_the_h100():
   """Tiles the H100 sweep saw exceed shared memory (or spill) are pruned; winners kept."""
-  fits = lambda c, p: mosaic_fits()(c, p, FAKE_H100)
+  fits = lambda c, p: MOSAIC.fits(c, p, FAKE_H100)
   p128, p64 = problem(dtype=jnp.float16, causal=False), problem(jnp.float16, 64, 2048, False)
   assert fits(default_mosaic_config(128), p128) is None
   assert fits(default_mosaic_config(64), p64) is None
@@ -122,10 +125,10 @@ def test_wide_heads_take_128_key_forward_tiles_where_the_shared_memory_allows(dk
   config = default_mosaic_config(dk, dv)
   assert config.block_kv == block_kv
   wide = problem(head_dim=dk, value_head_dim=dv, causal=False)
-  assert mosaic_fits("forward")(config, wide, FAKE_H100) is None
+  assert MOSAIC.fits(config, wide, FAKE_H100, ("forward",)) is None
   if block_kv == 64:
-    assert "forward shared memory" in mosaic_fits("forward")(
-        dataclasses.replace(config, block_kv=128), wide, FAKE_H100)
+    assert "forward shared memory" in MOSAIC.fits(
+        dataclasses.replace(config, block_kv=128), wide, FAKE_H100, ("forward",))
 
 
 @pytest.mark.parametrize("dk, dv, rows", [(192, 128, 96), (128, 64, 128), (256, 128, 128),
@@ -141,8 +144,8 @@ def test_fused_dq_is_costed_and_tuned_only_for_calls_that_allow_any_order():
   any_order = dataclasses.replace(det, deterministic=False)
   fused = dataclasses.replace(default_mosaic_config(128), fused_dq=True, bwd_stages=3,
                               block_kv_dq=64)
-  assert mosaic_fits()(fused, det, FAKE_H100) is None  # runs the two kernels
-  assert "dK/dV+dQ shared memory" in mosaic_fits()(fused, any_order, FAKE_H100)
+  assert MOSAIC.fits(fused, det, FAKE_H100) is None  # runs the two kernels
+  assert "dK/dV+dQ shared memory" in MOSAIC.fits(fused, any_order, FAKE_H100)
   for p, expected in ((det, {False}), (any_order, {False, True})):
     cands = _stage(search.plan("flash_attention", "pallas_mosaic", p, info=FAKE_H100),
                    "fused dQ")
@@ -189,7 +192,7 @@ def test_every_triton_implementation_and_the_hopper_ones_are_tunable():
                      ("retention_parallel", "pallas_triton"),
                      ("retention_parallel", "pallas_mosaic"),
                      ("retention_chunkwise", "pallas_triton")}
-  assert FLASH.impl("pallas_mosaic").tuning_stages() is MOSAIC_STAGES
+  assert FLASH.impl("pallas_mosaic").tuning_stages() == FORWARD_SEARCH + BACKWARD_SEARCH
   for op_name, backend in tunable:  # every one plans on the H100 from its own heuristic
     op = OPS[op_name]
     cands = search.plan(op_name, backend, op.problem(dtype=jnp.bfloat16), info=FAKE_H100)
@@ -312,9 +315,11 @@ class ToyImpl(Impl):
     return ("toy",)
 
   def tuning_stages(self):
-    return (search.SearchStage("A", "fwd", {"a": (1, 2, 3)},
-                               lambda c, p, i: "too big: a" if c.a == 3 else None),
-            search.SearchStage("B", "fwd+bwd", {"b": (1, 2, 3)}, lambda c, p, i: None))
+    return (SearchGrid("A", "fwd", {"a": (1, 2, 3)}, ("A",)),
+            SearchGrid("B", "fwd+bwd", {"b": (1, 2, 3)}, ("B",)))
+
+  def fits(self, c, p, info, kernels=()):
+    return "too big: a" if c.a == 3 and "B" not in kernels else None
 
 
 class ToyOp(Op):
@@ -402,9 +407,9 @@ def test_search_raises_when_nothing_runs(toy, monkeypatch):
     search.tune("toy", "fake", FlashProblem(), info=FAKE_H100, progress=False)
 
 
-def test_search_stage_rejects_an_unknown_mode():
-  with pytest.raises(ValueError, match=r"SearchStage.mode must be one of \('fwd', 'fwd\+bwd'\)"):
-    search.SearchStage("A", "bwd", {"a": (1,)}, lambda c, p, i: None)
+def test_search_grid_rejects_an_unknown_mode():
+  with pytest.raises(ValueError, match=r"SearchGrid.mode must be one of \('fwd', 'fwd\+bwd'\)"):
+    SearchGrid("A", "bwd", {"a": (1,)})
 
 
 @CPU_ONLY
@@ -479,7 +484,7 @@ def test_cli_show_cache(capsys, cache_dir):
 def test_writers_in_several_processes_keep_every_entry(cache_dir):
   """Each of 4 processes saves 10 entries at once: all 40 are in the file (writers
   take the cache's lock for their read, change and replace)."""
-  script = ("import sys; from jattn.tuning import cache; from jattn.kernels.common.config "
+  script = ("import sys; from jattn.core import cache; from jattn.kernels.common.config "
             "import BlockConfig\nfor i in range(10):\n  cache.save_config(cache.TuningKey("
             "'gpu', 'op', 'b', (sys.argv[1], str(i))), BlockConfig(), ms=1.0, mode='fwd')")
   writers = [subprocess.Popen([sys.executable, "-c", script, str(n)]) for n in range(4)]

@@ -34,7 +34,7 @@ from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUIn
                                current_device, interpret_mode)
 from jattn.core.validation import FLOAT_DTYPES
 from jattn.kernels.common.config import MAX_HEAD_DIM
-from jattn.tuning.cache import RANKING, TuningKey, backend_times, lookup
+from jattn.core.cache import RANKING, TuningKey, backend_times, lookup
 
 # The modules that define the public ops (each creates its ``Op`` on import).
 OP_MODULES = ("jattn.flash", "jattn.flex.attention", "jattn.window", "jattn.dilated",
@@ -194,8 +194,8 @@ class Impl:
     return None
 
   def tuning_stages(self) -> tuple:
-    """``jattn.tuning.search.SearchStage``s: which config fields the autotuner varies
-    (empty: not tunable)."""
+    """The ``SearchGrid``s of the config's family (``jattn.kernels.common.config``):
+    which config fields the autotuner varies, stage by stage (empty: not tunable)."""
     return ()
 
   def normalize_config(self, config, problem):
@@ -203,8 +203,10 @@ class Impl:
     lengths), so that the autotuner times each one once."""
     return config
 
-  def fits(self, config, problem, info: GPUInfo) -> str | None:
-    """Why ``config`` does not fit ``info``'s device (shared memory, registers)."""
+  def fits(self, config, problem, info: GPUInfo, kernels: tuple[str, ...] = ()) -> str | None:
+    """Why ``config`` does not fit ``info``'s device (shared memory, registers): the
+    family's cost model, restricted to ``kernels`` (a ``SearchGrid``'s; none named:
+    every kernel the config runs)."""
     return None
 
   def forward(self, call: "Call", *arrays):

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.op import Op, run
-
-MODES = ("fwd", "fwd+bwd")
+from jattn.kernels.common.config import MODES
 
 
 def median_ms(fn, args, reps: int) -> float:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn.core.elementwise import dense_indices
+from jattn.kernels.common.elementwise import dense_indices
 from jattn.kernels.common.softmax import backward_delta
 
 # Query rows per step: about this many [batch, heads, rows, kv_len] float32 elements.

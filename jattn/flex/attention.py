@@ -31,7 +31,7 @@ from jattn.kernels.common.block_sparsity import classify_blocks
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
-from jattn.kernels.flash.mosaic_config import mosaic_backward_runs
+from jattn.kernels.flash.config import mosaic_backward_runs
 from jattn.reference import flex_attention_reference
 
 
@@ -169,10 +169,10 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def tuning_stages(self):
     return ()  # as TritonFlex
 
-  def fits(self, config, p, info):
+  def fits(self, config, p, info, kernels=()):
     # (never the fused dQ: the backward is deterministic)
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         ("forward", "dQ", "dK/dV"), info)
+                         kernels or ("forward", "dQ", "dK/dV"), info)
 
   def _finest_tiles(self, call):
     c = call.config

@@ -9,7 +9,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jattn.core.elementwise import elementwise
+from jattn.kernels.common.elementwise import elementwise
 from jattn.core.validation import check_positive_int
 from jattn.flex.functions import trace
 from jattn.kernels.common.block_sparsity import EMPTY, FULL, PARTIAL, classify_blocks

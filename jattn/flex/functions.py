@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
-from jattn.core.elementwise import elementwise
+from jattn.kernels.common.elementwise import elementwise
 from jattn.kernels.common.element_functions import TileFunction, kernel_array
 from jattn.kernels.common.factored_functions import FactoredFunction
 

@@ -1,10 +1,10 @@
 """Block-size search for any op's implementation, with the winner saved to the cache.
 
-An implementation lists ``SearchStage``s (``Impl.tuning_stages``): a stage varies
-some config fields over a small grid, keeps the others at the previous stage's
-winner, and is timed in its mode (``"fwd"`` or ``"fwd+bwd"``). Before anything is
-compiled, the stage's part of the implementation's cost model (``stage.fits``)
-prunes candidates that cannot fit the device.
+An implementation lists its config family's ``SearchGrid``s (``Impl.tuning_stages``):
+a stage varies some config fields over a small grid, keeps the others at the previous
+stage's winner, and is timed in its mode (``"fwd"`` or ``"fwd+bwd"``). Before anything
+is compiled, the part of the implementation's cost model that the stage's fields
+change (``impl.fits(..., stage.kernels)``) prunes candidates that cannot fit the device.
 """
 
 from __future__ import annotations
@@ -13,37 +13,20 @@ import collections
 import dataclasses
 import itertools
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any
 
+from jattn.core.cache import TuningKey, save_config, writable_cache_path
 from jattn.core.device import GPUInfo, gpu_info
 from jattn.core.op import OPS, Impl, Op
-from jattn.core.timing import MODES, time_op
-from jattn.tuning.cache import TuningKey, save_config, writable_cache_path
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: ``space`` is a dict
-class SearchStage:
-  """Fields varied together over ``space``; the rest stay at the previous winner.
-
-  ``fits(config, problem, info) -> reason or None`` is the part of the cost model
-  that reads these fields, so a stage is not pruned empty by another stage's fields.
-  """
-
-  name: str
-  mode: str  # what the stage is timed on: "fwd" or "fwd+bwd"
-  space: Mapping[str, tuple]
-  fits: Callable[[Any, Any, GPUInfo], str | None]
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"SearchStage.mode must be one of {MODES}, got {self.mode!r}")
+from jattn.core.timing import time_op
+from jattn.kernels.common.config import SearchGrid
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """One config of one stage; ``reason`` says why the cost model pruned it (None: kept)."""
 
-  stage: SearchStage
+  stage: SearchGrid
   config: Any
   reason: str | None
 
@@ -60,7 +43,7 @@ def tunable(op_name: str, backend: str) -> tuple[Op, Impl]:
   return op, impl
 
 
-def _candidates(impl: Impl, problem, stage: SearchStage, base) -> list:
+def _candidates(impl: Impl, problem, stage: SearchGrid, base) -> list:
   """``base`` first, then the stage's grid around it, normalised, without duplicates."""
   names = list(stage.space)
   grid = (dataclasses.replace(base, **dict(zip(names, values)))
@@ -74,14 +57,14 @@ def _start(impl: Impl, problem, info: GPUInfo):
   candidate that does (e.g. the d128 tiles on a 99 KiB GPU)."""
   base = impl.normalize_config(impl.heuristic_config(problem, info), problem)
   for stage in impl.tuning_stages():
-    if stage.fits(base, problem, info) is not None:
+    if impl.fits(base, problem, info, stage.kernels) is not None:
       base = next((c for c in _candidates(impl, problem, stage, base)
-                   if stage.fits(c, problem, info) is None), base)
+                   if impl.fits(c, problem, info, stage.kernels) is None), base)
   return base
 
 
-def _split(impl: Impl, problem, stage: SearchStage, base, info) -> list[Candidate]:
-  return [Candidate(stage, c, stage.fits(c, problem, info))
+def _split(impl: Impl, problem, stage: SearchGrid, base, info) -> list[Candidate]:
+  return [Candidate(stage, c, impl.fits(c, problem, info, stage.kernels))
           for c in _candidates(impl, problem, stage, base)]
 
 

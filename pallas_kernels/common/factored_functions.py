@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
-from jattn.core.elementwise import elementwise
+from jattn.kernels.common.elementwise import elementwise
 from jattn.kernels.common.element_functions import (TileFunction, UnsupportedFunction,
                                                     evaluate_jaxpr)
 

@@ -1,8 +1,8 @@
 """Host side of the Hopper (Pallas Mosaic GPU) flash attention: pads inputs to the
 tile grid and runs the forward kernel, or the dQ and dK/dV kernels given the saved
-``(o, lse)``. Head dims whose padded ``head_dim + head_dim_v`` exceeds
-``MOSAIC_MAX_BWD_WIDTH`` take the Triton-lowered backward on the same ``(o, lse)``:
-the wider dK and dV accumulators do not fit a warpgroup's registers.
+``(o, lse)``. The backward takes padded ``head_dim + head_dim_v`` up to
+``config.MOSAIC_MAX_BWD_WIDTH`` (``mosaic_backward_runs``): wider dK and dV
+accumulators do not fit a warpgroup's registers.
 
 FlexAttention's functions come as a ``FlexMods`` whose functions are split for
 these kernels (``factored_functions``: the parts computed here, outside) and whose
@@ -11,19 +11,19 @@ block mask becomes each kernel's block ranges (``mosaic_inputs``).
 
 from __future__ import annotations
 
-from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import backward_delta, backward_lse, floor_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
+from jattn.kernels.flash.config import (MOSAIC_MAX_BWD_WIDTH, MosaicBlockConfig,
+                                        mosaic_backward_runs)
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
-from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, mosaic_backward_runs,
-                                               mosaic_head_dim)
 from jattn.kernels.flash.mosaic_fwd import mosaic_forward
-from jattn.kernels.flash.mosaic_inputs import (PositionInputs, mask_ranges, position_arrays,
-                                               segment_ranges)
-from jattn.kernels.flash.mosaic_pipeline import CONSUMERS
-from jattn.kernels.flash.triton import FlexMods, flash_triton_backward
+from jattn.kernels.flash.triton import FlexMods
+from jattn.kernels.hopper.budget import mosaic_head_dim
+from jattn.kernels.hopper.inputs import (PositionInputs, mask_ranges, position_arrays,
+                                         segment_ranges)
+from jattn.kernels.hopper.pipeline import CONSUMERS
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
@@ -117,18 +117,14 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
                           config: MosaicBlockConfig, mods: FlexMods = FlexMods(),
                           dropout_rate: float = 0.0, dropout_seed=None):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
-  ``do``, ``dlse``. Shapes and dropout as ``flash_mosaic_forward``. ``config.fused_dq``
-  computes dQ inside the dK/dV kernel (atomic adds: not bitwise repeatable; not with
-  ``mods``). Heads wider than ``mosaic_backward_runs`` takes run the Triton backward,
-  without ``mods``."""
+  ``do``, ``dlse``. Shapes and dropout as ``flash_mosaic_forward``, head dims that
+  ``mosaic_backward_runs`` takes. ``config.fused_dq`` computes dQ inside the dK/dV
+  kernel (atomic adds: not bitwise repeatable; not with ``mods``)."""
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-  do = do.astype(q.dtype)
   if not mosaic_backward_runs(head_dim, dv):
-    return flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal=causal,
-                                 scale=scale, local_window=local_window, softcap=softcap,
-                                 config=default_block_config(max(head_dim, dv), q.dtype.itemsize),
-                                 interpret=False, dropout_rate=dropout_rate,
-                                 dropout_seed=dropout_seed)
+    raise ValueError(f"the Hopper backward takes head dims whose padded sum is at most "
+                     f"{MOSAIC_MAX_BWD_WIDTH}, got {head_dim} and {dv}")
+  do = do.astype(q.dtype)
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None)

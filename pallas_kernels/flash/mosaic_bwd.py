@@ -36,9 +36,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
 from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
-from jattn.kernels.flash import mosaic_pipeline as mp
-from jattn.kernels.flash.mosaic_config import MOSAIC_BLOCK, MOSAIC_MODELLED_BWD_WIDTH
-from jattn.kernels.flash.mosaic_inputs import PositionInputs, Tile, given_range, narrow
+from jattn.kernels.flash.config import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
+from jattn.kernels.hopper import pipeline as mp
+from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range, narrow
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):
@@ -146,14 +146,6 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
                   batch=batch, head=head, group=group, first_block=c_lo,
                   n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
                   cols=(col_refs, positions.buffers(smem, COL)))
-
-
-def fused_dq_columns(head_dim: int) -> int:
-  """Head-dim columns of the fused dQ tile each consumer computes: with head dims that
-  split into whole 64-wide tiles, the consumers share one dQ tile (each summing both
-  consumers' dS over its half of the columns); else each its own, over all columns."""
-  half = head_dim // mp.CONSUMERS
-  return half if half % MOSAIC_BLOCK == 0 else head_dim
 
 
 def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,

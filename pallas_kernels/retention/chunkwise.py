@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jattn.kernels.common.config import padded_head_dim
+from jattn.kernels.common.config import SearchGrid, padded_head_dim
 from jattn.kernels.common.launch import HEAD_SCALAR, tile_spec, triton_call
 from jattn.kernels.common.nonfinite import clear, guard_rows, nonfinite_rows, poison
 from jattn.kernels.common.softmax import dot
@@ -311,3 +311,12 @@ def retention_chunkwise_backward(q, k, v, states, log2_decay, do, dfinal, *, sca
   )(q_p, k_p, v_p, do_p, states, dstates, log2_decay)
   return (dq[:, :length, :, :dk], dk_[:, :length, :, :dk], dv_[:, :length, :, :dv],
           ds0[:, :, :dk, :dv])
+
+
+# Its search space: the chunk and state tiles first, then the warps of each kernel (no
+# kernels named: the shared-memory model of the per-chunk gradient kernel prunes both).
+CHUNKWISE_SEARCH = (
+    SearchGrid("chunk", "fwd+bwd", {"chunk": (16, 32, 64, 128), "state_block": (16, 32, 64)}),
+    SearchGrid("warps", "fwd+bwd", {"scan_warps": (2, 4, 8), "out_warps": (4, 8),
+                                    "grad_warps": (4, 8)}),
+)

@@ -1,5 +1,5 @@
-"""Parallel retention's forward on Hopper: the flash forward pipeline of
-``jattn.kernels.flash.mosaic_fwd`` (producer warpgroup, two ping-ponging consumers,
+"""Parallel retention's forward on Hopper: the shared forward kernel of
+``jattn.kernels.hopper.forward`` (producer warpgroup, two ping-ponging consumers,
 wgmma from shared memory) with retention's row rule instead of the softmax.
 
 Each score tile is weighed by the decay ``scale · γ^(n-m)``. Key blocks wholly at or
@@ -30,9 +30,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.tiling import pad_to, tile_axis
-from jattn.kernels.flash import mosaic_pipeline as mp
-from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, mosaic_head_dim
-from jattn.kernels.flash.mosaic_fwd import ConsumerRows, Rows, rows_forward
+from jattn.kernels.hopper import pipeline as mp
+from jattn.kernels.hopper.budget import mosaic_head_dim
+from jattn.kernels.hopper.forward import ConsumerRows, Rows, rows_forward
 from jattn.kernels.retention.parallel import abs_sum_denominator
 
 
@@ -91,7 +91,8 @@ class DecayRows:
 
 
 def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bool,
-                             config: MosaicBlockConfig):
+                             block_q: int, block_kv: int, stages: int,
+                             persistent: bool | None = None):
   """Parallel retention ``O = (scale · Q Kᵀ ⊙ D) V`` on Hopper.
 
   Args:
@@ -99,8 +100,8 @@ def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bo
       ``[batch, kv_len, heads, dv]``; float16 or bfloat16, head dims up to 256;
       log2_decay ``[heads]`` float32 (log2 γ, <= 0).
     normalize: divide rows by ``max(Σ|S|, 1)``.
-    config: its forward fields (``block_q`` per consumer, ``block_kv``, ``stages``,
-      ``persistent``) are used.
+    block_q, block_kv, stages, persistent: the forward kernel's tiles (``block_q`` per
+      consumer warpgroup), ring depth and schedule (``hopper.forward.rows_forward``).
 
   Returns:
     ``(o, den)`` as ``retention_parallel_forward``: ``o: [batch, q_len, heads, dv]``
@@ -108,15 +109,14 @@ def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bo
   """
   q_len, kv_len = q.shape[1], k.shape[1]
   dk, dv = q.shape[-1], v.shape[-1]
-  c = config
-  _, q_len_p = tile_axis(q_len, (mp.CONSUMERS * c.block_q,), clamp=False)
-  _, kv_len_p = tile_axis(kv_len, (c.block_kv,), clamp=False)
+  _, q_len_p = tile_axis(q_len, (mp.CONSUMERS * block_q,), clamp=False)
+  _, kv_len_p = tile_axis(kv_len, (block_kv,), clamp=False)
   # Zero-padded keys add nothing, so only causality restricts the blocks.
   spec = MaskSpec.build(q_len, kv_len, causal=True, local_window=None, kv_padded=False,
                         segments=False)
   dk_p, dv_p = mosaic_head_dim(dk), mosaic_head_dim(dv)
   o, den = rows_forward(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p),
                         pad_to(v, kv_len_p, dv_p), (log2_decay.astype(jnp.float32),),
-                        rule=DecayRows(spec, scale, normalize), spec=spec, block_q=c.block_q,
-                        block_kv=c.block_kv, stages=c.stages, persistent=c.persistent)
+                        rule=DecayRows(spec, scale, normalize), spec=spec, block_q=block_q,
+                        block_kv=block_kv, stages=stages, persistent=persistent)
   return o[:, :q_len, :, :dv], den[:, :, :q_len]

@@ -141,7 +141,7 @@ def load_cache(path: str | None = None) -> dict:
 @functools.lru_cache(maxsize=None)
 def shipped_entries() -> dict:
   """Entries of the table shipped with jattn (measured on the GPUs it names)."""
-  text = importlib.resources.files("jattn.tuning").joinpath("shipped.json").read_text("utf-8")
+  text = importlib.resources.files("jattn.core").joinpath("shipped.json").read_text("utf-8")
   return _parse_entries(text)
 
 

@@ -1,4 +1,5 @@
-"""Pieces shared by the Mosaic GPU (Hopper) flash kernels.
+"""The warp-specialised pipeline every Hopper kernel shares: warpgroup roles, the TMA
+ring of shared-memory slots and its barrier protocol, the block walk, the launch.
 
 Every kernel runs three warpgroups per CTA: two consumers, each owning one tile
 of rows and issuing wgmma, and one producer that streams the other operand's
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from jattn.kernels.hopper.addressing import ContiguousKV
 
 CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup 2
 PRODUCER = CONSUMERS
@@ -114,12 +117,13 @@ def copy_vectors(refs, smems, b, start, size: int, barrier, h=None):
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,
                first_block, n_steps, block_kv: int, stages: int, cols=((), ()),
-               first_slot_use=0):
+               first_slot_use=0, addressing=ContiguousKV()):
   """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
   blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``.
   ``cols = (refs, smems)``: the key-position inputs ``[B', kv_len_p]``
   (``mosaic_inputs``) and their ``[stages, block_kv]`` buffers, copied with each K tile
-  (its ready barrier counts those copies too). ``first_slot_use`` as ``produce``. The
+  (its ready barrier counts those copies too). ``first_slot_use`` as ``produce``;
+  ``addressing``: a bound K/V addressing (``addressing``), where the tiles lie. The
   caller lowers the warpgroup's registers."""
   kv_head = lax.div(head, jnp.int32(group))
   k_ready, v_ready, k_free, v_free = barriers
@@ -127,8 +131,8 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
   def copy_from(ref, smem, with_cols=False):
     def copy(i, slot, barrier):
       start = (first_block + i) * block_kv
-      plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(start, block_kv), kv_head], smem.at[slot],
-                              barrier)
+      plgpu.copy_gmem_to_smem(addressing.tile(ref, batch, kv_head, start, block_kv),
+                              smem.at[slot], barrier)
       if with_cols:
         copy_vectors(cols[0], [smem.at[slot] for smem in cols[1]], batch, start, block_kv,
                      barrier)

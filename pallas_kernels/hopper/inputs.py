@@ -32,7 +32,7 @@ from jattn.kernels.common.dropout import keep
 from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFunction
 from jattn.kernels.common.masking import MaskSpec, apply_mask, segment_block_ranges
 from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
-from jattn.kernels.flash import mosaic_pipeline as mp
+from jattn.kernels.hopper import pipeline as mp
 
 
 class Tile(NamedTuple):

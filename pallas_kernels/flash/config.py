@@ -1,0 +1,178 @@
+"""The Hopper flash kernels' config: ``MosaicBlockConfig``, its heuristic by head dim,
+its search space and its cost model (shared memory and registers per kernel).
+
+Cost model (prunes configs before anything compiles; ``d`` / ``dv`` are the padded
+head dims of q, k and of v, ``W`` the consumer warpgroups, each owning ``block`` rows;
+registers count fp32 accumulator values per consumer thread):
+
+- forward: ``hopper.forward.forward_cost`` (Q tiles, ``stages`` K and V slots; O and
+  the logits in registers);
+- dQ: Q and dO tiles per consumer, ``bwd_stages`` K and V slots; dQ and two logit tiles;
+- dK/dV: K and V tiles per consumer, ``bwd_stages`` Q and dO slots with their row
+  statistics; dK, dV and two logit tiles;
+- dK/dV+dQ (``fused_dq``): the dK/dV kernel's, plus double-buffered dS tiles and an
+  fp32 dQ tile per consumer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jattn.kernels.common.config import SearchGrid
+from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_BLOCK, MOSAIC_SMEM_OVERHEAD,
+                                         THREADS_PER_WARPGROUP, mosaic_head_dim, over_budget)
+from jattn.kernels.hopper.forward import forward_cost, forward_smem_bytes
+from jattn.kernels.hopper.pipeline import CONSUMERS
+
+# The backward keeps a consumer's dK and dV accumulators (block_kv_dkv x (dk + dv) fp32)
+# in registers: up to dk + dv = 256 with any tiles the cost model admits, up to 320
+# (dk = 192, dv = 128) with the 64-row tiles of wide heads, whose dK/dV kernel feeds
+# its own ring (no producer warpgroup). Wider heads take the Triton backward.
+MOSAIC_MAX_BWD_WIDTH = 320
+MOSAIC_MODELLED_BWD_WIDTH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlockConfig:
+  """Tile sizes of the Hopper (Mosaic GPU) kernels.
+
+  ``block_q`` / ``block_q_dq`` / ``block_kv_dkv`` are per consumer warpgroup: a CTA
+  covers twice as many rows. Every block is a multiple of 64. ``stages`` is the
+  depth of the shared-memory ring the producer warpgroup fills (at least 2).
+
+  ``fused_dq``: the backward computes dQ inside the dK/dV kernel and adds it into an
+  fp32 buffer with TMA reduce-adds (5 matmuls per block pair instead of 7, but the
+  sum order varies from run to run: ``deterministic=True`` calls, the default, run the
+  two kernels whatever this says; head dims up to 128). Off by default; the autotuner
+  tries it.
+
+  ``persistent``: the forward runs one CTA per SM, each walking its share of the
+  (query tile, head, batch) work items, with K/V streaming on across items and the
+  next item's Q tile loaded during the current one (where two Q buffers fit the
+  shared memory). False: one CTA per work item. None (default): persistent exactly
+  when every item has the same work (no causal mask, window or segment ids): uneven
+  items balance better under the hardware's dynamic CTA scheduling than under a
+  static split. The autotuner tries both.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  bwd_stages: int = 2
+  fused_dq: bool = False
+  persistent: bool | None = None
+
+  def __post_init__(self):
+    for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
+                  "block_kv_dkv"):
+      value = getattr(self, field)
+      if value < MOSAIC_BLOCK or value % MOSAIC_BLOCK:
+        raise ValueError(f"MosaicBlockConfig.{field} must be a positive multiple of "
+                         f"{MOSAIC_BLOCK}, got {value}")
+    for field in ("stages", "bwd_stages"):
+      if getattr(self, field) < 2:
+        raise ValueError(f"MosaicBlockConfig.{field} must be >= 2, got {getattr(self, field)}")
+
+
+def mosaic_backward_runs(head_dim: int, value_head_dim: int) -> bool:
+  """Whether the Hopper backward kernels take these head dims (else: Triton's)."""
+  return mosaic_head_dim(head_dim) + mosaic_head_dim(value_head_dim) <= MOSAIC_MAX_BWD_WIDTH
+
+
+def backward_modelled(head_dim: int, value_head_dim: int) -> bool:
+  """Whether the cost model's register counts hold for the Hopper backward at these
+  head dims (beyond, it runs the wide heads' 64-row tiles, or the Triton backward)."""
+  width = mosaic_head_dim(head_dim) + mosaic_head_dim(value_head_dim)
+  return mosaic_backward_runs(head_dim, value_head_dim) and width <= MOSAIC_MODELLED_BWD_WIDTH
+
+
+def default_mosaic_config(head_dim: int, value_head_dim: int | None = None) -> MosaicBlockConfig:
+  """Hopper tiles by padded head dims (``value_head_dim``: V's, default ``head_dim``):
+  the winners of ``bench/flash.py --sweep-mosaic`` on an H100, within 227 KB of shared
+  memory. Heads wider than 128 take 128-key forward tiles where those fit the shared
+  memory (dk = 192 with dv = 128, whose output takes a view of the Q tile), else 64."""
+  dk = mosaic_head_dim(head_dim)
+  dv = mosaic_head_dim(head_dim if value_head_dim is None else value_head_dim)
+  d = max(dk, dv)
+  if d <= 64:  # small accumulators: 128 rows per warpgroup fit in registers
+    return MosaicBlockConfig(block_q=128, block_kv=128, stages=2, block_q_dq=64,
+                             block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=3)
+  if d <= 128:
+    return MosaicBlockConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
+                             block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=2)
+  wide_tiles = forward_smem_bytes(64, 128, 2, dk, dv, 2, 1) <= HOPPER_SMEM_BYTES
+  return MosaicBlockConfig(block_q=64, block_kv=128 if wide_tiles else 64, stages=2)
+
+
+def fused_dq_columns(head_dim: int) -> int:
+  """Head-dim columns of the fused dQ tile each consumer computes: with head dims that
+  split into whole 64-wide tiles, the consumers share one dQ tile (each summing both
+  consumers' dS over its half of the columns); else each its own, over all columns."""
+  half = head_dim // CONSUMERS
+  return half if half % MOSAIC_BLOCK == 0 else head_dim
+
+
+def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int,
+                 dv: int | None = None) -> dict[str, tuple[int, float]]:
+  """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread;
+  ``d`` the padded head dim of q and k, ``dv`` of v (default ``d``)."""
+  w, o, t = CONSUMERS, MOSAIC_SMEM_OVERHEAD, THREADS_PER_WARPGROUP
+  dv = d if dv is None else dv
+  dkv_smem = ((w * c.block_kv_dkv * (d + dv) + c.bwd_stages * c.block_q_dkv * (d + dv)) * nbytes
+              + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
+  dq_cols = fused_dq_columns(d)
+  return {
+      "forward": forward_cost(c.block_q, c.block_kv, c.stages, d, dv, nbytes),
+      "dQ": ((w * c.block_q_dq * (d + dv) + c.bwd_stages * c.block_kv_dq * (d + dv)) * nbytes + o,
+             (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / t),
+      "dK/dV": (dkv_smem,
+                (c.block_kv_dkv * (d + dv) + 2 * c.block_q_dkv * c.block_kv_dkv) / t),
+      # The dQ accumulator is live once S and dP are spent.
+      "dK/dV+dQ": (dkv_smem + (2 * w * c.block_kv_dkv * c.block_q_dkv * nbytes
+                               + w * c.block_q_dkv * dq_cols * 4),
+                   (c.block_kv_dkv * (d + dv) + max(2 * c.block_q_dkv * c.block_kv_dkv,
+                                                    c.block_q_dkv * (dq_cols + c.block_kv_dkv)))
+                   / t),
+  }
+
+
+def mosaic_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
+                  kernels: tuple[str, ...], smem_limit: int) -> str | None:
+  """Why the Hopper ``kernels`` (names of ``mosaic_costs``) of config ``c`` do not fit
+  a device with ``smem_limit`` bytes of shared memory per CTA at head dims
+  ``(dk, dv)`` (None: they fit)."""
+  dk, dv = (mosaic_head_dim(d) for d in head_dims)
+  costs = mosaic_costs(c, dk, nbytes, dv)
+  for name in kernels:
+    reason = over_budget(name, costs[name], smem_limit)
+    if reason is not None:
+      return reason
+  return None
+
+
+def backward_kernels(c: MosaicBlockConfig, deterministic: bool) -> tuple[str, ...]:
+  """The backward kernels config ``c`` runs (names of ``mosaic_costs``): deterministic
+  calls never fuse dQ (its reduce-adds vary the sum order)."""
+  return ("dK/dV+dQ",) if c.fused_dq and not deterministic else ("dQ", "dK/dV")
+
+
+# The forward's tiles first, then (on the forward's winner) whether it runs persistent.
+FORWARD_SEARCH = (
+    SearchGrid("forward", "fwd", {"block_q": (64, 128), "block_kv": (64, 128, 192, 256),
+                                  "stages": (2, 3, 4)}, ("forward",)),
+    SearchGrid("persistent", "fwd", {"persistent": (True, False)}, ("forward",)),
+)
+BACKWARD_SEARCH = (
+    # The dK/dV kernel shares the backward ring depth.
+    SearchGrid("dQ", "fwd+bwd", {"block_q_dq": (64, 128), "block_kv_dq": (64, 128),
+                                 "bwd_stages": (2, 3)}, ("dQ", "dK/dV")),
+    SearchGrid("dK/dV", "fwd+bwd", {"block_q_dkv": (64, 128), "block_kv_dkv": (64, 128)},
+               ("dK/dV",)),
+    # deterministic=False calls: whether dQ fused into the dK/dV kernel is faster
+    # (no kernels named: the cost model of whichever backward the config runs).
+    SearchGrid("fused dQ", "fwd+bwd", {"fused_dq": (False, True)}, ()),
+)

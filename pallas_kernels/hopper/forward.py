@@ -1,0 +1,437 @@
+"""The Hopper forward kernel, in Pallas Mosaic GPU, with a pluggable *row rule*.
+
+A work item (``work``; today a query tile of ``2 * block_q`` rows of one head and
+batch row) is split between two consumer warpgroups of ``block_q`` rows each: QKᵀ
+and PV on wgmma from shared memory, the row arithmetic in registers. The producer
+warpgroup streams K and V tiles by TMA through ``stages`` slots, from where the K/V
+addressing (``addressing``) says they lie. A shared *schedule* barrier makes the
+consumers take turns on the tensor cores, so that one's row arithmetic overlaps the
+other's matmuls (the ping-pong schedule of FlashAttention-3).
+
+The grid is one-dimensional. One CTA runs one item, or, persistent, one CTA per SM
+walks its share of the items (query tiles fastest, so that the CTAs running at once
+share K and V in L2). The K/V ring then runs on from item to item: the producer
+streams the next item's first tiles while the consumers finish the last one, and each
+consumer loads its next Q tile into a second buffer during the current item (where
+two fit the shared memory).
+
+The row rule says how a consumer turns each score tile into the tile it multiplies
+with V, and how it finishes its rows. A rule is a hashable object with ``n_inputs``
+(extra kernel inputs it reads) and ``bind(inputs, ConsumerRows) -> Rows``. Flash
+attention's is the online softmax (``flash.mosaic_fwd.SoftmaxRows``); parallel
+retention's is its decay (``retention.mosaic.DecayRows``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from jattn.kernels.common.factored_functions import COL, ROW
+from jattn.kernels.common.masking import MaskSpec, kv_block_range
+from jattn.kernels.hopper import pipeline as mp
+from jattn.kernels.hopper.addressing import ContiguousKV
+from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_SMEM_OVERHEAD,
+                                         THREADS_PER_WARPGROUP)
+from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range, narrow
+from jattn.kernels.hopper.work import QueryTiles
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerRows:
+  """What a consumer warpgroup's row rule may know of its rows: ``q_start`` (first
+  row, in query coordinates), ``own = (lo, full_lo, full_hi, hi)`` (its key-block
+  range, clamped to the CTA's, as ``visit_blocks`` walks it)."""
+
+  batch: Any
+  head: Any
+  q_start: Any
+  own: tuple
+  block_q: int
+  block_kv: int
+  dtype: Any
+
+
+class Rows(NamedTuple):
+  """A row rule bound to one consumer's rows.
+
+  ``init``: the row statistics before the first key block. ``update(s, stats, j,
+  masked, tile) -> (p, acc_scale, stats, late)``: ``s`` the fp32 ``q kᵀ`` tile of
+  key block ``j`` (``masked``: it needs the element mask; ``tile``: its positions and
+  per-position inputs, an ``inputs.Tile``), ``p`` the 16-bit tile multiplied
+  with V, ``acc_scale`` a per-row factor for the accumulator (or None), ``late`` None
+  or a function of the statistics that may run after the consumer's turn on the
+  tensor cores. ``finish(acc, stats) -> (o, row_stat)``: the rows' fp32 output and
+  the ``[block_q]`` float32 statistic the kernel saves.
+  """
+
+  init: tuple
+  update: Callable
+  finish: Callable
+
+
+def output_view_rows(block_q: int, dk: int, dv: int) -> int | None:
+  """Rows of the ``dv``-wide view under which a consumer's Q tile (``block_q x dk``)
+  takes the forward's output tile: the view has exactly the tile's bytes, so each
+  consumer's output lands in its own Q tile (``block_q`` for ``dv == dk``). None where
+  no such view exists (``dv > dk``, or rows that are not whole 8-row swizzle tiles):
+  the output then has a tile of its own."""
+  rows, rest = divmod(block_q * dk, dv)
+  return rows if dv <= dk and not rest and rows % 8 == 0 else None
+
+
+def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
+                       nbytes: int, q_buffers: int) -> int:
+  """Shared memory of the forward kernel's tiles: ``q_buffers`` Q tiles per consumer
+  (which take the output tile where ``output_view_rows`` says so, else an output tile
+  of its own), ``stages`` K and V slots."""
+  out = mp.CONSUMERS * block_q * dv if output_view_rows(block_q, dk, dv) is None else 0
+  return (q_buffers * mp.CONSUMERS * block_q * dk + out + stages * block_kv * (dk + dv)) * nbytes
+
+
+def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
+                      nbytes: int) -> int:
+  """2 (the next work item's Q prefetched) where that fits the shared memory, else 1."""
+  double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2)
+  return 2 if double <= HOPPER_SMEM_BYTES else 1
+
+
+def forward_cost(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
+                 nbytes: int) -> tuple[int, float]:
+  """The forward kernel's shared-memory bytes (with one Q buffer: it takes a second
+  where that fits) and fp32 accumulators per consumer thread (O and the logits)."""
+  smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1)
+  return smem + MOSAIC_SMEM_OVERHEAD, (block_q * dv + block_q * block_kv) / THREADS_PER_WARPGROUP
+
+
+class _Item(NamedTuple):
+  """One work item (``work``'s) and the key blocks ``[c_lo, c_hi)`` its rows reach."""
+
+  batch: Any
+  head: Any
+  tile: Any
+  c_lo: Any
+  c_hi: Any
+
+
+class _Rows(NamedTuple):
+  """One consumer's rows in one work item, as its block steps read them."""
+
+  item: _Item
+  q_start: Any
+  q_smem: Any
+  row_vectors: tuple
+  scalars: tuple
+  rule: Rows
+  slot_of: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """The forward kernel's refs and static parameters, and its pieces: the work items
+  (``item``), the consumers (``consumer`` -> ``work`` -> ``step`` / ``skip`` ->
+  ``write``) and the producer (``producer``)."""
+
+  rule: Any
+  spec: MaskSpec
+  positions: PositionInputs
+  items: QueryTiles
+  addressing: Any
+  block_kv: int
+  stages: int
+  group: int
+  persistent: bool
+  q_buffers: int
+  refs: dict
+  smem: dict
+  cta: Any
+  n_ctas: Any
+  n_local: Any
+  wg: Any
+
+  @property
+  def block_q(self) -> int:
+    return self.items.block_q
+
+  def item(self, t) -> _Item:
+    """This CTA's ``t``-th work item (items ``cta, cta + n_ctas, ...``)."""
+    w = t * self.n_ctas + self.cta
+    it = self.items.at(w)
+    rows = self.items.rows
+    cta_range = kv_block_range(self.spec, it.tile * rows, rows, self.block_kv)
+    if self.refs["ranges"] is not None:  # only the key blocks segment ids or a block mask allow
+      cta_range = narrow(cta_range, given_range(self.refs["ranges"], it.batch, it.head,
+                                                it.tile * self.items.consumers,
+                                                self.items.consumers))
+    n_kv_blocks = self.addressing.kv_len(self.refs["k"]) // self.block_kv
+    return _Item(it.batch, it.head, it.tile,
+                 *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
+
+  def take_turn(self):
+    plgpu.barrier_arrive(self.smem["schedule"])
+    plgpu.barrier_wait(self.smem["schedule"])
+
+  def q_tiles(self):
+    """The Q tiles and, where the output takes a view of them, that view (else None)."""
+    q_view = "o" not in self.smem and self.refs["v"].shape[-1] != self.refs["q"].shape[-1]
+    return self.smem["q"] if q_view else (self.smem["q"], None)
+
+  def load_q(self, t, buf):
+    it = self.item(t)
+    q_start = self.items.q_start(it, self.wg)
+    ready = self.smem["q_ready"].at[buf * mp.CONSUMERS + self.wg]
+    plgpu.copy_gmem_to_smem(self.refs["q"].at[self.items.q_rows(it, q_start)],
+                            self.q_tiles()[0].at[buf, self.wg], ready)
+    mp.copy_vectors(self.refs["rows"],
+                    [b.at[buf, self.wg] for b in self.positions.buffers(self.smem, ROW)],
+                    it.batch, q_start, self.block_q, ready, it.head)
+
+  def load_next_q(self, t, buf):
+    @pl.when(t + 1 < self.n_local)
+    def _():
+      # The buffer's last output tile must have been read out first.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      self.load_q(t + 1, buf)
+
+  def consumer(self):
+    plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
+    if self.persistent:
+      pl.when(self.n_local > 0)(lambda: self.load_q(jnp.int32(0), 0))
+      lax.fori_loop(jnp.int32(0), self.n_local, self.work, jnp.int32(0))
+    else:  # one item, outside any loop: the registers of the larger tiles stay unspilled
+      self.load_q(0, 0)
+      self.work(0, 0)  # (Python ints: constants captured by the wgmma scopes fail to lower)
+    plgpu.wait_smem_to_gmem(0)
+
+  def work(self, t, first_use):
+    """Work item ``t``; ``first_use``: the K/V ring's steps so far."""
+    spec, wg, block_q, block_kv = self.spec, self.wg, self.block_q, self.block_kv
+    it = self.item(t)
+    c_lo, c_hi = it.c_lo, it.c_hi
+    buf = lax.rem(t, jnp.int32(self.q_buffers)) if self.persistent else 0
+    q_smem = self.q_tiles()[0].at[buf, wg]
+    q_start = self.items.q_start(it, wg)
+    plgpu.barrier_wait(self.smem["q_ready"].at[buf * mp.CONSUMERS + wg])
+    row_vectors = self.positions.load(self.smem, ROW, lambda b: b.at[buf, wg], mp.ROW)
+    scalars = self.positions.read_scalars(self.refs["scalars"], it.batch, it.head)
+    if self.persistent and self.q_buffers == 2:
+      self.load_next_q(t, 1 - buf)
+    own = kv_block_range(spec, q_start, block_q, block_kv)
+    if self.refs["ranges"] is not None:
+      own = narrow(own, given_range(self.refs["ranges"], it.batch, it.head,
+                                    it.tile * mp.CONSUMERS + wg, 1))
+    own = mp.clamp_own(own, c_lo, c_hi)
+    row_rule = self.rule.bind(self.refs["rule"], ConsumerRows(
+        it.batch, it.head, q_start, own, block_q, block_kv, self.refs["q"].dtype))
+    slot_of = lambda j: lax.rem(first_use + j - c_lo, jnp.int32(self.stages))
+    rows = _Rows(it, q_start, q_smem, row_vectors, scalars, row_rule, slot_of)
+
+    @pl.when(c_hi > c_lo)
+    def _():
+      plgpu.barrier_wait(self.smem["k_ready"].at[slot_of(c_lo)])
+
+    pl.when(wg == 1)(self.take_turn)  # consumer 1 starts half a step behind consumer 0
+    width = self.refs["v"].shape[-1]
+    acc = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32), plgpu.Layout.WGMMA)
+    acc, stats = mp.visit_blocks((c_lo, c_hi), own, functools.partial(self.step, rows),
+                                 functools.partial(self.skip, rows), (acc, row_rule.init))
+    pl.when(wg == 0)(self.take_turn)
+    self.write(rows, buf, *row_rule.finish(acc, stats))
+    if self.persistent and self.q_buffers == 1:
+      self.load_next_q(t, buf)
+    return first_use + (c_hi - c_lo)
+
+  def wait_next_k(self, rows: _Rows, j):
+    @pl.when(j + 1 < rows.item.c_hi)
+    def _():
+      plgpu.barrier_wait(self.smem["k_ready"].at[rows.slot_of(j + 1)])
+
+  def step(self, rows: _Rows, j, carry, masked):
+    """Key block ``j``: S = Q Kᵀ, the row rule, then O += P V."""
+    smem, positions = self.smem, self.positions
+    acc, stats = carry
+    slot = rows.slot_of(j)
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, rows.q_smem, smem["k"].at[slot].transpose((1, 0)))
+      self.take_turn()
+      return acc_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((self.block_q, self.block_kv), jnp.float32))
+    col_vectors = ()
+    if positions.needs(COL, masked):  # read before the slot is released
+      col_vectors = positions.load(smem, COL, lambda b: b.at[slot], mp.COL)
+    plgpu.barrier_arrive(smem["k_free"].at[slot])
+    tile = Tile(s.shape, 0, rows.q_start, j * self.block_kv, rows.item.batch, rows.item.head,
+                rows.row_vectors, col_vectors, rows.scalars)
+    p, acc_scale, stats, late = rows.rule.update(s, stats, j, masked, tile)
+    if acc_scale is not None:
+      acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
+    # The row statistics finish before the turn change for heads up to 128 without
+    # dropout, after it where dropout's per-weight work is better overlapped.
+    early_stats = self.refs["v"].shape[-1] <= 128 and not positions.dropout
+    if early_stats:
+      if late is not None:
+        stats = late(stats)
+      acc, stats, p = lax.optimization_barrier((acc, stats, p))
+    plgpu.barrier_arrive(smem["schedule"])
+    plgpu.barrier_wait(smem["v_ready"].at[slot])
+    plgpu.barrier_wait(smem["schedule"])
+    if not early_stats and late is not None:
+      stats = late(stats)
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p, smem["v"].at[slot])
+      self.wait_next_k(rows, j)
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(smem["v_free"].at[slot])
+    return acc, stats
+
+  def skip(self, rows: _Rows, j):
+    """Key block ``j``, which this consumer's rows do not see: the barriers alone."""
+    smem = self.smem
+    slot = rows.slot_of(j)
+    self.take_turn()
+    plgpu.barrier_arrive(smem["k_free"].at[slot])
+    plgpu.barrier_arrive(smem["schedule"])
+    plgpu.barrier_wait(smem["v_ready"].at[slot])
+    plgpu.barrier_wait(smem["schedule"])
+    self.wait_next_k(rows, j)
+    plgpu.barrier_arrive(smem["v_free"].at[slot])
+
+  def write(self, rows: _Rows, buf, o, row_stat):
+    """Stores the rows' output (through its shared-memory tile) and statistic."""
+    smem, wg, it = self.smem, self.wg, rows.item
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores
+    out_tiles = self.q_tiles()[1]
+    if "o" in smem:
+      o_smem = smem["o"].at[wg]
+    elif out_tiles is not None:
+      o_smem = out_tiles.at[buf, wg, pl.ds(0, self.block_q)]
+    else:
+      o_smem = rows.q_smem
+    o_smem[...] = o.astype(self.refs["q"].dtype)
+    smem["stat"].at[wg][...] = row_stat
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, self.refs["o"].at[self.items.q_rows(it, rows.q_start)],
+                            commit_group=False)
+    plgpu.copy_smem_to_gmem(smem["stat"].at[wg],
+                            self.refs["stat"].at[self.items.stat_rows(it, rows.q_start)],
+                            commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+
+  def producer(self):
+    plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
+    smem = self.smem
+    addressing = self.addressing.bind(self.refs["addressing"])
+
+    def work(t, first_use):
+      it = self.item(t)
+      mp.produce_kv(self.refs["k"], self.refs["v"], smem["k"], smem["v"],
+                    (smem["k_ready"], smem["v_ready"], smem["k_free"], smem["v_free"]),
+                    batch=it.batch, head=it.head, group=self.group, first_block=it.c_lo,
+                    n_steps=it.c_hi - it.c_lo, block_kv=self.block_kv, stages=self.stages,
+                    cols=(self.refs["cols"], self.positions.buffers(smem, COL)),
+                    first_slot_use=first_use, addressing=addressing)
+      return first_use + (it.c_hi - it.c_lo)
+
+    if self.persistent:
+      lax.fori_loop(jnp.int32(0), self.n_local, work, jnp.int32(0))
+    else:
+      work(0, 0)
+
+
+def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: QueryTiles,
+            addressing, block_kv: int, stages: int, group: int, persistent: bool,
+            q_buffers: int, **smem):
+  n_in = 3 + positions.n_refs + rule.n_inputs + addressing.n_inputs
+  (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
+  row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
+  named = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, stat=stat_ref, rows=row_refs,
+               cols=col_refs, scalars=scalar_refs, ranges=ranges_ref,
+               rule=rest[:rule.n_inputs], addressing=rest[rule.n_inputs:])
+  cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
+  n_local = lax.div(jnp.int32(items.count) - cta + n_ctas - 1, n_ctas)
+  kernel = _Forward(rule, spec, positions, items, addressing, block_kv, stages, group,
+                    persistent, q_buffers, named, smem, cta, n_ctas, n_local,
+                    lax.axis_index("wg"))
+  pl.when(kernel.wg < mp.CONSUMERS)(kernel.consumer)
+  pl.when(kernel.wg == mp.PRODUCER)(kernel.producer)
+
+
+def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, block_kv: int,
+                 stages: int, persistent: bool | None = None,
+                 positions: PositionInputs = PositionInputs(), addressing=ContiguousKV()):
+  """Runs the Hopper forward kernel with row rule ``rule`` on padded inputs.
+
+  Args:
+    q: ``[batch, q_len_p, q_heads, dk_p]``, ``q_len_p % (2 * block_q) == 0``; k:
+      ``[batch, kv_len_p, kv_heads, dk_p]``, v: ``[batch, kv_len_p, kv_heads, dv_p]``,
+      ``kv_len_p % block_kv == 0`` (as ``addressing`` lays them out; these are
+      ``ContiguousKV``'s shapes); head dims multiples of 64.
+    inputs: the per-position arrays of ``positions`` (``inputs.position_arrays``;
+      ranges per ``block_q`` query block over ``block_kv`` key blocks), then the
+      ``rule.n_inputs`` arrays the rule reads, then the ``addressing.n_inputs`` ones
+      the addressing reads.
+    persistent: one CTA per SM walking the work items, or one CTA per item; None:
+      persistent where every item has the same work (no mask but padding).
+
+  Returns:
+    ``o: [batch, q_len_p, q_heads, dv_p]`` in q's dtype and the rule's row statistic
+    ``[batch, q_heads, q_len_p]`` float32.
+  """
+  batch, q_len_p, q_heads, dk = q.shape
+  dv = v.shape[-1]
+  if persistent is None:
+    persistent = (spec.left is None and spec.right is None and not spec.every_tile_masked
+                  and not positions.ranges)
+  items = QueryTiles(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch, block_q,
+                     mp.CONSUMERS, tiles_fastest=persistent, heavy_first=spec.right is not None)
+  stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
+  q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize) if (
+      persistent) else 1
+  smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs)
+  kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
+                             addressing=addressing, block_kv=block_kv, stages=stages,
+                             group=q_heads // k.shape[2], persistent=persistent,
+                             q_buffers=q_buffers)
+  return mp.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
+                jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)),
+      scratch_types=smem,
+      grid=(min(items.count, mp.num_sms()) if persistent else items.count,),
+      grid_names=("cta",),
+  )(q, k, v, *inputs)
+
+
+def _scratch(q, dk: int, dv: int, block_q: int, block_kv: int, stages: int, q_buffers: int,
+             positions: PositionInputs, inputs) -> dict:
+  """The forward kernel's shared memory: tiles, barriers, the per-position vectors."""
+  barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype)
+  out_rows = output_view_rows(block_q, dk, dv)
+  q_view = out_rows is not None and dv != dk
+  smem = dict(
+      # A consumer writes its output once its last QKᵀ has run: the Q tile is free then.
+      q=plgpu.RefUnion(q_tiles, mp.tile_smem((q_buffers, mp.CONSUMERS, out_rows, dv),
+                                             q.dtype)) if q_view else q_tiles,
+      k=mp.tile_smem((stages, block_kv, dk), q.dtype),
+      v=mp.tile_smem((stages, block_kv, dv), q.dtype),
+      stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
+      q_ready=barrier(q_buffers * mp.CONSUMERS, 1 + positions.n_rows),
+      k_ready=barrier(stages, 1 + positions.n_cols),
+      v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
+      v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
+  if out_rows is None:
+    smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), q.dtype)
+  smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
+  return smem
