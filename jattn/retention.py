@@ -54,8 +54,7 @@ MODES = ("auto", "parallel", "chunkwise", "recurrent")
 NORMALIZERS = (None, "abs_sum")
 DEFAULT_CHUNK = 64
 # Above this many key positions "auto" runs chunkwise: the parallel form's work grows
-# with seq², the chunkwise form's linearly. On an H100 (bench/results/
-# retention_crossover.md) the two kernels tie at 512 and chunkwise wins fwd+bwd from 1024.
+# with seq², the chunkwise form's linearly (docs/retention.md has the measured crossover).
 PARALLEL_MAX_LEN = 512
 
 

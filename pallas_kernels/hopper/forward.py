@@ -369,7 +369,8 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
 
 def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, block_kv: int,
                  stages: int, persistent: bool | None = None,
-                 positions: PositionInputs = PositionInputs(), addressing=ContiguousKV()):
+                 positions: PositionInputs = PositionInputs(), addressing=ContiguousKV(),
+                 items=None):
   """Runs the Hopper forward kernel with row rule ``rule`` on padded inputs.
 
   Args:
@@ -383,6 +384,9 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
       the addressing reads.
     persistent: one CTA per SM walking the work items, or one CTA per item; None:
       persistent where every item has the same work (no mask but padding).
+    addressing: where K and V tiles lie (``addressing``; default contiguous).
+    items: the work items (``work``; default ``QueryTiles`` of the shapes, query tiles
+      fastest when persistent, heavy tiles first under a mask with a right bound).
 
   Returns:
     ``o: [batch, q_len_p, q_heads, dv_p]`` in q's dtype and the rule's row statistic
@@ -393,8 +397,10 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   if persistent is None:
     persistent = (spec.left is None and spec.right is None and not spec.every_tile_masked
                   and not positions.ranges)
-  items = QueryTiles(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch, block_q,
-                     mp.CONSUMERS, tiles_fastest=persistent, heavy_first=spec.right is not None)
+  if items is None:
+    items = QueryTiles(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch, block_q,
+                       mp.CONSUMERS, tiles_fastest=persistent,
+                       heavy_first=spec.right is not None)
   stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize) if (
       persistent) else 1

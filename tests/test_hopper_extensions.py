@@ -1,0 +1,159 @@
+"""The Hopper pipeline's two extension points, K/V addressing and work items, each
+proved by a second implementation: a paged K/V cache whose pages are permuted (a
+block table), and work items in another order. On the CPU a small interpret-mode
+kernel reads through each (the same ``tile`` / ``at`` / ``q_rows`` calls the Hopper
+kernel makes); on a Hopper GPU the forward kernel itself runs with them."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+from conftest import rel_err
+from jattn.kernels.common.masking import MaskSpec
+from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
+from jattn.kernels.hopper.addressing import ContiguousKV
+from jattn.kernels.hopper.work import QueryTile, QueryTiles
+from jattn.reference import flash_attention_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+  """K and V as pages ``[n_pages, page, kv_heads, d]``; sequence ``b``'s keys
+  ``[i * page, (i + 1) * page)`` are page ``table[b, i]`` (one extra input, the
+  ``[batch, pages_per_seq]`` int32 table)."""
+
+  page: int
+  pages_per_seq: int
+  n_inputs = 1
+
+  def kv_len(self, k) -> int:
+    return self.page * self.pages_per_seq
+
+  def bind(self, refs):
+    return _BoundPages(self.page, refs[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoundPages:
+  page: int
+  table: object
+
+  def tile(self, ref, batch, kv_head, start, size: int):
+    page = self.table[batch, lax.div(start, jnp.int32(self.page))]
+    return ref.at[page, pl.ds(lax.rem(start, jnp.int32(self.page)), size), kv_head]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFastestTiles(QueryTiles):
+  """``QueryTiles`` visited batch row fastest, then head, then tile from the last."""
+
+  def at(self, w):
+    n_batch, n_heads = jnp.int32(self.n_batch), jnp.int32(self.n_heads)
+    batch, rest = lax.rem(w, n_batch), lax.div(w, n_batch)
+    head, tile = lax.rem(rest, n_heads), lax.div(rest, n_heads)
+    return QueryTile(batch, head, jnp.int32(self.n_tiles) - 1 - tile)
+
+
+def paged(k, v, page: int, seed: int):
+  """``(k_pages, v_pages, table)``: every sequence's keys cut into pages, stored in a
+  random order."""
+  batch, kv_len, heads, _ = k.shape
+  per_seq = kv_len // page
+  table = np.random.default_rng(seed).permutation(batch * per_seq).astype(np.int32)
+  stored = jnp.asarray(np.argsort(table))  # the slot table[j] holds page j
+
+  def pages(x):
+    return x.reshape(batch * per_seq, page, heads, x.shape[-1])[stored]
+  return pages(k), pages(v), jnp.asarray(table.reshape(batch, per_seq))
+
+
+def _read_tiles(addressing, k, extra, batch: int, kv_heads: int, n_blocks: int, block: int):
+  """Every ``[block, d]`` key tile, read through ``addressing`` in an interpret-mode
+  kernel: ``[batch, kv_heads, n_blocks, block, d]``."""
+  def kernel(k_ref, *refs):
+    *in_refs, out_ref = refs
+    bound = addressing.bind(in_refs)
+    for b in range(batch):
+      for h in range(kv_heads):
+        for j in range(n_blocks):
+          out_ref[b, h, j] = bound.tile(k_ref, jnp.int32(b), jnp.int32(h),
+                                        jnp.int32(j * block), block)[...]
+  out = jax.ShapeDtypeStruct((batch, kv_heads, n_blocks, block, k.shape[-1]), k.dtype)
+  return pl.pallas_call(kernel, out_shape=out, interpret=True)(k, *extra)
+
+
+def test_paged_addressing_reads_the_tiles_of_contiguous_keys():
+  batch, kv_len, heads, d, page, block = 2, 64, 2, 8, 32, 16  # 4 pages, 2 tiles each
+  k = jax.random.normal(jax.random.PRNGKey(0), (batch, kv_len, heads, d))
+  k_pages, _, table = paged(k, k, page, seed=3)
+  assert not np.array_equal(np.asarray(table).reshape(-1), np.arange(table.size))
+  n_blocks = kv_len // block
+  want = _read_tiles(ContiguousKV(), k, (), batch, heads, n_blocks, block)
+  got = _read_tiles(PagedKV(page, kv_len // page), k_pages, (table,), batch, heads, n_blocks,
+                    block)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(want[1, 0, 3], k[1, 3 * block:4 * block, 0])
+
+
+@pytest.mark.parametrize("items", [
+    QueryTiles(3, 2, 2, 4, 2, tiles_fastest=True, heavy_first=False),
+    QueryTiles(3, 2, 2, 4, 2, tiles_fastest=False, heavy_first=True),
+    BatchFastestTiles(3, 2, 2, 4, 2, tiles_fastest=False, heavy_first=False),
+], ids=["tiles-fastest", "heads-fastest-heavy-first", "batch-fastest"])
+def test_work_items_cover_every_query_row_once(items):
+  """Each consumer of each item copies its rows of Q to the output: a kind of work item
+  is right when the output is Q again (every row written once, none twice)."""
+  q = jax.random.normal(jax.random.PRNGKey(0), (items.n_batch, items.n_tiles * items.rows,
+                                                 items.n_heads, 8))
+
+  def kernel(q_ref, o_ref, count_ref):
+    count_ref[...] = jnp.zeros_like(count_ref)
+    for w in range(items.count):
+      item = items.at(jnp.int32(w))
+      for consumer in range(items.consumers):
+        q_start = items.q_start(item, consumer)
+        rows = items.q_rows(item, q_start)
+        o_ref[rows] = q_ref[rows]
+        stat = items.stat_rows(item, q_start)
+        count_ref[stat] = count_ref[stat] + 1
+
+  o, count = pl.pallas_call(kernel, interpret=True, out_shape=(
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.int32)))(q)
+  np.testing.assert_array_equal(o, q)
+  np.testing.assert_array_equal(count, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_hopper_forward_runs_on_a_paged_cache_and_other_work_items(causal):
+  from jattn.kernels.hopper import pipeline as mp
+  from jattn.kernels.hopper.forward import rows_forward
+  if jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("needs a Hopper GPU")
+  batch, q_len, kv_len, heads, kv_heads, d, page = 2, 256, 1024, 4, 2, 128, 256
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (batch, q_len, heads, d), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (batch, kv_len, kv_heads, d), jnp.bfloat16) for key in keys[1:])
+  spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=None, kv_padded=False,
+                        segments=False)
+  rule, scale = SoftmaxRows(spec, d ** -0.5), d ** -0.5
+  k_pages, v_pages, table = paged(k, v, page, seed=2)
+  want = flash_attention_reference(q, k, v, causal=causal, scale=scale)
+  items = BatchFastestTiles(q_len // (mp.CONSUMERS * 64), heads, batch, 64, mp.CONSUMERS,
+                            tiles_fastest=False, heavy_first=False)
+  runs = {
+      "paged": jax.jit(lambda q, kp, vp, t: rows_forward(
+          q, kp, vp, (t,), rule=rule, spec=spec, block_q=64, block_kv=128, stages=2,
+          addressing=PagedKV(page, kv_len // page))[0])(q, k_pages, v_pages, table),
+      "items": jax.jit(lambda q, k, v: rows_forward(
+          q, k, v, rule=rule, spec=spec, block_q=64, block_kv=128, stages=2,
+          persistent=False, items=items)[0])(q, k, v),
+  }
+  for name, got in runs.items():
+    assert rel_err(got, want) < 1e-2, name
