@@ -44,7 +44,7 @@ from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwi
                                      retention_step_backward, retention_step_forward)
 from jattn.kernels.flash.mosaic_config import (MosaicBlockConfig, default_mosaic_config,
                                                mosaic_head_dim)
-from jattn.kernels.retention.chunkwise import grad_kernel_bytes
+from jattn.kernels.retention.config import grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
 from jattn.reference import default_decay, retention_reference
 from jattn.tuning.cache import bucket

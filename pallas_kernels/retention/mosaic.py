@@ -33,7 +33,7 @@ from jattn.kernels.common.tiling import pad_to, tile_axis
 from jattn.kernels.flash import mosaic_pipeline as mp
 from jattn.kernels.flash.mosaic_config import MosaicBlockConfig, mosaic_head_dim
 from jattn.kernels.flash.mosaic_fwd import ConsumerRows, Rows, rows_forward
-from jattn.kernels.retention.parallel import abs_sum_denominator
+from jattn.kernels.retention.triton_parallel import abs_sum_denominator
 
 
 @dataclasses.dataclass(frozen=True)
