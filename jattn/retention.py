@@ -44,7 +44,7 @@ from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwi
                                      retention_step_backward, retention_step_forward)
 from jattn.kernels.flash.config import (FORWARD_SEARCH, MosaicBlockConfig,
                                         default_mosaic_config, mosaic_misfit)
-from jattn.kernels.retention.chunkwise import CHUNKWISE_SEARCH, grad_kernel_bytes
+from jattn.kernels.retention.config import CHUNKWISE_SEARCH, grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
 from jattn.reference import default_decay, retention_reference
 from jattn.core.cache import bucket

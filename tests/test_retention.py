@@ -456,7 +456,7 @@ def test_chunk_cap_model_agrees_with_the_h100_compile_results(dtype, itemsize):
   import json
   import pathlib
 
-  from jattn.kernels.retention.chunkwise import grad_kernel_bytes
+  from jattn.kernels.retention.config import grad_kernel_bytes
 
   path = pathlib.Path(__file__).parents[1] / "bench" / "results" / f"retention_fit_{dtype}.json"
   rows = json.loads(path.read_text())["rows"]

@@ -6,7 +6,7 @@ Each score tile is weighed by the decay ``scale · γ^(n-m)``. Key blocks wholly
 before a consumer's first row ``n0`` take it as ``γ^(n0-m)``, a per-key vector, and
 the per-row ``γ^(n-n0)`` joins the accumulator once, at the first block on the
 diagonal; diagonal blocks build the exact masked decay (as the Triton kernel,
-``parallel.py``, does). The saved row statistic is the denominator
+``triton_parallel.py``, does). The saved row statistic is the denominator
 (``abs_sum_denominator``; ones without ``normalize``), what the Triton backward
 kernels take.
 
@@ -33,7 +33,7 @@ from jattn.kernels.common.tiling import pad_to, tile_axis
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.budget import mosaic_head_dim
 from jattn.kernels.hopper.forward import ConsumerRows, Rows, rows_forward
-from jattn.kernels.retention.parallel import abs_sum_denominator
+from jattn.kernels.retention.triton_parallel import abs_sum_denominator
 
 
 @dataclasses.dataclass(frozen=True)

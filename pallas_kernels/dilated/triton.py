@@ -2,7 +2,7 @@
 
 Pads the sequence only when its length is not a multiple of ``lcm(r) x tile`` (and
 head dims to a power of two), then runs the pairs one after another on free reshapes
-of the same buffers (see ``kernels``). The backward takes the mixture's final
+of the same buffers (see ``triton_fwd``). The backward takes the mixture's final
 ``(o, lse)``: no per-pair output is kept, and the same call serves a mixture that
 holds more blocks than these pairs (the dilated ring's).
 """
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, backward_lse
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
-from jattn.kernels.dilated.kernels import PairGeometry, pair_backward, pair_forward
+from jattn.kernels.dilated.triton_bwd import pair_backward
+from jattn.kernels.dilated.triton_fwd import PairGeometry, pair_forward
 
 _BLOCKS = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv")
 

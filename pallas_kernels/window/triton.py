@@ -12,17 +12,8 @@ import jax.numpy as jnp
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.softmax import LOG2E, backward_delta, backward_lse
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
-from jattn.kernels.window.kernels import window_backward, window_forward
-
-
-def default_window_config(head_dim: int, dtype_bytes: int) -> BlockConfig:
-  """Tiles for windows of up to a few hundred tokens: 64-sided everywhere (a starting
-  point to tune on the GPU; fp32 halves the key tiles for shared memory)."""
-  del head_dim  # small head dims (DAT: 30-60) all pad to <= 64
-  block_k = 32 if dtype_bytes >= 4 else 64
-  return BlockConfig(block_q=64, block_k=block_k, num_warps=4, num_stages=2,
-                     block_q_dkv=block_k, block_k_dkv=64, block_q_dq=64, block_k_dq=block_k,
-                     bwd_num_warps=4, bwd_num_stages=2)
+from jattn.kernels.window.triton_bwd import window_backward
+from jattn.kernels.window.triton_fwd import window_forward
 
 
 def _tiles(config: BlockConfig, tokens: int):

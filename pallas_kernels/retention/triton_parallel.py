@@ -13,7 +13,6 @@ NaN, the others exact, in the outputs and in the gradients those rows send back.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
+from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.launch import (HEAD_SCALAR, row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
@@ -241,13 +240,3 @@ def retention_parallel_backward(q, k, v, log2_decay, den, do, *, scale: float,
   )(q_p, k_p, v_p, do_p, log2_decay)
   return (dq[:, :q_len, :, :q.shape[-1]], dk[:, :kv_len, :, :k.shape[-1]],
           dv[:, :kv_len, :, :v.shape[-1]])
-
-
-def default_parallel_config(head_dim: int, dtype_bytes: int) -> BlockConfig:
-  """Flash attention's default tiles, except the forward for 2-byte dtypes at padded
-  head dim 128: without a softmax, 8 warps on 128x32 tiles, 3 stages, won the H100
-  sweep (bench/results/retention_sweep_parallel.json: 395 vs 377 TFLOP/s)."""
-  config = default_block_config(head_dim, dtype_bytes)
-  if dtype_bytes == 2 and padded_head_dim(head_dim) == 128:
-    config = dataclasses.replace(config, block_q=128, block_k=32, num_warps=8, num_stages=3)
-  return config

@@ -1,16 +1,10 @@
-"""Window attention kernels (Triton-lowered Pallas): forward, dQ, dK/dV and d(bias).
+"""Window attention gradient kernels (Triton-lowered Pallas): dQ, dK/dV and d(bias),
+on the padded inputs and base-2 bias and mask the forward takes (``triton_fwd``).
 
-Every window is a tiny attention problem ``[tokens, head_dim]`` per head, with an
-additive bias ``[heads, tokens, tokens]`` shared by all windows and an optional
-additive mask ``[mask_windows, tokens, tokens]`` (window ``w`` takes mask
-``w % mask_windows``). The wrapper hands the kernels padded inputs with the bias
-and mask already in base-2 units (times log2 e) and ``-inf`` in the bias columns of
-padded keys, so the kernels add them to the logits and need no element masks.
-
-Grids: forward and dQ ``(query tiles, windows, heads)``; dK/dV ``(key tiles,
-windows, heads)`` on transposed tiles; d(bias) ``(query tiles, key tiles, heads,
-window groups)``: each program sums one group of windows in a fixed order into its own
-partial, and the partials are summed after. No atomics: gradients are reproducible.
+Grids: dQ ``(query tiles, windows, heads)``; dK/dV ``(key tiles, windows, heads)`` on
+transposed tiles; d(bias) ``(query tiles, key tiles, heads, window groups)``: each
+program sums one group of windows in a fixed order into its own partial, and the
+partials are summed after. No atomics: gradients are reproducible.
 
 Compiled kernels take fp32 products as three TF32 ones (``dot``'s ``fast_fp32``); the
 interpreter, on XLA's CPU, takes them in IEEE fp32.
@@ -28,30 +22,12 @@ from jax.experimental import pallas as pl
 from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call,
                                          whole_sequence_spec)
 from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
-from jattn.kernels.common.softmax import (LOG2E, backward_probs, dot, online_softmax_finish,
-                                          online_softmax_init, online_softmax_step)
+from jattn.kernels.common.softmax import backward_probs, dot
+from jattn.kernels.window.triton_fwd import bias_rows, logits2, mask_rows
 
 # Programs the d(bias) grid aims for: a few per SM of a large GPU, so the sum over
 # windows is spread out instead of run by one program per bias tile.
 DBIAS_PROGRAMS = 512
-
-
-def _bias_rows(block: int, tokens: int):
-  """Rows of head ``h``'s ``[tokens, tokens]`` bias (or of its transpose)."""
-  return pl.BlockSpec((None, block, tokens), lambda i, w, h: (h, i, 0))
-
-
-def _mask_rows(block: int, tokens: int, mask_windows: int):
-  return pl.BlockSpec((None, block, tokens), lambda i, w, h: (w % mask_windows, i, 0))
-
-
-def _logits2(qk, scale: float, bias, mask):
-  """Logits in base-2 units from raw ``q·k`` and the (base-2) bias and mask tiles: -inf
-  where the bias or the mask is (a NaN or infinite product there never reaches the
-  row)."""
-  terms = bias if mask is None else bias + mask
-  masked = jnp.isneginf(bias) if mask is None else jnp.isneginf(bias) | jnp.isneginf(mask)
-  return jnp.where(masked, -jnp.inf, qk * (scale * LOG2E) + terms)
 
 
 def _logit_grads(s, p, dp, delta):
@@ -59,49 +35,6 @@ def _logit_grads(s, p, dp, delta):
   sees has a NaN delta, which a masked weight of 0 would carry into other rows' dK and
   the bias's gradient."""
   return jnp.where(jnp.isneginf(s), 0.0, p * (dp - delta))
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref, lse_ref, *, scale: float,
-                    block_k: int, fast: bool):
-  q = q_ref[...]
-
-  def body(j, carry):
-    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    mask = None if mask_ref is None else mask_ref[:, cols]
-    # Any tile may hold masked keys: guarded, every one (nonfinite.py).
-    k, v = guard_values(k_ref[cols, :], v_ref[cols, :])
-    s = _logits2(dot(q, k, 1, 1, fast), scale, bias_ref[:, cols], mask)
-    return online_softmax_step(carry, s, 1.0, v, fast)
-
-  carry = online_softmax_init(q.shape[0], v_ref.shape[-1])
-  o, lse = online_softmax_finish(lax.fori_loop(0, k_ref.shape[0] // block_k, body, carry))
-  o_ref[...] = o.astype(o_ref.dtype)
-  lse_ref[...] = lse
-
-
-def window_forward(q, k, v, bias2, mask2, *, scale: float, block_q: int, block_k: int,
-                   num_warps: int, num_stages: int, interpret: bool):
-  """Forward on padded inputs.
-
-  Args:
-    q, k, v: ``[windows, tokens_p, heads, d_p]``; bias2: ``[heads, tokens_p, tokens_p]``
-      float32 in base-2 units; mask2: ``[mask_windows, tokens_p, tokens_p]`` or None.
-
-  Returns:
-    ``o`` like ``q`` and ``lse: [windows, heads, tokens_p]`` float32 (natural log).
-  """
-  windows, tokens, heads, d = q.shape
-  mask_spec = None if mask2 is None else _mask_rows(block_q, tokens, mask2.shape[0])
-  return triton_call(
-      functools.partial(_forward_kernel, scale=scale, block_k=block_k, fast=not interpret),
-      grid=(tokens // block_q, windows, heads),
-      in_specs=[tile_spec(block_q, d), whole_sequence_spec(tokens, d), whole_sequence_spec(tokens, d),
-                _bias_rows(block_q, tokens), mask_spec],
-      out_specs=[tile_spec(block_q, d), row_stat_spec(block_q)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((windows, heads, tokens), jnp.float32)],
-      name="jattn_window_fwd", interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-  )(q, k, v, bias2, mask2)
 
 
 def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref, dq_ref, *,
@@ -115,7 +48,7 @@ def _dq_kernel(k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_r
     k = k_ref[cols, :]
     mask = None if mask_ref is None else mask_ref[:, cols]
     k_scored, v = guard_values(k, v_ref[cols, :])
-    s = _logits2(dot(q, k_scored, 1, 1, fast), scale, bias_ref[:, cols], mask)
+    s = logits2(dot(q, k_scored, 1, 1, fast), scale, bias_ref[:, cols], mask)
     ds = _logit_grads(s, backward_probs(s - lse2), dot(do, v, 1, 1, fast), delta)
     return dq + dot(ds.astype(k.dtype), clear_nonfinite_rows(k), 1, 0, fast)
 
@@ -133,7 +66,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_t_ref, mas
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     mask = None if mask_t_ref is None else mask_t_ref[:, rows]
-    s_t = _logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask)
+    s_t = logits2(dot(k, q, 1, 1, fast), scale, bias_t_ref[:, rows], mask)
     lse2 = lse_ref[rows][None, :]
     p_t = backward_probs(s_t - lse2)
     dv = dv + dot(p_t.astype(do.dtype), do, 1, 0, fast)
@@ -156,7 +89,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mas
     q, do = q_ref[w], do_ref[w]
     mask = None if mask_ref is None else mask_ref[w % mask_windows]
     k, v = guard_values(k_ref[w], v_ref[w])
-    s = _logits2(dot(q, k, 1, 1, fast), scale, bias, mask)
+    s = logits2(dot(q, k, 1, 1, fast), scale, bias, mask)
     lse2 = lse_ref[w][:, None]
     p = backward_probs(s - lse2)
     return acc + _logit_grads(s, p, dot(do, v, 1, 1, fast), delta_ref[w][:, None])
@@ -179,7 +112,7 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
   Args:
     q, k, v, do: ``[windows, tokens_p, heads, d_p]``; lse, delta: ``[windows, heads,
       tokens_p]`` float32 (lse as ``softmax.backward_lse`` gives it, delta =
-      rowsum(o * do)); bias2, mask2 as in ``window_forward``.
+      rowsum(o * do)); bias2, mask2 as in ``triton_fwd.window_forward``.
     blocks: ``(block_q_dkv, block_k_dkv, block_q_dq, block_k_dq)``; d(bias) uses the dQ pair.
 
   Returns:
@@ -195,8 +128,8 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
       functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, fast=not interpret),
       grid=(tokens // bq_dq, windows, heads),
       in_specs=[whole_sequence_spec(tokens, d), whole_sequence_spec(tokens, d), tile_spec(bq_dq, d), tile_spec(bq_dq, d),
-                row_stat_spec(bq_dq), row_stat_spec(bq_dq), _bias_rows(bq_dq, tokens),
-                None if mask2 is None else _mask_rows(bq_dq, tokens, mask_windows)],
+                row_stat_spec(bq_dq), row_stat_spec(bq_dq), bias_rows(bq_dq, tokens),
+                None if mask2 is None else mask_rows(bq_dq, tokens, mask_windows)],
       out_specs=tile_spec(bq_dq, d), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_window_dq", **launch,
   )(k, v, q, do, lse, delta, bias2, mask2)
@@ -206,8 +139,8 @@ def window_backward(q, k, v, do, lse, delta, bias2, mask2, *, scale: float, bloc
       functools.partial(_dkv_kernel, scale=scale, block_q=bq_dkv, fast=not interpret),
       grid=(tokens // bk_dkv, windows, heads),
       in_specs=[whole_sequence_spec(tokens, d), whole_sequence_spec(tokens, d), whole_stat, whole_stat,
-                tile_spec(bk_dkv, d), tile_spec(bk_dkv, d), _bias_rows(bk_dkv, tokens),
-                None if mask2 is None else _mask_rows(bk_dkv, tokens, mask_windows)],
+                tile_spec(bk_dkv, d), tile_spec(bk_dkv, d), bias_rows(bk_dkv, tokens),
+                None if mask2 is None else mask_rows(bk_dkv, tokens, mask_windows)],
       out_specs=[tile_spec(bk_dkv, d), tile_spec(bk_dkv, d)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_window_dkv", **launch,
