@@ -268,7 +268,7 @@ def _chunk_bytes(chunk: int, p: RetentionProblem) -> int:
 
 class TritonChunkwise(TritonImpl):
   config_cls = ChunkwiseConfig
-  exact_fit = True  # grad_kernel_bytes equals what Triton asked for on the H100
+  exact_fit = True  # grad_kernel_bytes matches what Triton asks for (docs/backends.md)
 
   def gaps(self, p):
     chunk = p.chunk_size

@@ -146,9 +146,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_in_ref, lse_in_ref, o_ref, lse_ref, *
   o_pair, lse_pair = online_softmax_finish(carry)
   # Merge with the pairs before: weights exp(lse_i - lse) of the running log-sum-exp.
   # The running output is loaded only once its weight is known, so the 128x128 float32
-  # tile is not live across the weights' math. This and the hardware divides of ``cdiv``
-  # / ``_rem`` together took back 5% of the 65k-token forward on the H100 (measured
-  # together: bench/results/ab_issue15_run1.md).
+  # tile is not live across the weights' math.
   w_prev, w_pair, lse = merge_weights(lse_ref[...], lse_pair)
   o_ref[...] = o_ref[...] * w_prev[:, None] + o_pair * w_pair[:, None]
   lse_ref[...] = lse

@@ -13,8 +13,8 @@ from jattn.kernels.common.config import (BlockConfig, SearchGrid, default_block_
 
 def default_parallel_config(head_dim: int, dtype_bytes: int) -> BlockConfig:
   """Flash attention's default tiles, except the forward for 2-byte dtypes at padded
-  head dim 128: without a softmax, 8 warps on 128x32 tiles, 3 stages, won the H100
-  sweep (bench/results/retention_sweep_parallel.json: 395 vs 377 TFLOP/s)."""
+  head dim 128: without a softmax, 8 warps on 128x32 tiles with 3 stages (the winner of
+  ``bench/retention.py``'s sweep on an H100)."""
   config = default_block_config(head_dim, dtype_bytes)
   if dtype_bytes == 2 and padded_head_dim(head_dim) == 128:
     config = dataclasses.replace(config, block_q=128, block_k=32, num_warps=8, num_stages=3)
@@ -29,10 +29,9 @@ def grad_kernel_bytes(chunk: int, dk: int, dv: int, itemsize: int) -> int:
 
   The chunk tiles of q, k, v, dO, the state and its gradient in the inputs' dtype,
   plus, for float32 inputs, a ``[chunk, chunk]`` float32 score tile; ``dk``, ``dv``
-  are the padded head dims. On an H100 this equals what Triton asked for in every
-  configuration that did not fit, and every configuration it says fits compiled
-  (bench/results/retention_fit_{fp32,fp16}.json; one that compiled, 2-byte dk = dv =
-  256 at chunk 32, it counts as too large).
+  are the padded head dims. It is exact (``TritonChunkwise.exact_fit``): it matches
+  what Triton asks for, except that it counts one configuration that compiles (2-byte
+  dk = dv = 256 at chunk 32) as too large.
   """
   score_tile = 4 * chunk * chunk if itemsize == 4 else 0
   return itemsize * (chunk * 2 * (dk + dv) + 2 * dk * dv) + score_tile
@@ -80,9 +79,8 @@ def default_chunkwise_config(batch: int, heads: int, dk: int, dv: int, sm_count:
   still gives the scans one program per SM.
 
   The scans walk the chunks in sequence, one program per (batch, head, state tile),
-  so with few (batch, head) pairs the state is cut finer (H100, (1, 65536, 8, 128)
-  fp16 fwd+bwd: tiles of 64 took 2.92 ms, 32 2.72 ms, 16 2.64 ms;
-  bench/results/retention_long_state_blocks.json). ``sm_count=None``: tiles of 64.
+  so with few (batch, head) pairs the state is cut finer, for the SMs' sake.
+  ``sm_count=None``: tiles of 64.
   """
   dk_p, dv_p = padded_head_dim(dk), padded_head_dim(dv)
   for block in (64, 32):
