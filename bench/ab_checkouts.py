@@ -49,6 +49,14 @@ def _window_case(shape, dtype, mode):
   return ("window", shape, dtype, mode, fn, (bias,))
 
 
+def _flex_alibi(q, k, v):
+  """FlexAttention with a per-head linear bias and a causal mask (bench/flex.py's ALiBi)."""
+  slopes = 2.0 ** (-8.0 * jnp.arange(1, q.shape[2] + 1) / q.shape[2])
+  return jattn.flex_attention(
+      q, k, v, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j),
+      mask_mod=lambda b, h, i, j: j <= i, backend="pallas_mosaic")
+
+
 def cases():
   """(name, shape, dtype, mode, fn(q, k, v, *extra), extra): ``extra`` arrays are
   differentiated too."""
@@ -76,6 +84,11 @@ def cases():
   for mode in ("chunkwise", "parallel"):
     for m in ("fwd", "fwd+bwd"):
       out.append((f"retention {mode}", (8, 2048, 16, 128), jnp.float16, m, ret(mode)))
+  for m in ("fwd", "fwd+bwd"):  # the Hopper forward with retention's row rule
+    out.append(("retention mosaic parallel", (8, 2048, 16, 128), jnp.float16, m,
+                lambda q, k, v: jattn.retention(q, k, v, mode="parallel",
+                                                backend="pallas_mosaic")))
+    out.append(("flex mosaic alibi causal", (4, 4096, 16, 128), jnp.float16, m, _flex_alibi))
   out = [case + ((),) for case in out]
   for windows in (16, 256):
     for m in ("fwd", "fwd+bwd"):
