@@ -12,20 +12,26 @@ into an fp32 buffer in global memory with a TMA reduce-add: 5 matmuls per block 
 instead of 7, in an order that varies from run to run (FlashAttention-3's scheme).
 Both grids vary the head fastest, then the tile, then the batch row: the CTAs running
 at once spread over the heads, and with a causal mask every head's heaviest tiles
-start first. On the H100 that measured 3-5% faster for dK/dV and 6-10% for dQ than
-tiles varying fastest (bench/results/flash_bwd_grid_order.md; the persistent
-forward's preference is the other way round, mosaic_fwd.py).
+start first.
 Causal masks and windows visit only the blocks the pattern reaches; the blocks
 that straddle its edge apply the element mask (``masking.py``, shared with the
 forward and the Triton kernels). Where the mask has a right bound (causal) the dK/dV
-kernel walks its query blocks from the last one down
-(bench/results/flash_dkv_descending.md). Past dk + dv = 256 the dK/dV kernel has no
-producer warpgroup, for the consumers' registers (``mosaic_dkv``).
+kernel walks its query blocks from the last one down. Past dk + dv = 256 the dK/dV
+kernel has no producer warpgroup, for the consumers' registers (``mosaic_dkv``).
+
+One dK/dV kernel body serves every configuration; what its modes change are pieces it
+composes: the Q/dO stream with its walk order (``_QStream``), who fills that ring
+(``_ProducerFeed``, ``_SelfFeed``), where lse and delta enter the scores
+(``_LoadedStats``, ``_FoldedStats``) and what a block pair's dS feeds (``_DkvOnly``,
+``_FusedDq``). Both kernels share the steps of a block pair's arithmetic
+(``_masked_logits``, ``_probs_and_grad``) and of the block ranges (``_own_blocks``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +59,53 @@ def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):
 def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
+
+# --- pieces of both kernels ------------------------------------------------------------------
+
+def _own_blocks(block_range, ranges_ref, batch, head, tile, wg):
+  """A consumer's block range of the other axis, narrowed (where the kernel reads ranges)
+  by the given range of its own row block, ``tile * CONSUMERS + wg``."""
+  if ranges_ref is None:
+    return block_range
+  return narrow(block_range, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS + wg, 1))
+
+
+def _slot_vectors(positions: PositionInputs, smem: dict, kind: str, masked: bool, slot) -> tuple:
+  """The ``kind`` vectors streamed with the other operand, from ring slot ``slot``, where
+  the step reads them (``PositionInputs.needs``); they lie along the score tile's columns."""
+  if not positions.needs(kind, masked):
+    return ()
+  return positions.load(smem, kind, lambda b: b.at[slot], mp.COL)
+
+
+def _masked_logits(positions: PositionInputs, spec: MaskSpec, qk, scale: float, softcap,
+                   at: Tile, masked: bool):
+  """``(s, c, g)`` of a score tile (``PositionInputs.logits``: base-2 logits, their unit
+  and the score transform's gradient), with the element mask where ``masked``."""
+  s, c, g = positions.logits(qk, scale, softcap, at, with_grad=True)
+  if masked:
+    s = positions.apply_mask(s, spec, at)
+  return s, c, g
+
+
+def _probs_and_grad(s, c, dp, g, lse, delta, at: Tile, positions: PositionInputs):
+  """``(p, ds, kept)``: the weights ``exp2(s c - lse)`` and the logits' gradient
+  ``p (dp - delta)`` (through the score transform's ``g``), lse and delta broadcast
+  along the tile's query axis. ``lse`` and ``delta`` are functions giving the vectors,
+  called where each is first needed. With dropout dP counts only the kept weights
+  (``kept``: the tile's keep-mask, else None), and lse and delta hold ``1 / (1 - rate)``
+  (``dropout.backward_rows``)."""
+  p = backward_probs(s * c - lax.broadcast_in_dim(lse(), at.shape, [at.q_axis]),
+                     positions.dropout)
+  kept = None
+  if positions.dropout:
+    kept = positions.kept(at)
+    dp = jnp.where(kept, dp, 0.0)
+  ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta(), at.shape, [at.q_axis])), g)
+  return p, ds, kept
+
+
+# --- the dQ kernel ---------------------------------------------------------------------------
 
 def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
                block_q: int, block_kv: int, stages: int, group: int, **smem):
@@ -104,17 +157,10 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       s, dp = _wgmma_pair(_zeros(shape), my(q_smem), k_smem.at[slot].transpose((1, 0)),
                           _zeros(shape), my(do_smem), v_smem.at[slot].transpose((1, 0)))
       plgpu.barrier_arrive(v_free.at[slot])
-      col_vectors = ()
-      if positions.needs(COL, masked):
-        col_vectors = positions.load(smem, COL, lambda b: b.at[slot], mp.COL)
+      col_vectors = _slot_vectors(positions, smem, COL, masked, slot)
       at = Tile(shape, 0, q_start, j * block_kv, batch, head, row_vectors, col_vectors, scalars)
-      s, c, g = positions.logits(s, scale, softcap, at, with_grad=True)
-      if masked:
-        s = positions.apply_mask(s, spec, at)
-      p = backward_probs(s * c - lax.broadcast_in_dim(lse, shape, [0]), positions.dropout)
-      if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
-        dp = jnp.where(positions.kept(at), dp, 0.0)
-      ds = logit_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), g)
+      s, c, g = _masked_logits(positions, spec, s, scale, softcap, at, masked)
+      _, ds, _ = _probs_and_grad(s, c, dp, g, lambda: lse, lambda: delta, at, positions)
 
       def acc_dq(acc_ref):
         plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -130,9 +176,8 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       plgpu.barrier_arrive(v_free.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
 
-    own = kv_block_range(spec, q_start, block_q, block_kv)
-    if ranges_ref is not None:
-      own = narrow(own, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS + wg, 1))
+    own = _own_blocks(kv_block_range(spec, q_start, block_q, block_kv), ranges_ref, batch, head,
+                      tile, wg)
     dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)))
     my(q_smem)[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
@@ -148,6 +193,275 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
                   cols=(col_refs, positions.buffers(smem, COL)))
 
 
+# --- pieces of the dK/dV kernel --------------------------------------------------------------
+
+def _dkv_cta_blocks(spec: MaskSpec, ranges_ref, batch, kv_head, tile, cta_k, *, group: int,
+                    block_q: int, block_kv: int, n_q_blocks: int):
+  """The query blocks ``[c_lo, c_hi)`` a dK/dV CTA streams for each query head: those its
+  key tile's mask reaches, narrowed by the given ranges. Ranges per query head (a block
+  mask's) differ within the group: the CTA streams their union, and each head's own
+  range is narrowed inside the loop over heads."""
+  cta_range = q_block_range(spec, cta_k, mp.CONSUMERS * block_kv, block_q)
+  if ranges_ref is not None:
+    per_head = ranges_ref.shape[1] > 1
+    heads = [kv_head * group + g for g in range(group)] if per_head else kv_head
+    cta_range = narrow(cta_range, given_range(ranges_ref, batch, heads, tile * mp.CONSUMERS,
+                                              mp.CONSUMERS))
+  return mp.clamp_range(cta_range[0], cta_range[3], n_q_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _QStream:
+  """The dK/dV kernel's ring of Q, dO, lse and delta tiles (and the row vectors): each
+  query head of the KV head's group in turn, its query blocks ``[c_lo, c_hi)``, one
+  step per block (``n_steps = group * n_blocks``) through ``stages`` slots of ``smem``.
+
+  ``descending`` (a mask with a right bound) walks each head's blocks from ``c_hi - 1``
+  down: under a causal mask the key tiles' query ranges start at different blocks and
+  end at the same one, so walking down keeps the CTAs of a head reading the same Q/dO
+  blocks at about the same time, and those are shared in L2."""
+
+  refs: tuple  # q, do, lse, delta in global memory
+  row_refs: list
+  smem: dict
+  positions: PositionInputs
+  batch: Any
+  kv_head: Any
+  group: int
+  c_lo: Any
+  c_hi: Any
+  n_blocks: Any  # per query head
+  n_steps: Any
+  block_q: int
+  stages: int
+  descending: bool
+
+  def copy(self, i, slot, barrier):
+    """TMA copies of step ``i`` (query head, then block) into ``slot``."""
+    q_ref, do_ref, lse_ref, delta_ref = self.refs
+    batch, block_q, smem = self.batch, self.block_q, self.smem
+    head = self.kv_head * self.group + lax.div(i, self.n_blocks)
+    block = lax.rem(i, self.n_blocks)
+    start = (self.c_hi - 1 - block if self.descending else self.c_lo + block) * block_q
+    rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], smem["q"].at[slot], barrier)
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], smem["do"].at[slot], barrier)
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
+    mp.copy_vectors(self.row_refs, [b.at[slot] for b in self.positions.buffers(smem, ROW)],
+                    batch, start, block_q, barrier, head)
+
+  def position(self, g, j):
+    """The stream step of query block ``j`` of the group's head ``g``."""
+    return g * self.n_blocks + (self.c_hi - 1 - j if self.descending else j - self.c_lo)
+
+  def slot(self, pos):
+    return lax.rem(pos, jnp.int32(self.stages))
+
+  def wait(self, slot):
+    plgpu.barrier_wait(self.smem["q_ready"].at[slot])
+
+  def release(self, slot):
+    plgpu.barrier_arrive(self.smem["q_free"].at[slot])
+
+  def stat(self, name: str, slot):
+    """``lse`` or ``delta`` of the slot's block: one value per query, a score column."""
+    return plgpu.load(self.smem[name].at[slot], layout=mp.COL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProducerFeed:
+  """The ring filled by the producer warpgroup (``mp.produce``); the consumers raise their
+  registers, the producer lowers its own."""
+
+  stream: _QStream
+  wg: Any
+
+  def start(self):
+    plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
+
+  def refill(self, pos):
+    pass  # the producer refills the slots
+
+  def run_producer(self):
+    s = self.stream
+
+    @pl.when(self.wg == mp.PRODUCER)
+    def _producer():
+      plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
+      mp.produce(s.n_steps, s.stages, [(s.copy, s.smem["q_ready"], s.smem["q_free"])])
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelfFeed:
+  """No producer warpgroup (wide heads): consumer 0 issues the ring's copies itself, the
+  first ``stages`` steps before the loop (``mp.feed_first_slots``), then each slot one
+  step behind the consumers (``mp.refeed``). The two consumers may then take 255
+  registers each instead of 232 beside a producer; with 232 the compiler serializes
+  their wgmmas and spills at these widths."""
+
+  stream: _QStream
+  wg: Any
+
+  def start(self):
+    s = self.stream
+    mp.feed_first_slots(s.n_steps, s.stages, s.copy, s.smem["q_ready"], self.wg == 0)
+
+  def refill(self, pos):
+    s = self.stream
+    mp.refeed(pos, s.n_steps, s.stages, s.copy, s.smem["q_ready"], s.smem["q_free"],
+              self.wg == 0)
+
+  def run_producer(self):
+    pass  # the kernel runs without one (``mp.kernel(producer=False)``)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadedStats:
+  """S and dP start at zero; lse and delta are loaded after the matmuls (fewer live
+  registers during them) and enter with the weights (``_probs_and_grad``)."""
+
+  stream: _QStream
+  positions: PositionInputs
+
+  def inits(self, slot, shape):
+    return _zeros(shape), _zeros(shape)
+
+  def weights(self, s_t, c, dp_t, g_t, slot, at: Tile):
+    return _probs_and_grad(s_t, c, dp_t, g_t, lambda: self.stream.stat("lse", slot),
+                           lambda: self.stream.stat("delta", slot), at, self.positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FoldedStats:
+  """lse and delta folded into the accumulators' initial values: S starts at ``-lse / c``
+  and dP at ``-delta``, so neither vector stays in registers beside the tiles. Only for
+  plain logits (no score transform, no soft-cap) without dropout, and not for wide
+  heads, where it spills (``mosaic_dkv``)."""
+
+  stream: _QStream
+  scale: float
+
+  def inits(self, slot, shape):
+    s_init = lax.broadcast_in_dim(self.stream.stat("lse", slot) * (-1.0 / (self.scale * LOG2E)),
+                                  shape, [1])
+    dp_init = lax.broadcast_in_dim(-self.stream.stat("delta", slot), shape, [1])
+    return s_init, dp_init
+
+  def weights(self, s_t, c, dp_t, g_t, slot, at: Tile):
+    p_t = backward_probs(s_t * c)
+    return p_t, p_t * dp_t, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _DkvOnly:
+  """A block pair's ``Pᵀ`` and ``dSᵀ`` feed dV and dK alone (dQ has its own kernel)."""
+
+  stream: _QStream
+
+  def accumulate(self, dk, dv, p_lo, ds_lo, slot, g, j, q_head):
+    smem = self.stream.smem
+    dv, dk = _wgmma_pair(dv, p_lo, smem["do"].at[slot], dk, ds_lo, smem["q"].at[slot])
+    self.stream.release(slot)
+    return dk, dv
+
+  def skip(self, g, j, q_head, shape):
+    pass  # nothing beyond the slot's barriers
+
+  def finish(self):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _FusedDq:
+  """FlashAttention-3's fused dQ: besides dV and dK, each block pair's dQ tile ``dS K``,
+  added into the fp32 ``dq_ref`` in global memory by a TMA reduce-add (5 matmuls per
+  block pair instead of 7; reduce-adds are not bitwise repeatable). The wgmma takes dS
+  transposed from shared memory, double-buffered by stream position. ``shared``: the
+  consumers split the head dim (``fused_dq_columns``), each summing both consumers' dS
+  over its half of the columns, so they exchange dS at every block."""
+
+  stream: _QStream
+  dq_ref: Any
+  wg: Any
+  dtype: Any
+  cols: int  # head-dim columns of this consumer's dQ tile
+  shared: bool
+
+  def _exchange(self, pos, ds):
+    """Puts this consumer's dSᵀ tile where the dQ wgmma reads it (a buffer is rewritten
+    only after both consumers passed the next exchange)."""
+    smem = self.stream.smem
+    buf = lax.rem(pos, jnp.int32(2))
+    smem["ds"].at[buf, self.wg][...] = ds
+    plgpu.commit_smem()
+    if self.shared:
+      plgpu.barrier_arrive(smem["ds_ready"])
+    return buf
+
+  def _issue(self, acc_ref, buf):
+    """dQ tile of the block: ``dS K`` over this consumer's keys, or (shared) over both
+    consumers' keys for this consumer's half of the columns."""
+    smem, wg = self.stream.smem, self.wg
+    if self.shared:
+      plgpu.barrier_wait(smem["ds_ready"])
+      cols = pl.ds(wg * self.cols, self.cols)
+      for i in range(mp.CONSUMERS):
+        plgpu.wgmma(acc_ref, smem["ds"].at[buf, i].transpose((1, 0)), smem["k"].at[i, :, cols])
+    else:
+      plgpu.wgmma(acc_ref, smem["ds"].at[buf, wg].transpose((1, 0)), smem["k"].at[wg])
+
+  def _add(self, dq, j, q_head):
+    """TMA reduce-add of a dQ tile into the fp32 accumulator in global memory."""
+    smem, wg, block_q = self.stream.smem, self.wg, self.stream.block_q
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile was read
+    smem["dq"].at[wg][...] = dq
+    plgpu.commit_smem()
+    cols = pl.ds(wg * self.cols if self.shared else 0, self.cols)
+    plgpu.copy_smem_to_gmem(smem["dq"].at[wg],
+                            self.dq_ref.at[self.stream.batch, pl.ds(j * block_q, block_q),
+                                           q_head, cols],
+                            reduction_op="add")
+
+  def accumulate(self, dk, dv, p_lo, ds_lo, slot, g, j, q_head):
+    buf = self._exchange(self.stream.position(g, j), ds_lo)
+    smem = self.stream.smem
+
+    def run(refs):
+      dv_ref, dk_ref, dq_ref = refs
+      plgpu.wgmma(dv_ref, p_lo, smem["do"].at[slot])
+      plgpu.wgmma(dk_ref, ds_lo, smem["q"].at[slot])
+      self._issue(dq_ref, buf)
+
+    dv, dk, dq = pl.run_state(run)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                    plgpu.ACC.init(_zeros((self.stream.block_q, self.cols)))))
+    self.stream.release(slot)
+    self._add(dq, j, q_head)
+    return dk, dv
+
+  def skip(self, g, j, q_head, shape):
+    """A block this consumer does not need: with ``shared`` the other one may, so a zero
+    dS keeps the exchange in step (and this consumer's columns still get the other's)."""
+    if not self.shared:
+      return
+    buf = self._exchange(self.stream.position(g, j),
+                         plgpu.layout_cast(jnp.zeros(shape, self.dtype), plgpu.Layout.WGMMA))
+
+    def dq_of_block(acc_ref):
+      self._issue(acc_ref, buf)
+      return acc_ref[...]
+
+    self._add(pl.run_scoped(dq_of_block, plgpu.ACC((self.stream.block_q, self.cols),
+                                                   jnp.float32)), j, q_head)
+
+  def finish(self):
+    if self.shared:  # the other consumer's last dQ wgmma reads this one's K tile
+      plgpu.barrier_arrive(self.stream.smem["ds_ready"])
+      plgpu.barrier_wait(self.stream.smem["ds_ready"])
+
+
+# --- the dK/dV kernel ------------------------------------------------------------------------
+
 def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
                 block_q: int, block_kv: int, stages: int, group: int, fuse_dq: bool,
                 fold_stats: bool, self_fed: bool, **smem):
@@ -155,59 +469,31 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
       refs[:n_in], refs[n_in:])
   row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
-  dq_ref = rest[0] if fuse_dq else None
   k_smem, v_smem, q_smem, do_smem = smem["k"], smem["v"], smem["q"], smem["do"]
-  q_ready, q_free = smem["q_ready"], smem["q_free"]
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
   wg = lax.axis_index("wg")
   tile = lax.axis_index("kv_tiles")
   cta_k = tile * (mp.CONSUMERS * block_kv)
-  cta_range = q_block_range(spec, cta_k, mp.CONSUMERS * block_kv, block_q)
-  # Ranges per query head (a block mask's) differ within the group: the CTA streams
-  # their union, each head's own range is narrowed inside the loop over heads.
-  if ranges_ref is not None:
-    per_head = ranges_ref.shape[1] > 1
-    heads = [kv_head * group + g for g in range(group)] if per_head else kv_head
-    cta_range = narrow(cta_range, given_range(ranges_ref, batch, heads, tile * mp.CONSUMERS,
-                                              mp.CONSUMERS))
-  c_lo, c_hi = mp.clamp_range(cta_range[0], cta_range[3], q_ref.shape[1] // block_q)
+  c_lo, c_hi = _dkv_cta_blocks(spec, ranges_ref, batch, kv_head, tile, cta_k, group=group,
+                               block_q=block_q, block_kv=block_kv,
+                               n_q_blocks=q_ref.shape[1] // block_q)
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
-  # With a causal mask (a right bound) the key tiles' query ranges start at different
-  # blocks and end at the same one: walking them down from the last block keeps the
-  # CTAs of a head reading the same Q/dO blocks at about the same time, so those are
-  # shared in L2 (on the H100 1.02-1.04x at 4096 tokens, 1.15x at dk192 and 8192).
-  descending = spec.right is not None
+  stream = _QStream(refs=(q_ref, do_ref, lse_ref, delta_ref), row_refs=row_refs, smem=smem,
+                    positions=positions, batch=batch, kv_head=kv_head, group=group,
+                    c_lo=c_lo, c_hi=c_hi, n_blocks=n_blocks, n_steps=group * n_blocks,
+                    block_q=block_q, stages=stages, descending=spec.right is not None)
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
+  feed = (_SelfFeed if self_fed else _ProducerFeed)(stream, wg)
+  stats = _FoldedStats(stream, scale) if fold_stats else _LoadedStats(stream, positions)
   dq_cols = fused_dq_columns(head_dim)
-  shared_dq = fuse_dq and dq_cols < head_dim
-  n_steps = group * n_blocks
-
-  def copy_q_block(i, slot, barrier):
-    """TMA copies of the Q/dO stream's step ``i`` (query head, then block) into ``slot``."""
-    head = kv_head * group + lax.div(i, n_blocks)
-    block = lax.rem(i, n_blocks)
-    start = (c_hi - 1 - block if descending else c_lo + block) * block_q
-    rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], barrier)
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], barrier)
-    plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
-    plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
-    mp.copy_vectors(row_refs, [b.at[slot] for b in positions.buffers(smem, ROW)], batch, start,
-                    block_q, barrier, head)
+  grads = (_FusedDq(stream, rest[0], wg, dtype, dq_cols, shared=dq_cols < head_dim)
+           if fuse_dq else _DkvOnly(stream))
 
   @pl.when(wg < mp.CONSUMERS)
   def _consumer():
-    if self_fed:  # consumer 0 feeds the ring
-      mp.feed_first_slots(n_steps, stages, copy_q_block, q_ready, wg == 0)
-    else:
-      plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
-
-    def refill(pos):
-      if self_fed:
-        mp.refeed(pos, n_steps, stages, copy_q_block, q_ready, q_free, wg == 0)
-
+    feed.start()
     k_start = cta_k + wg * block_kv
     keys = (batch, pl.ds(k_start, block_kv), kv_head)
     my = lambda ref: ref.at[wg]
@@ -222,127 +508,41 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
     shape = (block_kv, block_q)
     static_own = q_block_range(spec, k_start, block_kv, block_q)
 
-    def own_range(q_head):
-      if ranges_ref is None:
-        return static_own
-      return narrow(static_own, given_range(ranges_ref, batch, q_head,
-                                            tile * mp.CONSUMERS + wg, 1))
-
-    def exchange_ds(pos, ds):
-      """Puts this consumer's dSᵀ tile where the dQ wgmma reads it (double-buffered by
-      stream position: a buffer is rewritten only after both passed the next exchange)."""
-      buf = lax.rem(pos, jnp.int32(2))
-      smem["ds"].at[buf, wg][...] = ds
-      plgpu.commit_smem()
-      if shared_dq:
-        plgpu.barrier_arrive(smem["ds_ready"])
-      return buf
-
-    def issue_dq(acc_ref, buf):
-      """dQ tile of the block: ``dS K`` over this consumer's keys, or (shared) over both
-      consumers' keys for this consumer's half of the columns."""
-      if shared_dq:
-        plgpu.barrier_wait(smem["ds_ready"])
-        cols = pl.ds(wg * dq_cols, dq_cols)
-        for i in range(mp.CONSUMERS):
-          plgpu.wgmma(acc_ref, smem["ds"].at[buf, i].transpose((1, 0)),
-                      k_smem.at[i, :, cols])
-      else:
-        plgpu.wgmma(acc_ref, smem["ds"].at[buf, wg].transpose((1, 0)), my(k_smem))
-
-    def add_dq(dq, j, q_head):
-      """TMA reduce-add of a dQ tile into the fp32 accumulator in global memory."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile was read
-      my(smem["dq"])[...] = dq
-      plgpu.commit_smem()
-      cols = pl.ds(wg * dq_cols if shared_dq else 0, dq_cols)
-      plgpu.copy_smem_to_gmem(my(smem["dq"]),
-                              dq_ref.at[batch, pl.ds(j * block_q, block_q), q_head, cols],
-                              reduction_op="add")
-
     def over_head(g, carry):
-      def position(j):  # of block j in the Q/dO stream
-        return g * n_blocks + (c_hi - 1 - j if descending else j - c_lo)
-
       q_head = kv_head * group + g
       scalars = positions.read_scalars(scalar_refs, batch, q_head)
 
       def step(j, carry, masked):
         dk, dv = carry
-        refill(position(j))
-        slot = lax.rem(position(j), jnp.int32(stages))
-        plgpu.barrier_wait(q_ready.at[slot])
-        lse = lambda: plgpu.load(smem["lse"].at[slot], layout=mp.COL)
-        delta = lambda: plgpu.load(smem["delta"].at[slot], layout=mp.COL)
-        if fold_stats:  # the accumulators start at -lse / c and -delta
-          s_init = lax.broadcast_in_dim(lse() * (-1.0 / (scale * LOG2E)), shape, [1])
-          dp_init = lax.broadcast_in_dim(-delta(), shape, [1])
-        else:  # lse and delta are loaded after the matmuls: fewer live registers there
-          s_init, dp_init = _zeros(shape), _zeros(shape)
+        feed.refill(stream.position(g, j))
+        slot = stream.slot(stream.position(g, j))
+        stream.wait(slot)
+        s_init, dp_init = stats.inits(slot, shape)
         s_t, dp_t = _wgmma_pair(s_init, my(k_smem), q_smem.at[slot].transpose((1, 0)),
                                 dp_init, my(v_smem), do_smem.at[slot].transpose((1, 0)))
-        row_vectors = ()
-        if positions.needs(ROW, masked):
-          row_vectors = positions.load(smem, ROW, lambda b: b.at[slot], mp.COL)
+        row_vectors = _slot_vectors(positions, smem, ROW, masked, slot)
         at = Tile(shape, 1, j * block_q, k_start, batch, q_head, row_vectors, col_vectors,
                   scalars)
-        s_t, c, g_t = positions.logits(s_t, scale, softcap, at, with_grad=True)
-        if masked:
-          s_t = positions.apply_mask(s_t, spec, at)
-        if fold_stats:
-          p_t = backward_probs(s_t * c)
-          ds_t = p_t * dp_t
-        else:
-          p_t = backward_probs(s_t * c - lax.broadcast_in_dim(lse(), shape, [1]),
-                               positions.dropout)
-          if positions.dropout:  # lse and delta hold 1 / (1 - rate): dropout.backward_rows
-            kept = positions.kept(at)
-            dp_t = jnp.where(kept, dp_t, 0.0)
-          ds_t = logit_grad(p_t * (dp_t - lax.broadcast_in_dim(delta(), shape, [1])), g_t)
+        s_t, c, g_t = _masked_logits(positions, spec, s_t, scale, softcap, at, masked)
+        p_t, ds_t, kept = stats.weights(s_t, c, dp_t, g_t, slot, at)
         p_lo, ds_lo = p_t.astype(dtype), ds_t.astype(dtype)
         if positions.dropout:  # selected in 16 bits, as in the forward
           p_lo = jnp.where(kept, p_lo, jnp.zeros((), dtype))
-        if not fuse_dq:
-          dv, dk = _wgmma_pair(dv, p_lo, do_smem.at[slot], dk, ds_lo, q_smem.at[slot])
-          plgpu.barrier_arrive(q_free.at[slot])
-          return dk, dv
-        buf = exchange_ds(position(j), ds_lo)
-
-        def run(refs):
-          dv_ref, dk_ref, dq_ref_ = refs
-          plgpu.wgmma(dv_ref, p_lo, do_smem.at[slot])
-          plgpu.wgmma(dk_ref, ds_lo, q_smem.at[slot])
-          issue_dq(dq_ref_, buf)
-
-        dv, dk, dq = pl.run_state(run)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                        plgpu.ACC.init(_zeros((block_q, dq_cols)))))
-        plgpu.barrier_arrive(q_free.at[slot])
-        add_dq(dq, j, q_head)
-        return dk, dv
+        return grads.accumulate(dk, dv, p_lo, ds_lo, slot, g, j, q_head)
 
       def skip(j):
-        refill(position(j))
-        slot = lax.rem(position(j), jnp.int32(stages))
-        plgpu.barrier_wait(q_ready.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
-        if shared_dq:  # the other consumer may need the block: a zero dS keeps in step
-          buf = exchange_ds(position(j), plgpu.layout_cast(jnp.zeros(shape, dtype),
-                                                         plgpu.Layout.WGMMA))
+        feed.refill(stream.position(g, j))
+        slot = stream.slot(stream.position(g, j))
+        stream.wait(slot)
+        stream.release(slot)
+        grads.skip(g, j, q_head, shape)
 
-          def dq_of_block(acc_ref):
-            issue_dq(acc_ref, buf)
-            return acc_ref[...]
-
-          add_dq(pl.run_scoped(dq_of_block, plgpu.ACC((block_q, dq_cols), jnp.float32)),
-                 j, q_head)
-
-      return mp.visit_blocks((c_lo, c_hi), own_range(q_head), step, skip, carry, descending)
+      own = _own_blocks(static_own, ranges_ref, batch, q_head, tile, wg)
+      return mp.visit_blocks((c_lo, c_hi), own, step, skip, carry, stream.descending)
 
     dk, dv = lax.fori_loop(0, group, over_head, (_zeros((block_kv, head_dim)),
                                                  _zeros((block_kv, v_ref.shape[-1]))))
-    if shared_dq:  # the other consumer's last dQ wgmma reads this one's K tile
-      plgpu.barrier_arrive(smem["ds_ready"])
-      plgpu.barrier_wait(smem["ds_ready"])
+    grads.finish()
     my(k_smem)[...] = (dk * scale).astype(dtype)
     my(v_smem)[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -351,11 +551,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
-  if not self_fed:
-    @pl.when(wg == mp.PRODUCER)
-    def _producer():
-      plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
-      mp.produce(n_steps, stages, [(copy_q_block, q_ready, q_free)])
+  feed.run_producer()
 
 
 def _barrier(n, arrivals=1):
@@ -422,18 +618,12 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
                               transforms=f32_tiles),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   # Folding lse and delta into the accumulators' initial values frees their registers
-  # (on the H100 1.05x at dk = dv = 128 without a mask, 1.03x causal:
-  # bench/results/flash_issue20_variants.md); plain logits only, and not for wider
-  # heads, where it spilled (bench/results/flash_dkv_registers.md).
+  # (``_FoldedStats``); plain logits only, and not for wider heads, where it spills.
   wide = d + v.shape[-1] > MOSAIC_MODELLED_BWD_WIDTH
   fold_stats = (positions.score is None and softcap is None and not positions.dropout
                 and not wide)
-  # Wider heads drop the producer warpgroup: consumer 0 issues the copies itself, and
-  # the two consumers may take 255 registers each instead of 232 beside a producer.
-  # With 232, ptxas serialized their wgmmas and spilled at dk = 192, dv = 128; with 255
-  # it does neither (on the H100 1.16-1.18x causal and 1.07-1.12x without a mask there,
-  # 1.19-1.51x at dk 64 / dv 256 and dk 256 / dv 64; at dk = dv = 128 the producer
-  # kernel stays: 0.95-1.01x without it, bench/results/flash_dkv_self_fed.md).
+  # Wider heads drop the producer warpgroup, for the consumers' registers (``_SelfFeed``);
+  # up to dk + dv = 256 the kernel with a producer is at least as fast.
   self_fed = wide and not fuse_dq
   body = functools.partial(_dkv_kernel, spec=spec, positions=positions, scale=scale,
                            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
