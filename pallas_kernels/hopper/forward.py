@@ -359,7 +359,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
                cols=col_refs, scalars=scalar_refs, ranges=ranges_ref,
                rule=rest[:rule.n_inputs], addressing=rest[rule.n_inputs:])
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
-  n_local = lax.div(jnp.int32(items.count) - cta + n_ctas - 1, n_ctas)
+  n_local = items.per_cta(cta, n_ctas)
   kernel = _Forward(rule, spec, positions, items, addressing, block_kv, stages, group,
                     persistent, q_buffers, named, smem, cta, n_ctas, n_local,
                     lax.axis_index("wg"))

@@ -4,7 +4,8 @@ pipeline (the other is ``addressing``).
 
 A work-item kind is a hashable object with
 
-- ``count``: the number of items (static);
+- ``count``: the number of items (static), and ``per_cta(cta, n_ctas)``: how many of
+  them CTA ``cta`` of ``n_ctas`` walks (traced; items ``cta, cta + n_ctas, ...``);
 - ``at(w) -> item``: item ``w`` (traced), a tuple whose ``batch``, ``head`` and
   ``tile`` the kernel reads (``tile`` indexes its block ranges, in units of ``rows``);
 - ``rows``: the query rows of an item, ``consumers * block_q``;
@@ -56,6 +57,10 @@ class QueryTiles:
   @property
   def rows(self) -> int:
     return self.consumers * self.block_q
+
+  def per_cta(self, cta, n_ctas):
+    n = jnp.int32(self.n_tiles) * jnp.int32(self.n_heads) * jnp.int32(self.n_batch)
+    return lax.div(n - cta + n_ctas - 1, n_ctas)
 
   def at(self, w) -> QueryTile:
     n_tiles, n_heads = jnp.int32(self.n_tiles), jnp.int32(self.n_heads)
