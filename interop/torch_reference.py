@@ -217,8 +217,8 @@ def flex_attention_torch(q, k, v, *, example: str, scale=None):
   functions spelled for torch. q: ``[batch, q_len, q_heads, d]``, k, v: ``[batch,
   kv_len, kv_heads, d]``. Differentiable on CUDA; on the CPU, where torch's
   FlexAttention has no backward, the output carries no gradient."""
-  # FlexAttention came with torch 2.5 (jattn takes 2.4): imported here, so that the
-  # other references work without it.
+  # torch.nn.attention.flex_attention is public from torch 2.5 (jattn takes 2.4):
+  # imported here, so that the other references work without it.
   from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
   batch, q_len, q_heads, _ = q.shape
