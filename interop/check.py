@@ -16,7 +16,8 @@ from jattn.core.device import INTERPRET_ENV, current_device
 from jattn.core.op import OPS
 from jattn.core.timing import median_ms
 from jattn.flex.examples import EXAMPLES
-from jattn.interop.harness import TOLERANCE, jax_reference_errors, run_jax_side
+from jattn.interop.harness import (TOLERANCE, jax_reference_errors, run_jax_side,
+                                   torch_reference_errors)
 from jattn.interop.torch_import import torch_available
 
 # (op, case name, problem keywords); small, so that interpret mode stays quick. The
@@ -80,9 +81,9 @@ CHECK_OPS = tuple(sorted({op for op, _, _ in CASES}))  # the ops the cases cover
 
 
 def _torch_errors():
-  """``run -> errors`` against the torch reference (its module, which imports torch,
-  is imported now)."""
-  from jattn.interop.torch_crosscheck import default_torch_device, torch_reference_errors
+  """``run -> errors`` against the torch reference, on the default torch device (the
+  torch side, which imports torch, is imported now)."""
+  from jattn.interop.torch_crosscheck import default_torch_device
 
   device = default_torch_device()
   return lambda run: torch_reference_errors(run, device)

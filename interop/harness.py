@@ -138,6 +138,14 @@ def named_errors(run: JaxRun, ref, ref_grads) -> dict[str, tuple[float, float]]:
   return errors
 
 
+def torch_reference_errors(run: JaxRun, torch_device: str) -> dict[str, tuple[float, float]]:
+  """Errors of a JAX run against the op's torch reference on ``torch_device`` (its
+  module, which imports torch, is imported now)."""
+  from jattn.interop.torch_crosscheck import torch_reference
+
+  return named_errors(run, *torch_reference(run, torch_device))
+
+
 def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "auto",
                seed: int = 0, reference: str = "torch", torch_device: str | None = None,
                tolerance: float | None = None, **case) -> CrosscheckReport:
@@ -172,7 +180,7 @@ def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "
   if reference == "jax":
     device, errors = "jax", jax_reference_errors(run)
   else:
-    from jattn.interop.torch_crosscheck import default_torch_device, torch_reference_errors
+    from jattn.interop.torch_crosscheck import default_torch_device
 
     device = torch_device or default_torch_device()
     errors = torch_reference_errors(run, device)

@@ -1,9 +1,10 @@
 """The torch side of ``crosscheck`` and ``jattn check``: each op's torch reference
-(``TORCH_REFERENCES``), fed the JAX run's inputs through the DLPack bridge, and its
-errors against that run.
+(``TORCH_REFERENCES``), run on a JAX run's inputs, handed over through the DLPack
+bridge.
 
 This module imports torch; ``jattn.interop.harness`` and ``jattn.interop.check``
 import it only when the torch reference is asked for (``jattn.interop.torch_import``).
+It imports neither of them: they compare what it computes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import numpy as np
 import torch
 
 from jattn.interop.dlpack import to_torch
-from jattn.interop.harness import JaxRun, named_errors
 from jattn.interop.longnet_torch import dilated_attention_torch
 from jattn.interop.torch_reference import (flash_attention_torch, flex_attention_torch,
                                            retention_step_torch, retention_torch,
@@ -77,8 +77,11 @@ def _as_numpy(tensor) -> np.ndarray:
   return tensor.detach().float().cpu().numpy()
 
 
-def torch_reference_errors(run: JaxRun, torch_device: str):
-  """Errors of a JAX run against the op's torch reference on ``torch_device``."""
+def torch_reference(run, torch_device: str):
+  """The op's torch reference on a JAX run's inputs (``harness.JaxRun``), on
+  ``torch_device``, forward and backward with the run's cotangent: ``(output, grads)``
+  as numpy arrays, a gradient per ``op.diff_argnums``, None where the reference gives
+  none (``harness.torch_reference_errors`` compares them)."""
 
   def tensor(x):
     if x is None:
@@ -95,13 +98,12 @@ def torch_reference_errors(run: JaxRun, torch_device: str):
     out.backward(tensor(run.cotangent))
   # A torch reference that does not model an input (retention's state when it starts
   # from zeros) gives it no gradient: that one is not compared.
-  return named_errors(run, _as_numpy(out),
-                       [None if tensors[i] is None or tensors[i].grad is None
-                        else _as_numpy(tensors[i].grad) for i in run.op.diff_argnums])
+  return _as_numpy(out), [None if tensors[i] is None or tensors[i].grad is None
+                          else _as_numpy(tensors[i].grad) for i in run.op.diff_argnums]
 
 
 def default_torch_device() -> str:
   return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-__all__ = ["TORCH_REFERENCES", "default_torch_device", "torch_reference_errors"]
+__all__ = ["TORCH_REFERENCES", "default_torch_device", "torch_reference"]
