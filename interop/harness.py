@@ -126,10 +126,10 @@ def jax_reference_errors(run: JaxRun) -> dict[str, tuple[float, float]]:
   _, reference = _vjp_fn(run.op, problem, arrays, "xla")
   ref, ref_grads = reference(run.cotangent.astype(jnp.float32),
                              *(arrays[i] for i in run.op.diff_argnums))
-  return named_errors(run, ref, ref_grads)
+  return _named_errors(run, ref, ref_grads)
 
 
-def named_errors(run: JaxRun, ref, ref_grads) -> dict[str, tuple[float, float]]:
+def _named_errors(run: JaxRun, ref, ref_grads) -> dict[str, tuple[float, float]]:
   """Errors of the output and of each gradient the reference gives (None: it has none)."""
   errors = {"out": _errors(run.out, ref)}
   for i, g, g_ref in zip(run.op.diff_argnums, run.grads, ref_grads):
@@ -143,7 +143,7 @@ def torch_reference_errors(run: JaxRun, torch_device: str) -> dict[str, tuple[fl
   module, which imports torch, is imported now)."""
   from jattn.interop.torch_crosscheck import torch_reference
 
-  return named_errors(run, *torch_reference(run, torch_device))
+  return _named_errors(run, *torch_reference(run, torch_device))
 
 
 def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "auto",
