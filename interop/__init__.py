@@ -2,9 +2,10 @@
 of every op, the cross-check harness (``crosscheck``, ``jattn check``), torch
 checkpoint loading into the Flax models (``load_dat``), and the command-line tools.
 
-jattn itself never imports this package; torch is imported lazily here, so
-``import jattn.interop`` works without it. Each public name is imported on first use
-(``jattn.lazy_exports``): the command-line tools start without JAX.
+jattn itself never imports this package. Each public name is imported on first use
+(``jattn.lazy_exports``): ``import jattn.interop`` loads neither JAX nor torch, and the
+command-line tools start without them. The modules that use torch import it at their
+top and are imported only where torch is needed (``jattn.interop.torch_import``).
 """
 
 from jattn.lazy_exports import lazy_exports

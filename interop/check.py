@@ -8,7 +8,6 @@ core (``jattn.core.op.OPS``); this module only lists the cases.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 import jax
@@ -17,8 +16,9 @@ from jattn.core.device import INTERPRET_ENV, current_device
 from jattn.core.op import OPS
 from jattn.core.timing import median_ms
 from jattn.flex.examples import EXAMPLES
-from jattn.interop.harness import (TOLERANCE, default_torch_device, jax_reference_errors,
-                                   run_jax_side, torch_reference_errors)
+from jattn.interop.harness import (TOLERANCE, jax_reference_errors, run_jax_side,
+                                   torch_reference_errors)
+from jattn.interop.torch_import import torch_available
 
 # (op, case name, problem keywords); small, so that interpret mode stays quick. The
 # first flash cases allow a backward that is not bitwise repeatable: cuDNN runs them.
@@ -80,8 +80,13 @@ class CheckRow:
 CHECK_OPS = tuple(sorted({op for op, _, _ in CASES}))  # the ops the cases cover
 
 
-def _torch_available() -> bool:
-  return importlib.util.find_spec("torch") is not None
+def _torch_errors():
+  """``run -> errors`` against the torch reference, on the default torch device (the
+  torch side, which imports torch, is imported now)."""
+  from jattn.interop.torch_crosscheck import default_torch_device
+
+  device = default_torch_device()
+  return lambda run: torch_reference_errors(run, device)
 
 
 def plan(backends=None, dtypes=None):
@@ -108,8 +113,7 @@ def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: in
   backends, dtypes, interpret = plan(backends, dtypes)
   if interpret:
     os.environ[INTERPRET_ENV] = "1"
-  use_torch = torch_reference and _torch_available()
-  torch_device = default_torch_device() if use_torch else None
+  torch_errors = _torch_errors() if torch_reference and torch_available() else None
   rows = []
   for op_name, case_name, case in CASES:
     if ops and op_name not in ops:
@@ -123,8 +127,8 @@ def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: in
         run = run_jax_side(op_name, dtype=dtype, backend=backend, seed=0, **case)
         err_jax = max(r for _, r in jax_reference_errors(run).values())
         err_torch = None
-        if use_torch:
-          err_torch = max(r for _, r in torch_reference_errors(run, torch_device).values())
+        if torch_errors:
+          err_torch = max(r for _, r in torch_errors(run).values())
         ms = median_ms(run.fwd_bwd, run.diff_args, reps)
         row = CheckRow(op_name, case_name, backend, dtype, err_jax, err_torch,
                        TOLERANCE[dtype], ms)
@@ -151,7 +155,7 @@ def main_check(args) -> int:
   dev = jax.devices()[0]
   print(f"jattn check on {getattr(dev, 'device_kind', dev.platform)} (jax {jax.__version__}); "
         f"backends {', '.join(backends)}; dtypes {', '.join(dtypes)}")
-  if not _torch_available() or args.no_torch:
+  if not torch_available() or args.no_torch:
     print("torch reference: skipped (" + ("--no-torch" if args.no_torch else "torch not installed")
           + ")")
   print("errors: max |ours - reference| / max |reference| over the output and every gradient")

@@ -1,8 +1,12 @@
-"""Zero-copy exchange of arrays between PyTorch and JAX through DLPack."""
+"""Zero-copy exchange of arrays between PyTorch and JAX through DLPack.
+
+This module imports torch; ``jattn.interop`` exports its names lazily.
+"""
 
 from __future__ import annotations
 
 import jax
+import torch
 
 
 def to_jax(tensor):
@@ -13,8 +17,6 @@ def to_jax(tensor):
   a strided slice) is first made contiguous: that one case copies. Tensors that
   require grad are detached (JAX does its own differentiation).
   """
-  import torch
-
   if not isinstance(tensor, torch.Tensor):
     raise TypeError(f"to_jax expects a torch.Tensor, got {type(tensor).__name__}")
   tensor = tensor.detach()
@@ -25,8 +27,6 @@ def to_jax(tensor):
 
 def to_torch(array):
   """JAX array -> PyTorch tensor on the same device, sharing memory (no copy)."""
-  import torch
-
   if not isinstance(array, jax.Array):
     raise TypeError(f"to_torch expects a jax.Array, got {type(array).__name__}")
   return torch.from_dlpack(array)

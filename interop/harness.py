@@ -4,8 +4,9 @@ outputs and gradients.
 The JAX side is the op core's: the op draws its inputs for a problem
 (``Op.example``), and the call, the backend and the config go through
 ``Op.prepare``. The inputs reach torch through the DLPack bridge, so both sides see
-bit-identical tensors. What this module adds per op is only the torch side
-(``TORCH_REFERENCES``).
+bit-identical tensors. What is added per op is only the torch side, in
+``jattn.interop.torch_crosscheck`` (``TORCH_REFERENCES``): this module runs without
+torch, and imports that one only for ``reference="torch"``.
 """
 
 from __future__ import annotations
@@ -18,68 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.op import OPS, Op, run
-from jattn.kernels.common.dropout import keep_mask
-from jattn.interop.dlpack import to_torch
-from jattn.interop.torch_reference import (flash_attention_torch, flex_attention_torch,
-                                           retention_step_torch, retention_torch,
-                                           window_attention_torch)
+from jattn.interop.torch_import import require_torch
 
 # Error budget per input dtype, relative to the largest magnitude of the reference.
 TOLERANCE = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 2e-2}
-
-
-def _retention(p, q, k, v, decay, state):
-  if p.initial_state:
-    raise ValueError("the torch retention reference starts from a zero state")
-  return retention_torch(q, k, v, decay=decay, scale=p.scale, normalize=p.normalize)
-
-
-def _flex(p, q, k, v, *arrays):
-  if p.example is None:
-    raise ValueError("the torch reference of flex_attention covers the named examples "
-                     "(jattn.flex.examples) only")
-  return flex_attention_torch(q, k, v, example=p.example, scale=p.scale)
-
-
-def _dilated(p, q, k, v):
-  # longnet_torch defines torch modules, so it imports torch: only when it is needed.
-  from jattn.interop.longnet_torch import dilated_attention_torch
-
-  return dilated_attention_torch(q, k, v, p.segment_lengths, p.dilation_rates,
-                                 causal=p.causal, scale=p.scale)
-
-
-# op name -> ``fn(problem, *tensors)`` giving the op's primary output in torch; the
-# tensors are the op's arrays (``Op.arg_names``), None where the op has none.
-def _dropout_keep(p, seed, device):
-  """jattn's dropout keep-mask of a flash problem as a torch tensor (None without
-  dropout): torch's own RNG could not draw the same one."""
-  if not p.dropout_rate:
-    return None
-  import torch
-
-  b, h, q, k = (np.arange(n).reshape(shape) for n, shape in (
-      (p.batch, (-1, 1, 1, 1)), (p.q_heads, (1, -1, 1, 1)), (p.q_len, (1, 1, -1, 1)),
-      (p.kv_len, (1, 1, 1, -1))))
-  keep = keep_mask(jnp.asarray(seed.cpu().numpy()), p.dropout_rate, b, h, q, k)
-  return torch.as_tensor(np.array(keep)).to(device)
-
-
-TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
-    "flash_attention": lambda p, q, k, v, q_seg, kv_seg, sinks, seed: flash_attention_torch(
-        q, k, v, causal=p.causal, scale=p.scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-        local_window=p.local_window, softcap=p.softcap, sinks=sinks,
-        dropout_keep=_dropout_keep(p, seed, q.device), dropout_rate=p.dropout_rate),
-    "window_attention": lambda p, q, k, v, bias, mask: window_attention_torch(
-        q, k, v, bias, mask=mask, scale=p.scale),
-    "dilated_attention": _dilated,
-    "flex_attention": _flex,
-    "retention_parallel": _retention,
-    "retention_chunkwise": _retention,
-    "retention_recurrent": _retention,
-    "retention_step": lambda p, q, k, v, state, decay: retention_step_torch(
-        q, k, v, state, decay=decay, scale=p.scale)[0],
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +58,11 @@ def _errors(ours, ref) -> tuple[float, float]:
   return max_abs, max_abs / max(scale, 1e-30)
 
 
-def _as_numpy(tensor) -> np.ndarray:
-  return tensor.detach().float().cpu().numpy()
-
-
 @dataclasses.dataclass(frozen=True)
-class _JaxRun:
+class JaxRun:
+  """An op run forward and backward on drawn inputs (``run_jax_side``): what both
+  references are compared with."""
+
   op: Op
   problem: Any
   arrays: tuple
@@ -159,7 +101,7 @@ def op_of(name: str) -> Op:
   return OPS[name]
 
 
-def run_jax_side(op_name: str, *, dtype, backend: str, seed: int, **case) -> _JaxRun:
+def run_jax_side(op_name: str, *, dtype, backend: str, seed: int, **case) -> JaxRun:
   """Draws the inputs of ``op_name`` for the problem ``case`` describes (keywords of
   its problem class) and runs it forward and backward (jitted)."""
   op = op_of(op_name)
@@ -172,11 +114,11 @@ def run_jax_side(op_name: str, *, dtype, backend: str, seed: int, **case) -> _Ja
   cotangent = jax.random.normal(key_cotangent, out_shape.shape, jnp.float32).astype(
       out_shape.dtype)
   out, grads = fwd_bwd(cotangent, *diff)
-  return _JaxRun(op, problem, arrays, cotangent, out, grads,
-                 lambda *d: fwd_bwd(cotangent, *d))
+  return JaxRun(op, problem, arrays, cotangent, out, grads,
+                lambda *d: fwd_bwd(cotangent, *d))
 
 
-def jax_reference_errors(run: _JaxRun) -> dict[str, tuple[float, float]]:
+def jax_reference_errors(run: JaxRun) -> dict[str, tuple[float, float]]:
   """Errors of a JAX run against the op's pure-jnp backend, computed in float32."""
   problem = dataclasses.replace(run.problem, dtype=jnp.float32)
   arrays = tuple(x.astype(jnp.float32) if x is not None and jnp.issubdtype(
@@ -187,7 +129,7 @@ def jax_reference_errors(run: _JaxRun) -> dict[str, tuple[float, float]]:
   return _named_errors(run, ref, ref_grads)
 
 
-def _named_errors(run: _JaxRun, ref, ref_grads) -> dict[str, tuple[float, float]]:
+def _named_errors(run: JaxRun, ref, ref_grads) -> dict[str, tuple[float, float]]:
   """Errors of the output and of each gradient the reference gives (None: it has none)."""
   errors = {"out": _errors(run.out, ref)}
   for i, g, g_ref in zip(run.op.diff_argnums, run.grads, ref_grads):
@@ -196,34 +138,12 @@ def _named_errors(run: _JaxRun, ref, ref_grads) -> dict[str, tuple[float, float]
   return errors
 
 
-def torch_reference_errors(run: _JaxRun, torch_device: str):
-  """Errors of a JAX run against the op's torch reference on ``torch_device``."""
-  import torch
+def torch_reference_errors(run: JaxRun, torch_device: str) -> dict[str, tuple[float, float]]:
+  """Errors of a JAX run against the op's torch reference on ``torch_device`` (its
+  module, which imports torch, is imported now)."""
+  from jattn.interop.torch_crosscheck import torch_reference
 
-  def tensor(x):
-    if x is None:
-      return None
-    return (to_torch(x) if isinstance(x, jax.Array) else torch.as_tensor(np.asarray(x))).to(
-        torch_device)
-
-  tensors = [tensor(x) for x in run.arrays]
-  for i in run.op.diff_argnums:
-    if tensors[i] is not None:  # (an optional array the case does not use)
-      tensors[i] = tensors[i].clone().requires_grad_(True)
-  out = TORCH_REFERENCES[run.op.name](run.problem, *tensors)
-  if out.requires_grad:  # (torch's FlexAttention has no backward on the CPU)
-    out.backward(tensor(run.cotangent))
-  # A torch reference that does not model an input (retention's state when it starts
-  # from zeros) gives it no gradient: that one is not compared.
-  return _named_errors(run, _as_numpy(out),
-                       [None if tensors[i] is None or tensors[i].grad is None
-                        else _as_numpy(tensors[i].grad) for i in run.op.diff_argnums])
-
-
-def default_torch_device() -> str:
-  import torch
-
-  return "cuda" if torch.cuda.is_available() else "cpu"
+  return _named_errors(run, *torch_reference(run, torch_device))
 
 
 def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "auto",
@@ -254,14 +174,18 @@ def crosscheck(op: str = "flash_attention", *, dtype="float32", backend: str = "
   if dtype_name not in TOLERANCE:
     raise ValueError(f"dtype must be one of {sorted(TOLERANCE)}, got {dtype_name!r}")
   tolerance = TOLERANCE[dtype_name] if tolerance is None else tolerance
+  if reference == "torch":  # said before the JAX side runs
+    require_torch("crosscheck(reference='torch')")
   run = run_jax_side(op, dtype=dtype_name, backend=backend, seed=seed, **case)
   if reference == "jax":
     device, errors = "jax", jax_reference_errors(run)
   else:
+    from jattn.interop.torch_crosscheck import default_torch_device
+
     device = torch_device or default_torch_device()
     errors = torch_reference_errors(run, device)
   return CrosscheckReport(op=op, dtype=dtype_name, backend=backend, device=device,
                           errors=errors, tolerance=tolerance)
 
 
-__all__ = ["TOLERANCE", "TORCH_REFERENCES", "CrosscheckReport", "crosscheck"]
+__all__ = ["TOLERANCE", "CrosscheckReport", "crosscheck"]

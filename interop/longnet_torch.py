@@ -5,8 +5,8 @@ that ``jattn.nn.DilatedAttention`` / ``jattn.nn.MultiheadDilatedAttention`` mirr
 The modules use the parameter names of the ``dilated-attention-pytorch`` package
 (``q_proj``, ``k_proj``, ``v_proj``, ``norm``, ``out_proj``) and its MAGNETO init, so
 their state dicts load into the Flax module by name (``jattn.interop.convert``). Tensors
-are ``[batch, seq, heads, head_dim]``. This module imports torch (the rest of
-``jattn.interop`` imports it only when called).
+are ``[batch, seq, heads, head_dim]``. This module imports torch; code that must run
+without torch imports it only where it is needed (``jattn.interop.torch_import``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,17 @@
 """PyTorch references of the jattn ops, computed independently of JAX.
 
 Tensors use jattn's layout ``[batch, seq, heads, head_dim]``; the functions
-transpose to torch's ``[batch, heads, seq, head_dim]`` internally.
+transpose to torch's ``[batch, heads, seq, head_dim]`` internally. This module imports
+torch; code that must run without torch imports it only where it is needed
+(``jattn.interop.torch_import``).
 """
 
 from __future__ import annotations
 
 import warnings
+
+import torch
+import torch.nn.functional as F
 
 from jattn.flex.examples import CAP, WINDOW, example_arrays
 
@@ -18,8 +23,6 @@ def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=
   Same semantics as ``jattn.flash_attention``: queries aligned bottom-right
   (query ``i`` at key position ``i + kv_len - q_len``).
   """
-  import torch
-
   q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
   k_pos = torch.arange(kv_len, device=device)[None, :]
   mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
@@ -55,9 +58,6 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
   Returns:
     ``[batch, q_len, q_heads, head_dim_v]``; rows that see no key are zeros.
   """
-  import torch
-  import torch.nn.functional as F
-
   q_len, q_heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
   kv_len, kv_heads = k.shape[1], k.shape[2]
   scale = head_dim ** -0.5 if scale is None else scale
@@ -99,8 +99,6 @@ def retention_torch(q, k, v, *, decay=None, scale=None, normalize=None, mode=Non
   and ``chunk_size`` are accepted and ignored: every form computes this function.
   With ``normalize="abs_sum"`` rows are divided by ``max(Σ|S|, 1)``, detached.
   """
-  import torch
-
   del mode, chunk_size
   dtype = q.dtype
   q, k, v = q.float(), k.float(), v.float()
@@ -124,8 +122,6 @@ def retention_step_torch(q, k, v, state, *, decay=None, scale=None):
   """One recurrent retention step in torch (float32): ``S' = γ S + kᵀ v``,
   ``o = scale · q S'``; ``q, k: [batch, heads, dk]``, ``v: [batch, heads, dv]``,
   ``state: [batch, heads, dk, dv]``. Returns ``(o, S')``."""
-  import torch
-
   heads, dk = q.shape[1], q.shape[2]
   if decay is None:
     decay = 1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float32, device=q.device))
@@ -145,8 +141,6 @@ def window_attention_torch(q, k, v, bias, *, mask=None, scale=None):
   may attend); window ``w`` adds ``mask[w % mask_windows]``. Rows with no allowed key
   give zeros.
   """
-  import torch
-
   dtype = q.dtype
   windows, _, _, head_dim = q.shape
   scale = head_dim ** -0.5 if scale is None else scale
@@ -163,65 +157,59 @@ def window_attention_torch(q, k, v, bias, *, mask=None, scale=None):
   return (probs @ vt).transpose(1, 2).to(dtype)
 
 
-def _torch_module_classes():
-  """Torch modules are defined lazily so that importing interop does not need torch."""
-  import torch
+class MultiScaleRetentionTorch(torch.nn.Module):
+  """torchscale-style multi-scale retention (parallel form), written from its formulas.
 
-  class MultiScaleRetentionTorch(torch.nn.Module):
-    """torchscale-style multi-scale retention (parallel form), written from its formulas.
+  Parameter names match ``jattn.nn.MultiScaleRetention``: bias-free ``q_proj``,
+  ``k_proj``, ``v_proj``, ``g_proj``, ``out_proj``. As in torchscale, the decay mask's
+  rows are divided by the square root of their sums and the scores' rows by
+  ``max(Σ|S|, 1)`` (detached) before the per-head RMS norm.
+  """
 
-    Parameter names match ``jattn.nn.MultiScaleRetention``: bias-free ``q_proj``,
-    ``k_proj``, ``v_proj``, ``g_proj``, ``out_proj``. As in torchscale, the decay mask's
-    rows are divided by the square root of their sums and the scores' rows by
-    ``max(Σ|S|, 1)`` (detached) before the per-head RMS norm.
-    """
+  def __init__(self, embed_dim: int, num_heads: int, value_dim: int | None = None,
+               eps: float = 1e-6):
+    super().__init__()
+    value_dim = 2 * embed_dim if value_dim is None else value_dim
+    self.num_heads, self.eps = num_heads, eps
+    self.key_dim, self.head_dim = embed_dim // num_heads, value_dim // num_heads
+    linear = lambda i, o: torch.nn.Linear(i, o, bias=False)
+    self.q_proj, self.k_proj = linear(embed_dim, embed_dim), linear(embed_dim, embed_dim)
+    self.v_proj, self.g_proj = linear(embed_dim, value_dim), linear(embed_dim, value_dim)
+    self.out_proj = linear(value_dim, embed_dim)
 
-    def __init__(self, embed_dim: int, num_heads: int, value_dim: int | None = None,
-                 eps: float = 1e-6):
-      super().__init__()
-      value_dim = 2 * embed_dim if value_dim is None else value_dim
-      self.num_heads, self.eps = num_heads, eps
-      self.key_dim, self.head_dim = embed_dim // num_heads, value_dim // num_heads
-      linear = lambda i, o: torch.nn.Linear(i, o, bias=False)
-      self.q_proj, self.k_proj = linear(embed_dim, embed_dim), linear(embed_dim, embed_dim)
-      self.v_proj, self.g_proj = linear(embed_dim, value_dim), linear(embed_dim, value_dim)
-      self.out_proj = linear(value_dim, embed_dim)
+  def _theta_shift(self, x):
+    t, d = x.shape[1], x.shape[-1]
+    angle = 1.0 / (10000.0 ** torch.linspace(0, 1, d // 2, device=x.device))
+    angle = angle.repeat_interleave(2)
+    phase = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * angle[None]
+    sin, cos = phase.sin()[None, :, None], phase.cos()[None, :, None]
+    rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return x * cos + rotated * sin
 
-    def _theta_shift(self, x):
-      t, d = x.shape[1], x.shape[-1]
-      angle = 1.0 / (10000.0 ** torch.linspace(0, 1, d // 2, device=x.device))
-      angle = angle.repeat_interleave(2)
-      phase = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * angle[None]
-      sin, cos = phase.sin()[None, :, None], phase.cos()[None, :, None]
-      rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-      return x * cos + rotated * sin
-
-    def forward(self, x):
-      b, t, _ = x.shape
-      h = self.num_heads
-      q = self.q_proj(x).view(b, t, h, self.key_dim)
-      k = self.k_proj(x).view(b, t, h, self.key_dim) * self.key_dim ** -0.5
-      v = self.v_proj(x).view(b, t, h, self.head_dim)
-      g = self.g_proj(x)
-      q, k = self._theta_shift(q), self._theta_shift(k)
-      log_decay = torch.log(1 - 2.0 ** (-5.0 - torch.arange(h, dtype=torch.float32,
-                                                              device=x.device)))
-      dist = torch.arange(t, device=x.device)[:, None] - torch.arange(t, device=x.device)[None]
-      mask = torch.exp(dist.clamp(min=0)[None].float() * log_decay[:, None, None])
-      mask = torch.where(dist[None] >= 0, mask, torch.zeros_like(mask))
-      mask = mask / mask.sum(-1, keepdim=True).sqrt()
-      scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * mask
-      scores = scores / scores.detach().abs().sum(-1, keepdim=True).clamp(min=1.0)
-      o = torch.einsum("bhqk,bkhd->bqhd", scores, v)
-      o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-      return self.out_proj(torch.nn.functional.silu(g) * o.reshape(b, t, -1))
-
-  return MultiScaleRetentionTorch
+  def forward(self, x):
+    b, t, _ = x.shape
+    h = self.num_heads
+    q = self.q_proj(x).view(b, t, h, self.key_dim)
+    k = self.k_proj(x).view(b, t, h, self.key_dim) * self.key_dim ** -0.5
+    v = self.v_proj(x).view(b, t, h, self.head_dim)
+    g = self.g_proj(x)
+    q, k = self._theta_shift(q), self._theta_shift(k)
+    log_decay = torch.log(1 - 2.0 ** (-5.0 - torch.arange(h, dtype=torch.float32,
+                                                            device=x.device)))
+    dist = torch.arange(t, device=x.device)[:, None] - torch.arange(t, device=x.device)[None]
+    mask = torch.exp(dist.clamp(min=0)[None].float() * log_decay[:, None, None])
+    mask = torch.where(dist[None] >= 0, mask, torch.zeros_like(mask))
+    mask = mask / mask.sum(-1, keepdim=True).sqrt()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * mask
+    scores = scores / scores.detach().abs().sum(-1, keepdim=True).clamp(min=1.0)
+    o = torch.einsum("bhqk,bkhd->bqhd", scores, v)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.out_proj(F.silu(g) * o.reshape(b, t, -1))
 
 
 def multi_scale_retention_torch(embed_dim: int, num_heads: int, **kwargs):
-  """A torch ``MultiScaleRetentionTorch`` module (see ``_torch_module_classes``)."""
-  return _torch_module_classes()(embed_dim, num_heads, **kwargs)
+  """A torch ``MultiScaleRetentionTorch`` module."""
+  return MultiScaleRetentionTorch(embed_dim, num_heads, **kwargs)
 
 
 def flex_attention_torch(q, k, v, *, example: str, scale=None):
@@ -229,7 +217,8 @@ def flex_attention_torch(q, k, v, *, example: str, scale=None):
   functions spelled for torch. q: ``[batch, q_len, q_heads, d]``, k, v: ``[batch,
   kv_len, kv_heads, d]``. Differentiable on CUDA; on the CPU, where torch's
   FlexAttention has no backward, the output carries no gradient."""
-  import torch
+  # torch.nn.attention.flex_attention is public from torch 2.5 (jattn takes 2.4):
+  # imported here, so that the other references work without it.
   from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
   batch, q_len, q_heads, _ = q.shape

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jattn.interop as interop  # noqa: E402
-from jattn.interop import harness  # noqa: E402
+from jattn.interop import torch_crosscheck  # noqa: E402
 from jattn.core.op import OPS  # noqa: E402
 
 
@@ -91,8 +91,8 @@ def test_crosscheck_in_bfloat16_and_against_the_jax_reference():
 
 
 def test_crosscheck_detects_a_wrong_result(monkeypatch):
-  right = harness.TORCH_REFERENCES["flash_attention"]
-  monkeypatch.setitem(harness.TORCH_REFERENCES, "flash_attention",
+  right = torch_crosscheck.TORCH_REFERENCES["flash_attention"]
+  monkeypatch.setitem(torch_crosscheck.TORCH_REFERENCES, "flash_attention",
                       lambda p, *t: right(dataclasses.replace(p, scale=0.5), *t))
   report = interop.crosscheck("flash_attention", backend="xla", q_len=16, head_dim=16)
   assert not report.ok
