@@ -150,13 +150,19 @@ class TritonFlash(AttentionTritonImpl):
     return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
-    p = call.problem
-    dq, dk, dv = flash_triton_backward(
-        q, k, v, q_seg, kv_seg, o, lse, *cotangents, causal=p.causal, scale=p.scale,
-        local_window=p.local_window, softcap=p.softcap, config=call.config,
-        interpret=call.interpret, dropout_rate=p.dropout_rate, dropout_seed=seed)
-    return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
+    return _triton_gradients(call.problem, residuals, cotangents, call.config, call.interpret)
+
+
+def _triton_gradients(p: FlashProblem, residuals, cotangents, config: BlockConfig,
+                      interpret: bool) -> tuple:
+  """Every input's gradient by the Triton backward kernels, from the residuals of
+  either forward (their ``(o, lse)`` are the same)."""
+  (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
+  dq, dk, dv = flash_triton_backward(
+      q, k, v, q_seg, kv_seg, o, lse, *cotangents, causal=p.causal, scale=p.scale,
+      local_window=p.local_window, softcap=p.softcap, config=config, interpret=interpret,
+      dropout_rate=p.dropout_rate, dropout_seed=seed)
+  return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 
 def mosaic_budget(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
@@ -205,19 +211,16 @@ class MosaicFlash(MosaicImpl):
     return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
     p = call.problem
-    kw = dict(causal=p.causal, scale=p.scale, local_window=p.local_window, softcap=p.softcap,
-              dropout_rate=p.dropout_rate, dropout_seed=seed)
     if self.backward_backend(p) == "pallas_triton":
-      config = default_block_config(max(p.head_dims), p.dtype.itemsize)
-      dq, dk, dv = flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse,
-                                         cotangents[0].astype(q.dtype), cotangents[1],
-                                         config=config, interpret=False, **kw)
-    else:
-      config = self.normalize_config(call.config, p)
-      dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
-                                         config=config, **kw)
+      return _triton_gradients(p, residuals, cotangents,
+                               default_block_config(max(p.head_dims), p.dtype.itemsize), False)
+    (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
+    dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
+                                       causal=p.causal, scale=p.scale,
+                                       local_window=p.local_window, softcap=p.softcap,
+                                       config=self.normalize_config(call.config, p),
+                                       dropout_rate=p.dropout_rate, dropout_seed=seed)
     return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 

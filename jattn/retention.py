@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.core.cache import bucket
 from jattn.core.device import shared_memory_limit
 from jattn.core.op import MosaicImpl, Op, Problem, TritonImpl, XlaImpl, run
 from jattn.core.validation import (check_array, check_choice, check_flag, check_positive_int,
@@ -47,7 +48,6 @@ from jattn.kernels.flash.config import (FORWARD_SEARCH, MosaicBlockConfig,
 from jattn.kernels.retention.config import CHUNKWISE_SEARCH, grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
 from jattn.reference import default_decay, retention_reference
-from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
 
 MODES = ("auto", "parallel", "chunkwise", "recurrent")

@@ -52,11 +52,10 @@ class _BoundPages:
 class BatchFastestTiles(QueryTiles):
   """``QueryTiles`` visited batch row fastest, then head, then tile from the last."""
 
-  def at(self, w):
-    n_batch, n_heads = jnp.int32(self.n_batch), jnp.int32(self.n_heads)
+  def order(self, w, n_tiles, n_heads, n_batch):
     batch, rest = lax.rem(w, n_batch), lax.div(w, n_batch)
     head, tile = lax.rem(rest, n_heads), lax.div(rest, n_heads)
-    return QueryTile(batch, head, jnp.int32(self.n_tiles) - 1 - tile)
+    return QueryTile(batch, head, n_tiles - 1 - tile)
 
 
 def paged(k, v, page: int, seed: int):
@@ -112,14 +111,15 @@ def test_work_items_cover_every_query_row_once(items):
                                                  items.n_heads, 8))
 
   def kernel(q_ref, o_ref, count_ref):
+    bound = items.bind()
     count_ref[...] = jnp.zeros_like(count_ref)
     for w in range(items.count):
-      item = items.at(jnp.int32(w))
+      item = bound.at(jnp.int32(w))
       for consumer in range(items.consumers):
-        q_start = items.q_start(item, consumer)
-        rows = items.q_rows(item, q_start)
+        q_start = bound.q_start(item, consumer)
+        rows = bound.q_rows(item, q_start)
         o_ref[rows] = q_ref[rows]
-        stat = items.stat_rows(item, q_start)
+        stat = bound.stat_rows(item, q_start)
         count_ref[stat] = count_ref[stat] + 1
 
   o, count = pl.pallas_call(kernel, interpret=True, out_shape=(

@@ -139,12 +139,23 @@ def block_misfit(c: BlockConfig, head_dims: tuple[int, ...], nbytes: int,
   costs = block_costs(c, padded_head_dim(max(head_dims)))
   for name in kernels or tuple(costs):
     smem_elems, acc_floats, warps = costs[name]
-    smem = smem_elems * nbytes
-    if smem > smem_limit:
-      return f"{name} shared memory: {smem // 1024} KiB > {smem_limit // 1024} KiB"
-    per_thread = acc_floats / (32 * warps)
-    if per_thread > REGISTER_BUDGET:
-      return f"{name} registers: {per_thread:.0f} fp32/thread > {REGISTER_BUDGET}"
+    reason = over_budget(name, (smem_elems * nbytes, acc_floats / (32 * warps)), smem_limit,
+                         REGISTER_BUDGET)
+    if reason is not None:
+      return reason
+  return None
+
+
+def over_budget(name: str, cost: tuple[int, float], smem_limit: int,
+                register_budget: int) -> str | None:
+  """Why a kernel of ``cost = (shared-memory bytes, fp32 accumulators per thread)``
+  does not fit ``smem_limit`` bytes of shared memory and ``register_budget`` (None: it
+  fits). Every family's cost model ends here."""
+  smem, per_thread = cost
+  if smem > smem_limit:
+    return f"{name} shared memory: {smem // 1024} KiB > {smem_limit // 1024} KiB"
+  if per_thread > register_budget:
+    return f"{name} registers: {per_thread:.0f} fp32/thread > {register_budget}"
   return None
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jattn.kernels.common.config import SearchGrid
-from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_BLOCK, MOSAIC_SMEM_OVERHEAD,
-                                         THREADS_PER_WARPGROUP, mosaic_head_dim, over_budget)
+from jattn.kernels.common.config import SearchGrid, over_budget
+from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_BLOCK,
+                                         MOSAIC_REGISTER_BUDGET, MOSAIC_SMEM_OVERHEAD,
+                                         THREADS_PER_WARPGROUP, mosaic_head_dim)
 from jattn.kernels.hopper.forward import forward_cost, forward_smem_bytes
 from jattn.kernels.hopper.pipeline import CONSUMERS
 
@@ -148,7 +149,7 @@ def mosaic_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
   dk, dv = (mosaic_head_dim(d) for d in head_dims)
   costs = mosaic_costs(c, dk, nbytes, dv)
   for name in kernels:
-    reason = over_budget(name, costs[name], smem_limit)
+    reason = over_budget(name, costs[name], smem_limit, MOSAIC_REGISTER_BUDGET)
     if reason is not None:
       return reason
   return None

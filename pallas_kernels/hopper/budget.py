@@ -18,13 +18,3 @@ def mosaic_head_dim(head_dim: int) -> int:
   """Head dims are zero-padded to a multiple of 64 (the swizzled tile width)."""
   return -(-head_dim // MOSAIC_BLOCK) * MOSAIC_BLOCK
 
-
-def over_budget(name: str, cost: tuple[int, float], smem_limit: int) -> str | None:
-  """Why a kernel of ``cost = (shared-memory bytes, fp32 per consumer thread)`` does
-  not fit a device with ``smem_limit`` bytes of shared memory per CTA (None: it fits)."""
-  smem, per_thread = cost
-  if smem > smem_limit:
-    return f"{name} shared memory: {smem // 1024} KiB > {smem_limit // 1024} KiB"
-  if per_thread > MOSAIC_REGISTER_BUDGET:
-    return f"{name} registers: {per_thread:.0f} fp32/thread > {MOSAIC_REGISTER_BUDGET}"
-  return None

@@ -142,7 +142,7 @@ class _Forward:
   rule: Any
   spec: MaskSpec
   positions: PositionInputs
-  items: QueryTiles
+  items: Any  # bound work items (``work``)
   addressing: Any
   block_kv: int
   stages: int
@@ -158,18 +158,18 @@ class _Forward:
 
   @property
   def block_q(self) -> int:
-    return self.items.block_q
+    return self.items.kind.block_q
 
   def item(self, t) -> _Item:
     """This CTA's ``t``-th work item (items ``cta, cta + n_ctas, ...``)."""
     w = t * self.n_ctas + self.cta
     it = self.items.at(w)
-    rows = self.items.rows
+    rows = self.items.kind.rows
     cta_range = kv_block_range(self.spec, it.tile * rows, rows, self.block_kv)
     if self.refs["ranges"] is not None:  # only the key blocks segment ids or a block mask allow
       cta_range = narrow(cta_range, given_range(self.refs["ranges"], it.batch, it.head,
-                                                it.tile * self.items.consumers,
-                                                self.items.consumers))
+                                                it.tile * self.items.kind.consumers,
+                                                self.items.kind.consumers))
     n_kv_blocks = self.addressing.kv_len(self.refs["k"]) // self.block_kv
     return _Item(it.batch, it.head, it.tile,
                  *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
@@ -358,9 +358,10 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
   named = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, stat=stat_ref, rows=row_refs,
                cols=col_refs, scalars=scalar_refs, ranges=ranges_ref,
                rule=rest[:rule.n_inputs], addressing=rest[rule.n_inputs:])
+  bound_items = items.bind()
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
-  n_local = items.per_cta(cta, n_ctas)
-  kernel = _Forward(rule, spec, positions, items, addressing, block_kv, stages, group,
+  n_local = bound_items.per_cta(cta, n_ctas)
+  kernel = _Forward(rule, spec, positions, bound_items, addressing, block_kv, stages, group,
                     persistent, q_buffers, named, smem, cta, n_ctas, n_local,
                     lax.axis_index("wg"))
   pl.when(kernel.wg < mp.CONSUMERS)(kernel.consumer)

@@ -4,15 +4,18 @@ pipeline (the other is ``addressing``).
 
 A work-item kind is a hashable object with
 
-- ``count``: the number of items (static), and ``per_cta(cta, n_ctas)``: how many of
-  them CTA ``cta`` of ``n_ctas`` walks (traced; items ``cta, cta + n_ctas, ...``);
-- ``at(w) -> item``: item ``w`` (traced), a tuple whose ``batch``, ``head`` and
-  ``tile`` the kernel reads (``tile`` indexes its block ranges, in units of ``rows``);
-- ``rows``: the query rows of an item, ``consumers * block_q``;
-- ``q_start(item, consumer)``: the first query row the consumer owns (its position,
-  for the masks), and, given it, ``q_rows(item, q_start)`` / ``stat_rows(item,
-  q_start)``: the index of the consumer's ``block_q`` rows in Q and the output
-  (``[batch, q_len, heads, d]``) and in the row statistic (``[batch, heads, q_len]``).
+- ``count``: the number of items, ``rows``: the query rows of one item
+  (``consumers * block_q``), both static;
+- ``bind() -> bound``: in the kernel, before anything else is traced, the kind with
+  its traced constants, which the warpgroups share. ``bound`` has
+  ``per_cta(cta, n_ctas)``: how many items CTA ``cta`` of ``n_ctas`` walks (items
+  ``cta, cta + n_ctas, ...``); ``at(w) -> item``: item ``w``, a tuple whose
+  ``batch``, ``head`` and ``tile`` the kernel reads (``tile`` indexes its block
+  ranges, in units of ``rows``); ``q_start(item, consumer)``: the first query row the
+  consumer owns (its position, for the masks); and, given it, ``q_rows(item, q_start)``
+  / ``stat_rows(item, q_start)``: the index of the consumer's ``block_q`` rows in Q and
+  the output (``[batch, q_len, heads, d]``) and in the row statistic (``[batch,
+  heads, q_len]``).
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ class QueryTiles:
   def rows(self) -> int:
     return self.consumers * self.block_q
 
-  def per_cta(self, cta, n_ctas):
-    n = jnp.int32(self.n_tiles) * jnp.int32(self.n_heads) * jnp.int32(self.n_batch)
-    return lax.div(n - cta + n_ctas - 1, n_ctas)
+  def bind(self) -> "BoundQueryTiles":
+    return BoundQueryTiles(self, *(jnp.int32(n) for n in (self.n_tiles, self.n_heads,
+                                                          self.n_batch)))
 
-  def at(self, w) -> QueryTile:
-    n_tiles, n_heads = jnp.int32(self.n_tiles), jnp.int32(self.n_heads)
+  def order(self, w, n_tiles, n_heads, n_batch) -> QueryTile:
+    """Item ``w`` (traced), given the item counts as int32 values."""
+    del n_batch  # the slowest axis: what is left
     if self.tiles_fastest:
       tile, rest = lax.rem(w, n_tiles), lax.div(w, n_tiles)
       head, batch = lax.rem(rest, n_heads), lax.div(rest, n_heads)
@@ -74,11 +78,26 @@ class QueryTiles:
       tile = n_tiles - 1 - tile
     return QueryTile(batch, head, tile)
 
+
+class BoundQueryTiles(NamedTuple):
+  """``QueryTiles`` in a kernel, with its item counts as int32 values."""
+
+  kind: QueryTiles
+  n_tiles: Any
+  n_heads: Any
+  n_batch: Any
+
+  def per_cta(self, cta, n_ctas):
+    return lax.div(self.n_tiles * self.n_heads * self.n_batch - cta + n_ctas - 1, n_ctas)
+
+  def at(self, w) -> QueryTile:
+    return self.kind.order(w, self.n_tiles, self.n_heads, self.n_batch)
+
   def q_start(self, item: QueryTile, consumer):
-    return (item.tile * self.consumers + consumer) * self.block_q
+    return (item.tile * self.kind.consumers + consumer) * self.kind.block_q
 
   def q_rows(self, item: QueryTile, q_start):
-    return item.batch, pl.ds(q_start, self.block_q), item.head
+    return item.batch, pl.ds(q_start, self.kind.block_q), item.head
 
   def stat_rows(self, item: QueryTile, q_start):
-    return item.batch, item.head, pl.ds(q_start, self.block_q)
+    return item.batch, item.head, pl.ds(q_start, self.kind.block_q)
