@@ -155,6 +155,7 @@ class _Forward:
   n_ctas: Any
   n_local: Any
   wg: Any
+  take_turn: Callable  # one function object: the ``pl.when``s of it share one traced body
 
   @property
   def block_q(self) -> int:
@@ -173,10 +174,6 @@ class _Forward:
     n_kv_blocks = self.addressing.kv_len(self.refs["k"]) // self.block_kv
     return _Item(it.batch, it.head, it.tile,
                  *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
-
-  def take_turn(self):
-    plgpu.barrier_arrive(self.smem["schedule"])
-    plgpu.barrier_wait(self.smem["schedule"])
 
   def q_tiles(self):
     """The Q tiles and, where the output takes a view of them, that view (else None)."""
@@ -361,9 +358,13 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
   bound_items = items.bind()
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
   n_local = bound_items.per_cta(cta, n_ctas)
+  def take_turn():  # the consumers alternate on the tensor cores
+    plgpu.barrier_arrive(smem["schedule"])
+    plgpu.barrier_wait(smem["schedule"])
+
   kernel = _Forward(rule, spec, positions, bound_items, addressing, block_kv, stages, group,
                     persistent, q_buffers, named, smem, cta, n_ctas, n_local,
-                    lax.axis_index("wg"))
+                    lax.axis_index("wg"), take_turn)
   pl.when(kernel.wg < mp.CONSUMERS)(kernel.consumer)
   pl.when(kernel.wg == mp.PRODUCER)(kernel.producer)
 
