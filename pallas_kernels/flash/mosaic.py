@@ -6,7 +6,7 @@ accumulators do not fit a warpgroup's registers.
 
 FlexAttention's functions come as a ``FlexMods`` whose functions are split for
 these kernels (``factored_functions``: the parts computed here, outside) and whose
-block mask becomes each kernel's block ranges (``mosaic_inputs``).
+block mask becomes each kernel's block ranges (``hopper.inputs``).
 """
 
 from __future__ import annotations

@@ -674,7 +674,7 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
       padded so that ``2 * block_q_dq`` and ``block_q_dkv`` divide ``q_len_p``, and
       ``block_kv_dq`` and ``2 * block_kv_dkv`` divide ``kv_len_p``.
     dq_inputs, dkv_inputs: the per-position arrays of ``positions``
-      (``mosaic_inputs``) of each kernel (their ranges differ).
+      (``hopper.inputs``) of each kernel (their ranges differ).
     softcap: the forward's soft-cap of the scaled logits, or None.
     fused_dq: False: a dQ kernel and a dK/dV kernel, bitwise repeatable. True: the
       dK/dV kernel alone, adding each block's dQ into an fp32 buffer (5 matmuls per

@@ -121,7 +121,7 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
   """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
   blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``.
   ``cols = (refs, smems)``: the key-position inputs ``[B', kv_len_p]``
-  (``mosaic_inputs``) and their ``[stages, block_kv]`` buffers, copied with each K tile
+  (``hopper.inputs``) and their ``[stages, block_kv]`` buffers, copied with each K tile
   (its ready barrier counts those copies too). ``first_slot_use`` as ``produce``;
   ``addressing``: a bound K/V addressing (``addressing``), where the tiles lie. The
   caller lowers the warpgroup's registers."""
