@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.cache import bucket
-from jattn.core.device import CUDNN, GPUInfo, shared_memory_limit
+from jattn.core.device import CUDNN, GPUInfo, current_device, shared_memory_limit
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import (check_attention_inputs, check_flag, check_integer_array,
                                    check_shape, is_int, is_number, positive_number, scale_of)
@@ -25,6 +25,8 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
 from jattn.kernels.common.softmax import backward_delta
+from jattn.kernels.flash.decode_config import DECODE_MAX_Q_LEN, DecodeConfig, decode_config
+from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.kernels.flash.config import (BACKWARD_SEARCH, FORWARD_SEARCH, backward_kernels,
                                         backward_modelled, mosaic_backward_runs, mosaic_misfit)
 from jattn.reference import flash_attention_reference
@@ -47,6 +49,7 @@ class FlashProblem(AttentionProblem):
   value_head_dim: int | None = None  # default head_dim
   sinks: bool = False
   dropout_rate: float = 0.0
+  lengths: bool = False  # per-row q_lengths / kv_lengths
 
   def __post_init__(self):
     super().__post_init__()
@@ -95,9 +98,24 @@ def _window(local_window) -> tuple:
   return tuple(None if w is None else int(w) for w in local_window)
 
 
+def row_lengths(q_lengths, kv_lengths, batch: int, q_len: int, kv_len: int):
+  """``[batch, 2]`` int32 ``(q_len, kv_len)`` of each batch row, each clipped to the
+  arrays' length (None when neither is given)."""
+  if q_lengths is None and kv_lengths is None:
+    return None
+  columns = []
+  for name, given, full in (("q_lengths", q_lengths, q_len), ("kv_lengths", kv_lengths, kv_len)):
+    if given is None:
+      columns.append(jnp.full((batch,), full, jnp.int32))
+      continue
+    check_integer_array(name, given, (batch,), "batch")
+    columns.append(jnp.clip(given, 0, full).astype(jnp.int32))
+  return jnp.stack(columns, axis=1)
+
+
 def has_mask(p: FlashProblem) -> bool:
   """Whether some rows of ``p`` do not see some keys (beyond padding)."""
-  return p.causal or p.local_window is not None or p.segment_ids
+  return p.causal or p.local_window is not None or p.segment_ids or p.lengths
 
 
 # --- implementations ---------------------------------------------------------------------
@@ -117,11 +135,11 @@ def sink_grad(sinks, lse, delta):
 
 
 def _feature_grads(p: FlashProblem, sinks, o, lse, cotangents) -> tuple:
-  """The gradients after dq, dk, dv: segment ids, sinks, dropout seed."""
+  """The gradients after dq, dk, dv: segment ids, sinks, dropout seed, lengths."""
   dsinks = None
   if sinks is not None:
     dsinks = sink_grad(sinks, lse, backward_delta(o, *cotangents))
-  return None, None, dsinks, None
+  return None, None, dsinks, None, None
 
 
 class AttentionTritonImpl(BlockTritonImpl):
@@ -134,6 +152,20 @@ class AttentionTritonImpl(BlockTritonImpl):
     return default_block_config(p.head_dim, p.dtype.itemsize)
 
 
+def runs_decode(p: FlashProblem) -> bool:
+  """Whether the forward of ``p`` runs the split-KV decode kernels: few query positions
+  against a longer cache, with no segment ids or dropout."""
+  return (p.q_len <= DECODE_MAX_Q_LEN and p.kv_len >= 4 * p.q_len and not p.segment_ids
+          and not p.dropout_rate)
+
+
+def problem_decode_config(p: FlashProblem, info: GPUInfo) -> DecodeConfig:
+  """The decode kernels' config of ``p`` on ``info``'s device (its SM count sets the
+  split)."""
+  return decode_config(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len, p.head_dim,
+                       p.value_head_dim, p.dtype.itemsize, info.sm_count)
+
+
 class TritonFlash(AttentionTritonImpl):
   def cache_key(self, p):
     return _cache_key(p)
@@ -141,13 +173,20 @@ class TritonFlash(AttentionTritonImpl):
   def heuristic_config(self, p, info):
     return default_block_config(max(p.head_dims), p.dtype.itemsize)
 
-  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
+    if runs_decode(p):
+      o, lse = flash_triton_decode(q, k, v, lengths, causal=p.causal, scale=p.scale,
+                                   local_window=p.local_window, softcap=p.softcap,
+                                   config=problem_decode_config(p, current_device()),
+                                   interpret=call.interpret, sinks=sinks)
+      return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
     o, lse = flash_triton_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
                                   config=call.config, interpret=call.interpret, sinks=sinks,
-                                  dropout_rate=p.dropout_rate, dropout_seed=seed)
-    return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
+                                  dropout_rate=p.dropout_rate, dropout_seed=seed,
+                                  lengths=lengths)
+    return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
 
   def backward(self, call, residuals, cotangents):
     return _triton_gradients(call.problem, residuals, cotangents, call.config, call.interpret)
@@ -157,11 +196,11 @@ def _triton_gradients(p: FlashProblem, residuals, cotangents, config: BlockConfi
                       interpret: bool) -> tuple:
   """Every input's gradient by the Triton backward kernels, from the residuals of
   either forward (their ``(o, lse)`` are the same)."""
-  (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
+  (q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse = residuals
   dq, dk, dv = flash_triton_backward(
       q, k, v, q_seg, kv_seg, o, lse, *cotangents, causal=p.causal, scale=p.scale,
       local_window=p.local_window, softcap=p.softcap, config=config, interpret=interpret,
-      dropout_rate=p.dropout_rate, dropout_seed=seed)
+      dropout_rate=p.dropout_rate, dropout_seed=seed, lengths=lengths)
   return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 
@@ -202,25 +241,27 @@ class MosaicFlash(MosaicImpl):
         kernels = ("forward",)
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize, kernels, info)
 
-  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
     o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
                                   config=call.config, sinks=sinks,
-                                  dropout_rate=p.dropout_rate, dropout_seed=seed)
-    return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed), o, lse)
+                                  dropout_rate=p.dropout_rate, dropout_seed=seed,
+                                  lengths=lengths)
+    return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
 
   def backward(self, call, residuals, cotangents):
     p = call.problem
     if self.backward_backend(p) == "pallas_triton":
       return _triton_gradients(p, residuals, cotangents,
                                default_block_config(max(p.head_dims), p.dtype.itemsize), False)
-    (q, k, v, q_seg, kv_seg, sinks, seed), o, lse = residuals
+    (q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse = residuals
     dq, dk, dv = flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, *cotangents,
                                        causal=p.causal, scale=p.scale,
                                        local_window=p.local_window, softcap=p.softcap,
                                        config=self.normalize_config(call.config, p),
-                                       dropout_rate=p.dropout_rate, dropout_seed=seed)
+                                       dropout_rate=p.dropout_rate, dropout_seed=seed,
+                                       lengths=lengths)
     return (dq, dk, dv) + _feature_grads(p, sinks, o, lse, cotangents)
 
 
@@ -242,9 +283,10 @@ class CudnnFlash(Impl):
         ("deterministic=True (its backward is not bitwise repeatable)",
          p.deterministic),
         ("a value head dim other than the head dim", p.value_head_dim != p.head_dim),
-        ("sinks", p.sinks), ("dropout", p.dropout_rate)) if used)
+        ("sinks", p.sinks), ("dropout", p.dropout_rate),
+        ("q_lengths / kv_lengths", p.lengths)) if used)
 
-  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
     window = None if p.local_window is None else tuple(
         -1 if w is None else w for w in p.local_window)
@@ -254,13 +296,14 @@ class CudnnFlash(Impl):
 
 
 class XlaFlash(XlaImpl):
-  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed):
+  def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
     return flash_attention_reference(q, k, v, causal=p.causal, scale=p.scale,
                                      q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                                      local_window=p.local_window, softcap=p.softcap,
                                      sinks=sinks, dropout_rate=p.dropout_rate,
-                                     dropout_seed=seed, guard_values=has_mask(p)), None
+                                     dropout_seed=seed, guard_values=has_mask(p),
+                                     lengths=lengths), None
 
 
 # --- the op --------------------------------------------------------------------------------
@@ -268,12 +311,13 @@ class XlaFlash(XlaImpl):
 class FlashAttention(SoftmaxOp):
   name = "flash_attention"
   problem_cls = FlashProblem
-  arg_names = ("q", "k", "v", "q_segment_ids", "kv_segment_ids", "sinks", "dropout_seed")
+  arg_names = ("q", "k", "v", "q_segment_ids", "kv_segment_ids", "sinks", "dropout_seed",
+               "lengths")
   diff_argnums = (0, 1, 2, 5)
 
   def bind(self, q, k, v, *, causal=False, scale=None, q_segment_ids=None, kv_segment_ids=None,
            local_window=None, softcap=None, deterministic=True, return_lse=False, sinks=None,
-           dropout_rate=0.0, dropout_key=None):
+           dropout_rate=0.0, dropout_key=None, q_lengths=None, kv_lengths=None):
     check_attention_inputs(q, k, v, value_head_dim=True)
     batch, q_len, q_heads, head_dim = q.shape
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -293,13 +337,14 @@ class FlashAttention(SoftmaxOp):
       if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise TypeError(f"sinks must be floats, got dtype {sinks.dtype}")
     seed = _dropout_seed(dropout_rate, dropout_key)
+    lengths = row_lengths(q_lengths, kv_lengths, batch, q_len, k.shape[1])
     problem = FlashProblem.of(
         q, k, causal=check_flag("causal", causal), scale=scale_of(scale, head_dim),
         local_window=local_window, softcap=softcap, segment_ids=q_segment_ids is not None,
         return_lse=check_flag("return_lse", return_lse),
         deterministic=check_flag("deterministic", deterministic), value_head_dim=v.shape[-1],
-        sinks=sinks is not None, dropout_rate=float(dropout_rate))
-    return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed)
+        sinks=sinks is not None, dropout_rate=float(dropout_rate), lengths=lengths is not None)
+    return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed, lengths)
 
   def finish(self, problem, outputs):
     o, lse = outputs
@@ -310,12 +355,16 @@ class FlashAttention(SoftmaxOp):
     q, k, v = p.random_qkv((kq, kk, kv))
     sinks = jax.random.normal(kd, (p.q_heads,), jnp.float32) if p.sinks else None
     seed = seed_of(kd) if p.dropout_rate else None
+    lengths = None
+    if p.lengths:  # every row full but the first, which is shorter (not empty)
+      lengths = jnp.array([[p.q_len, p.kv_len]] * p.batch, jnp.int32)
+      lengths = lengths.at[0].set([max(1, p.q_len // 2), max(p.q_len // 2, p.kv_len * 2 // 3)])
     if not p.segment_ids:
-      return q, k, v, None, None, sinks, seed
+      return q, k, v, None, None, sinks, seed, lengths
     # Packed sequences: sorted ids, kv ids shifted so that some queries see nothing.
     ids = jnp.sort(jax.random.randint(ks, (p.batch, max(p.q_len, p.kv_len)), 0, 3), axis=1)
     return (q, k, v, ids[:, :p.q_len], ids[:, :p.kv_len] + (ids[:, :p.kv_len] == 2), sinks,
-            seed)
+            seed, lengths)
 
 
 FLASH = FlashAttention(MosaicFlash(), TritonFlash(), CudnnFlash(), XlaFlash())
@@ -325,7 +374,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
                     q_segment_ids=None, kv_segment_ids=None, local_window=None,
                     softcap: float | None = None, deterministic: bool = True,
                     return_lse: bool = False, sinks=None, dropout_rate: float = 0.0,
-                    dropout_key=None, backend: str = "auto",
+                    dropout_key=None, q_lengths=None, kv_lengths=None, backend: str = "auto",
                     config: BlockConfig | MosaicBlockConfig | None = None):
   """Memory-efficient exact attention, differentiable (custom VJP on Pallas backends).
 
@@ -365,6 +414,15 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       ``dropout_key`` (a ``jax.random`` key) and the position, so the backward
       rebuilds it and the same key gives bitwise the same outputs and gradients.
       Every backend but ``cudnn``; 0 runs the kernels without it.
+    q_lengths, kv_lengths: ``[batch]`` integers (traced: one compile serves every
+      length), each batch row's own query and key counts (clipped to ``[0, q_len]``
+      and ``[0, kv_len]``; None: the whole axis). Keys at or past ``kv_lengths[b]``
+      are not attended; query rows at or past ``q_lengths[b]`` are padding and give
+      zeros (and no gradient). ``causal`` and ``local_window`` align each row on its
+      own lengths: query ``i`` sits at key position ``i + kv_lengths[b] -
+      q_lengths[b]``. What a KV cache (decode, speculative decoding, chunked prefill)
+      needs; the Pallas backends read them in the kernels and skip the tiles past
+      them.
     backend: ``"auto"``, ``"pallas_mosaic"``, ``"pallas_triton"``, ``"cudnn"`` or
       ``"xla"``. ``"auto"``: of the backends this device runs that support the
       call, the measured fastest for it where jattn's shipped table or your cache
@@ -386,5 +444,5 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
   return FLASH(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids, local_window=local_window, softcap=softcap,
                deterministic=deterministic, return_lse=return_lse, sinks=sinks,
-               dropout_rate=dropout_rate, dropout_key=dropout_key, backend=backend,
-               config=config)
+               dropout_rate=dropout_rate, dropout_key=dropout_key, q_lengths=q_lengths,
+               kv_lengths=kv_lengths, backend=backend, config=config)

@@ -19,15 +19,20 @@ def compute_dtype(*arrays):
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
-                   q_segment_ids=None, kv_segment_ids=None):
+                   q_segment_ids=None, kv_segment_ids=None, lengths=None):
   """Boolean mask ``[batch or 1, 1, q_len, kv_len]``: True where a query may attend.
 
   Queries are aligned to the bottom-right: query ``i`` sits at key position
-  ``i + kv_len - q_len``.
+  ``i + kv_len - q_len``. With ``lengths`` (``[batch, 2]`` ints: each row's ``(q_len,
+  kv_len)``) those are the row's own, and queries and keys past them attend nothing.
   """
-  q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
-  k_pos = jnp.arange(kv_len)[None, :]
+  q_idx, k_pos = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+  q_pos = q_idx + (kv_len - q_len)
   mask = jnp.ones((q_len, kv_len), bool)
+  if lengths is not None:
+    q_n, kv_n = lengths[:, 0, None, None], lengths[:, 1, None, None]
+    q_pos = q_idx + (kv_n - q_n)
+    mask = (q_idx < q_n) & (k_pos < kv_n)
   left, right = local_window if local_window is not None else (None, None)
   if causal:
     right = 0 if right is None else min(right, 0)
@@ -35,7 +40,7 @@ def attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
     mask &= k_pos <= q_pos + right
   if left is not None:
     mask &= k_pos >= q_pos - left
-  mask = mask[None, None]
+  mask = mask[:, None] if lengths is not None else mask[None, None]
   if q_segment_ids is not None:
     mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
   return mask
@@ -73,12 +78,14 @@ def guarded_values(v):
 def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                               kv_segment_ids=None, local_window=None, softcap=None, sinks=None,
                               dropout_rate: float = 0.0, dropout_seed=None,
-                              guard_values: bool = False):
+                              guard_values: bool = False, lengths=None):
   """Dense attention with every flash_attention feature, differentiable by autodiff.
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
       v: ``[batch, kv_len, kv_heads, head_dim_v]``.
+    lengths: ``[batch, 2]`` ints, each row's ``(q_len, kv_len)`` (``attention_mask``),
+      or None.
     sinks: ``[q_heads]``: a logit per head in every row's softmax denominator, or None;
       floored at ``EMPTY_ROW_LSE`` (``softmax.floor_sinks``: -inf is no sink).
     dropout_rate, dropout_seed: weights dropped where ``dropout.keep_mask(dropout_seed,
@@ -108,7 +115,8 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
-                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                        lengths=lengths)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
   if sinks is not None:  # one more logit per row, always allowed, attending to nothing
     sink = floor_sinks(sinks).astype(dtype).reshape(1, kv_heads, group, 1, 1)

@@ -27,13 +27,13 @@ def ring_backend(q, k, *, causal: bool, scale: float, backend: str) -> str:
 def block_forward(q, k, v, *, causal: bool, scale: float, backend: str):
   """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k, v [b, sk, hk, d]``."""
   call = FLASH.prepare(block_problem(q, k, causal=causal, scale=scale), backend)
-  return FLASH.partial(call, (q, k, v, None, None, None, None))
+  return FLASH.partial(call, (q, k, v, None, None, None, None, None))
 
 
 def block_backward(q, k, v, o, lse, do, *, causal: bool, scale: float, backend: str):
   """Float32 gradients of one block given the final ``o``, ``lse`` of the whole row."""
   call = FLASH.prepare(block_problem(q, k, causal=causal, scale=scale), backend)
-  return FLASH.partial_backward(call, (q, k, v, None, None, None, None), o, lse, do)[:3]
+  return FLASH.partial_backward(call, (q, k, v, None, None, None, None, None), o, lse, do)[:3]
 
 
 def merge(acc, block):

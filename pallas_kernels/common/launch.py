@@ -10,6 +10,10 @@ from jax.experimental.pallas import triton as plgpu
 HEAD_SCALAR = pl.BlockSpec((1,), lambda i, b, h: (h,))
 
 
+# A ``[batch, 2]`` int32 array's row of the program's batch row: its (q_len, kv_len).
+LENGTHS = pl.BlockSpec((None, 2), lambda i, b, h: (b, 0))
+
+
 def tile_spec(block: int, d: int):
   """Tile ``i`` of ``block`` positions of one (batch, head)."""
   return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))

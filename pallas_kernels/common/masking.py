@@ -5,6 +5,12 @@ with or without element masks.
 Positions are absolute: query row ``i`` sits at key position ``i + offset`` with
 ``offset = kv_len - q_len`` (bottom-right alignment, as flash-attn does).
 Causal attention is the window ``right = 0``.
+
+Per-sequence lengths (``MaskSpec.lengths``): ``q_len`` and ``kv_len`` differ per batch
+row, and a kernel binds them (``with_lengths``, traced values) before it asks for a
+mask or a block range; rows at or past ``q_len`` then see no key. The block-range
+functions also run on the host on arrays of lengths and tile starts (every operation
+is elementwise), which is how the Hopper kernels get them (``hopper.inputs``).
 """
 
 from __future__ import annotations
@@ -42,33 +48,60 @@ class MaskSpec:
   segments: bool = False
   element_fn: TileFunction | None = None
   element_arrays: tuple = ()
+  lengths: bool = False
+  lengths_bound: bool = False
 
   @property
   def every_tile_masked(self) -> bool:
     return self.segments or self.element_fn is not None
 
   @property
+  def unbound_lengths(self) -> bool:
+    """Per-row lengths not yet bound: the block ranges are the whole padded grid's."""
+    return self.lengths and not self.lengths_bound
+
+  def with_lengths(self, q_len, kv_len) -> "MaskSpec":
+    """The spec of one batch row (or of arrays of rows) with lengths ``q_len`` and
+    ``kv_len`` (int32, traced or arrays): keys at or past ``kv_len`` and query rows at
+    or past ``q_len`` see nothing; query ``i`` sits at key position ``i + kv_len -
+    q_len``."""
+    return dataclasses.replace(self, q_len=q_len, kv_len=kv_len, kv_padded=True,
+                               lengths_bound=True)
+
+  @property
   def offset(self) -> int:
     return self.kv_len - self.q_len
 
   @staticmethod
-  def build(q_len, kv_len, *, causal, local_window, kv_padded, segments) -> "MaskSpec":
+  def build(q_len, kv_len, *, causal, local_window, kv_padded, segments,
+            lengths: bool = False) -> "MaskSpec":
+    """``lengths``: per-row lengths, bound in the kernels (``q_len``, ``kv_len`` here are
+    the arrays' own)."""
     left, right = local_window if local_window is not None else (None, None)
     if causal:
       right = 0 if right is None else min(right, 0)
-    return MaskSpec(q_len, kv_len, left, right, kv_padded, segments)
+    return MaskSpec(q_len, kv_len, left, right, kv_padded, segments, lengths=lengths)
+
+
+def bind_lengths(spec: MaskSpec, lengths_ref) -> MaskSpec:
+  """In a kernel, ``spec`` with its batch row's ``(q_len, kv_len)`` from ``lengths_ref``
+  (``[2]`` int32) when it has per-row lengths."""
+  return spec.with_lengths(lengths_ref[0], lengths_ref[1]) if spec.lengths else spec
 
 
 def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None):
   """Boolean mask for broadcastable query-row and key indices (and segment ids; and
   ``bh = (batch row, query head)`` for ``element_fn``), or None when the spec
   restricts nothing."""
+  assert not spec.unbound_lengths, "bind the lengths first (MaskSpec.with_lengths)"
   q_abs = q_idx + spec.offset
   mask = None
 
   def conj(m, new):
     return new if m is None else jnp.logical_and(m, new)
 
+  if spec.lengths:
+    mask = conj(mask, q_idx < spec.q_len)
   if spec.kv_padded:
     mask = conj(mask, k_idx < spec.kv_len)
   if spec.right is not None:
@@ -98,6 +131,14 @@ def _cdiv_nonneg(x, d: int):
   return _div_nonneg(x + (d - 1), d)
 
 
+def _blocks(length, block: int, ceil: bool = False):
+  """Whole (``ceil``: and partial) blocks of a length: a Python int's folded here, a
+  bound length's computed in the kernel."""
+  if isinstance(length, int):
+    return jnp.int32(-(-length // block) if ceil else length // block)
+  return _cdiv_nonneg(length, block) if ceil else _div_nonneg(length, block)
+
+
 def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
@@ -107,24 +148,32 @@ def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_k: int):
 
   Returns int32 scalars ``lo <= full_lo <= full_hi <= hi``: blocks in
   ``[full_lo, full_hi)`` need no element mask, the rest of ``[lo, hi)`` does.
+  With unbound lengths: every block of the padded grid (``full`` up to the padding),
+  for a given range to narrow.
   """
+  if spec.unbound_lengths:
+    spec = dataclasses.replace(spec, left=None, right=None, lengths=False)
   q_first = q_start + spec.offset
   q_last = q_first + (block_q - 1)
   lo = jnp.int32(0)
-  hi = jnp.int32(-(-spec.kv_len // block_k))
+  hi = _blocks(spec.kv_len, block_k, ceil=True)
   if spec.left is not None:
     lo = _div_nonneg(q_first - spec.left, block_k)
   if spec.right is not None:
     hi = jnp.minimum(hi, _cdiv_nonneg(q_last + spec.right + 1, block_k))
+  if spec.lengths:  # a tile of padding rows sees nothing
+    hi = jnp.where(q_start < spec.q_len, hi, lo)
   hi = jnp.maximum(hi, lo)
   if spec.every_tile_masked:
     return lo, lo, lo, hi
   full_lo = lo
-  full_hi = jnp.int32(spec.kv_len // block_k) if spec.kv_padded else hi
+  full_hi = _blocks(spec.kv_len, block_k) if spec.kv_padded else hi
   if spec.left is not None:
     full_lo = _cdiv_nonneg(q_last - spec.left, block_k)
   if spec.right is not None:
     full_hi = jnp.minimum(full_hi, _div_nonneg(q_first + spec.right + 1, block_k))
+  if spec.lengths:  # padding rows need the mask
+    full_hi = jnp.where(q_start + block_q <= spec.q_len, full_hi, full_lo)
   full_lo = _clamp(full_lo, lo, hi)
   full_hi = _clamp(full_hi, full_lo, hi)
   return lo, full_lo, full_hi, hi
@@ -135,14 +184,18 @@ def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
 
   Same contract as :func:`kv_block_range`, over query blocks.
   """
+  if spec.unbound_lengths:
+    spec = dataclasses.replace(spec, left=None, right=None, lengths=False)
   k_first = k_start
   k_last = k_start + (block_k - 1)
   lo = jnp.int32(0)
-  hi = jnp.int32(-(-spec.q_len // block_q))
+  hi = _blocks(spec.q_len, block_q, ceil=True)
   if spec.right is not None:
     lo = _div_nonneg(k_first - spec.right - spec.offset, block_q)
   if spec.left is not None:
     hi = jnp.minimum(hi, _cdiv_nonneg(k_last + spec.left - spec.offset + 1, block_q))
+  if spec.lengths:  # a tile of padding keys is seen by nothing
+    hi = jnp.where(k_first < spec.kv_len, hi, lo)
   hi = jnp.maximum(hi, lo)
   if spec.every_tile_masked:
     return lo, lo, lo, hi
@@ -151,6 +204,8 @@ def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
     full_lo = _cdiv_nonneg(k_last - spec.right - spec.offset, block_q)
   if spec.left is not None:
     full_hi = jnp.minimum(full_hi, _div_nonneg(k_first + spec.left - spec.offset + 1, block_q))
+  if spec.lengths:  # the last, partial block of rows needs the mask
+    full_hi = jnp.minimum(full_hi, _blocks(spec.q_len, block_q))
   if spec.kv_padded:
     full_hi = jnp.where(k_last < spec.kv_len, full_hi, full_lo)
   full_lo = _clamp(full_lo, lo, hi)

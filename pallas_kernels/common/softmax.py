@@ -117,6 +117,23 @@ def merge_partials(o1, lse1, o2, lse2, expand=lambda w: w[:, None]):
   return o1 * expand(w1) + o2 * expand(w2), lse
 
 
+def combine_partials(o, lse, axis: int, sink=None):
+  """Merges partial results of the same rows along ``axis`` (split-KV decoding): ``o``
+  float32 ``[..., parts, rows, d]`` and ``lse`` ``[..., parts, rows]`` (``axis``
+  indexing the parts in both; ``EMPTY_ROW_LSE`` for a part that saw no key), and
+  optionally ``sink`` logits (broadcastable to ``lse`` without its parts axis)
+  counted once in each row's denominator. Returns ``(o, lse)`` without the parts
+  axis; rows no part saw give zeros and ``EMPTY_ROW_LSE`` (the sink's logit with one)."""
+  top = jnp.max(lse, axis=axis)
+  if sink is not None:
+    top = jnp.maximum(top, sink)
+  weights = jnp.exp(lse - jnp.expand_dims(top, axis))
+  total = jnp.sum(weights, axis=axis) + (0.0 if sink is None else jnp.exp(sink - top))
+  o = jnp.sum(o * jnp.expand_dims(weights / jnp.expand_dims(total, axis), -1), axis=axis)
+  lse = jnp.where(top > EMPTY_ROW_LSE, top + jnp.log(total), top)
+  return o, lse
+
+
 @dataclasses.dataclass(frozen=True)
 class Softcap:
   """The soft-cap score transform ``cap * tanh(x / cap)`` (Gemma 2)."""

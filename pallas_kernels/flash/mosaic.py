@@ -21,13 +21,13 @@ from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_fwd import mosaic_forward
 from jattn.kernels.flash.triton import FlexMods
 from jattn.kernels.hopper.budget import mosaic_head_dim
-from jattn.kernels.hopper.inputs import (PositionInputs, mask_ranges, position_arrays,
-                                         segment_ranges)
+from jattn.kernels.hopper.inputs import (PositionInputs, joint_ranges, length_ranges,
+                                         mask_ranges, position_arrays, segment_ranges)
 from jattn.kernels.hopper.pipeline import CONSUMERS
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
-                  causal: bool, local_window, segments: bool = False):
+                  causal: bool, local_window, segments: bool = False, lengths: bool = False):
   """``(q_len_p, kv_len_p, d_p, spec)``: padded lengths every tile divides (a CTA
   covers ``CONSUMERS`` per-warpgroup blocks; blocks are multiples of 64 but not
   always powers of two, hence the lcm), the padded head dim and the mask."""
@@ -37,32 +37,37 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
   _, kv_len_p = tile_axis(kv_len, (c.block_kv, c.block_kv_dq, CONSUMERS * c.block_kv_dkv),
                           clamp=False)
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
-                        kv_padded=kv_len_p != kv_len, segments=segments)
+                        kv_padded=kv_len_p != kv_len, segments=segments, lengths=lengths)
   return q_len_p, kv_len_p, mosaic_head_dim(head_dim), spec
 
 
-def _positions(q_seg, mods: FlexMods, dropout_rate: float) -> PositionInputs:
+def _positions(q_seg, mods: FlexMods, dropout_rate: float, lengths) -> PositionInputs:
   return PositionInputs(segments=q_seg is not None, mask=mods.mask, score=mods.score,
-                        ranges=q_seg is not None or mods.block_kinds is not None,
-                        dropout=dropout_rate)
+                        ranges=(q_seg is not None or mods.block_kinds is not None
+                                or lengths is not None),
+                        dropout=dropout_rate, lengths=lengths is not None)
 
 
 def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, tiles, spec,
-                   padded, transpose: bool = False, hashes=None) -> tuple:
+                   padded, transpose: bool = False, hashes=None, lengths=None) -> tuple:
   """One kernel's per-position arrays: segment ids or the functions' parts, dropout's
-  ``hashes``, and the block ranges of its ``tiles = (tile_q, tile_kv)``
-  (``transpose``: per key tile)."""
-  lengths = (spec.q_len, spec.kv_len)
+  ``hashes``, per-row ``lengths``, and the block ranges of its ``tiles = (tile_q,
+  tile_kv)`` (``transpose``: per key tile) those give."""
+  true = (spec.q_len, spec.kv_len)
   segments = ranges = None
   if q_seg is not None:
     segments = (pad_to(q_seg, padded[0]), pad_to(kv_seg, padded[1]))
     rows, cols = segments[::-1] if transpose else segments
-    ranges = segment_ranges(rows, cols, *(lengths[::-1] if transpose else lengths),
+    ranges = segment_ranges(rows, cols, *(true[::-1] if transpose else true),
                             *(tiles[::-1] if transpose else tiles))
   elif mods.block_kinds is not None:
-    ranges = mask_ranges(mods.block_kinds, mods.block, tiles, padded, lengths, transpose)
+    ranges = mask_ranges(mods.block_kinds, mods.block, tiles, padded, true, transpose)
+  if lengths is not None:
+    axis = 0 if transpose else 1  # the axis the ranges count blocks of
+    ranges = joint_ranges(ranges, length_ranges(spec, lengths, tiles, padded, transpose),
+                          padded[axis] // tiles[axis])
   return position_arrays(positions, segments, mods.mask_arrays, mods.score_arrays, ranges,
-                         hashes, padded=padded)
+                         hashes, lengths, padded=padded)
 
 
 def _hashes(q, dropout_rate: float, dropout_seed, padded):
@@ -75,7 +80,7 @@ def _hashes(q, dropout_rate: float, dropout_seed, padded):
 def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          softcap: float | None, config: MosaicBlockConfig,
                          mods: FlexMods = FlexMods(), sinks=None, dropout_rate: float = 0.0,
-                         dropout_seed=None):
+                         dropout_seed=None, lengths=None):
   """Flash attention forward on Hopper.
 
   Args:
@@ -89,6 +94,8 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
     sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
     dropout_rate, dropout_seed: dropout of the weights (rate > 0) and its ``[2]``
       int32 seed (``dropout.seed_of``).
+    lengths: ``[batch, 2]`` int32 per-row ``(q_len, kv_len)``, or None (as
+      ``flash_triton_forward``'s).
 
   Returns:
     ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; ``lse:
@@ -97,11 +104,13 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[-1]
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
-                                               segments=q_seg is not None)
-  positions = _positions(q_seg, mods, dropout_rate)
+                                               segments=q_seg is not None,
+                                               lengths=lengths is not None)
+  positions = _positions(q_seg, mods, dropout_rate, lengths)
   padded = (q_len_p, kv_len_p)
   inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (config.block_q, config.block_kv),
-                          spec, padded, hashes=_hashes(q, dropout_rate, dropout_seed, padded))
+                          spec, padded, hashes=_hashes(q, dropout_rate, dropout_seed, padded),
+                          lengths=lengths)
   dv = v.shape[-1]
   o, lse = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
                           pad_to(v, kv_len_p, mosaic_head_dim(dv)), inputs, spec=spec,
@@ -115,9 +124,9 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
                           scale: float, local_window, softcap: float | None,
                           config: MosaicBlockConfig, mods: FlexMods = FlexMods(),
-                          dropout_rate: float = 0.0, dropout_seed=None):
+                          dropout_rate: float = 0.0, dropout_seed=None, lengths=None):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
-  ``do``, ``dlse``. Shapes and dropout as ``flash_mosaic_forward``, head dims that
+  ``do``, ``dlse``. Shapes, dropout and lengths as ``flash_mosaic_forward``, head dims that
   ``mosaic_backward_runs`` takes. ``config.fused_dq`` computes dQ inside the dK/dV
   kernel (atomic adds: not bitwise repeatable; not with ``mods``)."""
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
@@ -127,15 +136,16 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   do = do.astype(q.dtype)
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
-                                               segments=q_seg is not None)
+                                               segments=q_seg is not None,
+                                               lengths=lengths is not None)
   c = config
-  positions = _positions(q_seg, mods, dropout_rate)
+  positions = _positions(q_seg, mods, dropout_rate, lengths)
   padded = (q_len_p, kv_len_p)
   hashes = _hashes(q, dropout_rate, dropout_seed, padded)
   dq_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dq, c.block_kv_dq),
-                             spec, padded, hashes=hashes)
+                             spec, padded, hashes=hashes, lengths=lengths)
   dkv_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dkv, c.block_kv_dkv),
-                              spec, padded, transpose=True, hashes=hashes)
+                              spec, padded, transpose=True, hashes=hashes, lengths=lengths)
   lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
   lse2 = backward_lse(lse, q_len_p, mods.score is not None)
   dv_p = mosaic_head_dim(dv)

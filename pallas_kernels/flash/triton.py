@@ -77,9 +77,10 @@ def kernel_tiles(config: BlockConfig, q_len: int, kv_len: int):
   return bq, bk, q_len_p, kv_len_p
 
 
-def _mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods):
+def _mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods, lengths):
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
-                        kv_padded=kv_len_p != kv_len, segments=segments)
+                        kv_padded=kv_len_p != kv_len, segments=segments,
+                        lengths=lengths is not None)
   return dataclasses.replace(spec, element_fn=mods.mask)
 
 
@@ -92,7 +93,7 @@ def _score(softcap, mods):
 def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          softcap, config: BlockConfig, interpret: bool,
                          mods: FlexMods = FlexMods(), sinks=None, dropout_rate: float = 0.0,
-                         dropout_seed=None):
+                         dropout_seed=None, lengths=None):
   """Flash attention forward.
 
   Args:
@@ -104,6 +105,9 @@ def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
     sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
     dropout_rate, dropout_seed: dropout of the weights (rate > 0) and its ``[2]``
       int32 seed (``dropout.seed_of``).
+    lengths: ``[batch, 2]`` int32 ``(q_len, kv_len)`` of each batch row (in ``[0,
+      q_len]`` and ``[0, kv_len]``), or None: the rows past a row's ``q_len`` see no
+      key, and the mask aligns on these lengths.
 
   Returns:
     ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]``; ``lse: [batch, q_heads,
@@ -117,40 +121,40 @@ def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
       pad_to(v, kv_len_p, padded_head_dim(dv)),
       pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
-      spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods), scale=scale,
-      score=_score(softcap, mods), config=config, block_q=bq[0], block_k=bk[0],
+      spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods, lengths),
+      scale=scale, score=_score(softcap, mods), config=config, block_q=bq[0], block_k=bk[0],
       interpret=interpret, arrays=mods.arrays,
       lists=mods.lists((bq[0], bk[0]), (q_len_p, kv_len_p), (q_len, kv_len)),
       sinks=None if sinks is None else kernel_array(floor_sinks(sinks)),
-      dropout_rate=dropout_rate, dropout_seed=dropout_seed)
+      dropout_rate=dropout_rate, dropout_seed=dropout_seed, lengths=lengths)
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
 
 def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool, scale: float,
                           local_window, softcap, config: BlockConfig, interpret: bool,
                           mods: FlexMods = FlexMods(), dropout_rate: float = 0.0,
-                          dropout_seed=None):
+                          dropout_seed=None, lengths=None):
   """Gradients ``(dq, dk, dv)`` (like q, k, v) given the rows' ``o`` and ``lse``, the
-  output's cotangent ``do`` and the lse's ``dlse``. Shapes as ``flash_triton_forward``
-  (sinks need nothing here: ``lse`` holds them)."""
+  output's cotangent ``do`` and the lse's ``dlse``. Shapes and ``lengths`` as
+  ``flash_triton_forward`` (sinks need nothing here: ``lse`` holds them)."""
   q_len, kv_len, head_dim, dv_width = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
   d_p, dv_p = padded_head_dim(head_dim), padded_head_dim(dv_width)
   lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
   lse2 = backward_lse(lse, q_len_p, mods.score is not None)
-  padded, lengths = (q_len_p, kv_len_p), (q_len, kv_len)
+  padded, true = (q_len_p, kv_len_p), (q_len, kv_len)
   lists = None
   if mods.block_kinds is not None:
-    lists = (mods.lists((bq[1], bk[1]), padded, lengths, transpose=True),
-             mods.lists((bq[2], bk[2]), padded, lengths))
+    lists = (mods.lists((bq[1], bk[1]), padded, true, transpose=True),
+             mods.lists((bq[2], bk[2]), padded, true))
   dq, dk, dv = flash_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
       pad_to(do.astype(q.dtype), q_len_p, dv_p), lse2, pad_rows(delta, q_len_p),
       pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
-      spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods), scale=scale,
-      score=_score(softcap, mods), config=config, blocks=(bq[1], bk[1], bq[2], bk[2]),
-      interpret=interpret, arrays=mods.arrays, lists=lists, dropout_rate=dropout_rate,
-      dropout_seed=dropout_seed)
+      spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods, lengths),
+      scale=scale, score=_score(softcap, mods), config=config,
+      blocks=(bq[1], bk[1], bq[2], bk[2]), interpret=interpret, arrays=mods.arrays,
+      lists=lists, dropout_rate=dropout_rate, dropout_seed=dropout_seed, lengths=lengths)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
           dv[:, :kv_len, :, :dv_width])

@@ -21,11 +21,11 @@ from jax.experimental import pallas as pl
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
-from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
-                                         whole_sequence_spec)
-from jattn.kernels.common.masking import (MaskSpec, element_mask, kv_block_range,
-                                          q_block_range, range_tiles, run_tiles,
-                                          split_extra_refs)
+from jattn.kernels.common.launch import (LENGTHS, row_stat_spec, tile_spec, triton_call,
+                                         whole_array_spec, whole_sequence_spec)
+from jattn.kernels.common.masking import (MaskSpec, bind_lengths, element_mask,
+                                          kv_block_range, q_block_range, range_tiles,
+                                          run_tiles, split_extra_refs)
 from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
 
@@ -41,9 +41,10 @@ def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-                seed_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
+                seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
                 block_k: int, group: int, lists: bool, dropout_rate: float):
   spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
+  spec = bind_lengths(spec, lengths_ref)
   k_start = pl.program_id(0) * block_k
   batch_row, kv_head = pl.program_id(1), pl.program_id(2)
   # Guarded for every tile (nonfinite.py): the rows of a tile without a mask all see a
@@ -102,9 +103,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-               seed_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
+               seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
                block_k: int, lists: bool, dropout_rate: float):
   spec, score, tile_lists, (dq_ref,) = split_extra_refs(refs, spec, score, lists)
+  spec = bind_lengths(spec, lengths_ref)
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
@@ -146,7 +148,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
 
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
                    score, config: BlockConfig, blocks, interpret: bool, arrays=(),
-                   lists=None, dropout_rate: float = 0.0, dropout_seed=None):
+                   lists=None, dropout_rate: float = 0.0, dropout_seed=None, lengths=None):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
@@ -162,6 +164,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     lists: ``(dK/dV lists, dQ lists)``: ``block_sparsity.tile_lists`` at the dK/dV
       kernel's tiles (transposed: per key tile) and at the dQ kernel's; or None.
     dropout_rate, dropout_seed: the forward's dropout (its mask is rebuilt).
+    lengths: ``[batch, 2]`` int32 per-row lengths when ``spec.lengths``, else None.
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
@@ -173,7 +176,9 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   launch = dict(interpret=interpret, num_warps=config.bwd_num_warps,
                 num_stages=config.bwd_num_stages)
   seed = dropout_seed if dropout_rate else None
-  seed_spec = None if seed is None else whole_array_spec(seed)
+  # The seed's and the lengths' specs, after the segment ids'.
+  scalar_specs = [None if seed is None else whole_array_spec(seed),
+               LENGTHS if spec.lengths else None]
 
   full_q = lambda width: pl.BlockSpec((None, q_len_p, q_heads, width),
                                       lambda j, b, h: (b, 0, 0, 0))
@@ -191,11 +196,11 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
                         dropout_rate=dropout_rate),
       grid=(kv_len_p // bk_dkv, batch, kv_heads),
       in_specs=[full_q(d), k_tile, v_tile, full_q(dv_width), full_rows, full_rows, *seg_specs,
-                seed_spec, *extra, *list_specs(dkv_lists, per_head=False)],
+                *scalar_specs, *extra, *list_specs(dkv_lists, per_head=False)],
       out_specs=[k_tile, v_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_flash_bwd_dkv", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, *arrays, *dkv_lists)
+  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dkv_lists)
 
   row_tile = row_stat_spec(bq_dq)
   seg_specs = [None, None]
@@ -209,10 +214,10 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
       grid=(q_len_p // bq_dq, batch, q_heads),
       in_specs=[tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
                 whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
-                row_tile, row_tile, *seg_specs, seed_spec, *extra,
+                row_tile, row_tile, *seg_specs, *scalar_specs, *extra,
                 *list_specs(dq_lists, per_head=True)],
       out_specs=tile_spec(bq_dq, d),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_flash_bwd_dq", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, *arrays, *dq_lists)
+  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dq_lists)
   return dq, dk, dv

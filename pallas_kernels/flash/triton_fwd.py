@@ -20,19 +20,20 @@ from jax.experimental import pallas as pl
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
-from jattn.kernels.common.launch import (row_stat_spec, tile_spec, triton_call, whole_array_spec,
-                                         whole_sequence_spec)
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
+from jattn.kernels.common.launch import (LENGTHS, row_stat_spec, tile_spec, triton_call,
+                                         whole_array_spec, whole_sequence_spec)
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, bind_lengths, kv_block_range, range_tiles,
                                           run_tiles, split_extra_refs)
 from jattn.kernels.common.nonfinite import guard_values
 from jattn.kernels.common.softmax import (dot, log2_logits, log2_units, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_ref, *refs,
-                    spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_ref, lengths_ref,
+                    *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
                     lists: bool, dropout_rate: float):
   spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
+  spec = bind_lengths(spec, lengths_ref)
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = q_ref[...]
@@ -70,7 +71,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
 def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score,
                   config: BlockConfig, block_q: int, block_k: int, interpret: bool,
                   arrays=(), lists=None, sinks=None, dropout_rate: float = 0.0,
-                  dropout_seed=None):
+                  dropout_seed=None, lengths=None):
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -81,6 +82,8 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
     sinks: float32 ``[q_heads_p]`` (padded to a power of two), or None.
     dropout_rate, dropout_seed: the rate and the ``[2]`` int32 seed words
       (``dropout.seed_of``) when > 0.
+    lengths: ``[batch, 2]`` int32 ``(q_len, kv_len)`` per batch row when
+      ``spec.lengths``, else None.
     score: a score transform (``Softcap``, ``ScoreFunction``) or None.
     arrays: the arrays the score function, then the mask function, read.
     lists: ``block_sparsity.tile_lists`` at ``(block_q, block_k)``, or None.
@@ -100,6 +103,7 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
     in_specs += [None, None]
   seed = dropout_seed if dropout_rate else None
   in_specs += [None if x is None else whole_array_spec(x) for x in (sinks, seed)]
+  in_specs += [LENGTHS if spec.lengths else None]
   in_specs += [whole_array_spec(x) for x in arrays]
   if lists is not None:
     in_specs += list_specs(lists, per_head=True)
@@ -115,4 +119,4 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
                  jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)],
       name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
       num_stages=config.num_stages,
-  )(q, k, v, q_seg, kv_seg, sinks, seed, *arrays, *(lists or ()))
+  )(q, k, v, q_seg, kv_seg, sinks, seed, lengths, *arrays, *(lists or ()))

@@ -7,7 +7,9 @@ The inputs, in this order:
   query position (``B'`` is 1 or the batch), copied by TMA with each query tile and
   held as one vector per tile;
 - *col* arrays ``[B', kv_len_p]``, one value per key position, copied with each key tile;
-- *scalar* arrays ``[B', H']``, read from global memory per (batch row, query head);
+- *scalar* arrays ``[B', H']``, read from global memory per (batch row, query head):
+  the functions' scalar parts, then with per-row lengths ``(q_len, kv_len)`` as two
+  ``[batch, 1]`` arrays, which bind the mask spec's lengths (``MaskSpec.with_lengths``);
 - optionally *ranges* ``[B', H', blocks, 4]``: per block of the kernel's own rows (query
   blocks in the forward and dQ kernels, key blocks in dK/dV), the
   ``(lo, full_lo, full_hi, hi)`` blocks of the other axis it visits, as
@@ -15,7 +17,8 @@ The inputs, in this order:
 
 Segment ids are the first row and col arrays; then the mask's parts, then the score's,
 then dropout's hashes (``dropout.hash_arrays``: its row array is per head, ``[B, H,
-q_len_p]``).
+q_len_p]``). Per-row lengths come with ranges (``length_ranges``): the kernels' own
+block ranges do not know them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from jax import lax
 from jattn.kernels.common.block_sparsity import EMPTY, FULL, retile
 from jattn.kernels.common.dropout import keep
 from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFunction
-from jattn.kernels.common.masking import MaskSpec, apply_mask, segment_block_ranges
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
+                                          segment_block_ranges)
 from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
 from jattn.kernels.hopper import pipeline as mp
 
@@ -74,6 +78,7 @@ class PositionInputs:
   score: FactoredFunction | None = None
   ranges: bool = False
   dropout: float = 0.0  # the rate: weights kept where ``kept`` says
+  lengths: bool = False  # per-row (q_len, kv_len): the last two scalars
 
   @property
   def functions(self) -> tuple:
@@ -92,7 +97,7 @@ class PositionInputs:
 
   @property
   def n_scalars(self) -> int:
-    return self._count(SCALAR)
+    return self._count(SCALAR) + 2 * self.lengths
 
   @property
   def n_refs(self) -> int:
@@ -160,6 +165,8 @@ class PositionInputs:
   def apply_mask(self, s, spec: MaskSpec, tile: Tile):
     """``s`` with -inf where the spec, the segment ids or the mask function refuse."""
     segments = (tile.row(0), tile.col(0)) if self.segments else ()
+    if self.lengths:
+      spec = spec.with_lengths(*tile.scalars[-2:])
     if self.mask is not None:
       spec = dataclasses.replace(spec, element_fn=self.mask,
                                  element_arrays=self._parts(self.mask, tile))
@@ -208,6 +215,38 @@ def segment_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block: int,
   return jnp.stack([first, first, first, end], axis=-1)[:, None]
 
 
+def length_ranges(spec: MaskSpec, lengths, tiles: tuple[int, int], padded: tuple[int, int],
+                  transpose: bool = False):
+  """``ranges`` ``[batch, 1, row_tiles, 4]`` of per-row ``lengths`` (``[batch, 2]`` int32
+  ``(q_len, kv_len)``): per query tile (``transpose``: per key tile) of the kernel's
+  ``tiles = (tile_q, tile_kv)`` over the ``padded`` lengths, the blocks ``spec``
+  bound to the row's lengths gives it (``(n, n, n, 0)`` where none)."""
+  bound = spec.with_lengths(lengths[:, :1], lengths[:, 1:])
+  axis = 1 if transpose else 0
+  starts = jnp.arange(padded[axis] // tiles[axis], dtype=jnp.int32)[None, :] * tiles[axis]
+  if transpose:
+    ranges = q_block_range(bound, starts, tiles[1], tiles[0])
+  else:
+    ranges = kv_block_range(bound, starts, tiles[0], tiles[1])
+  shape = (lengths.shape[0], starts.shape[1])
+  return _empty_as_none(jnp.stack([jnp.broadcast_to(x, shape) for x in ranges],
+                                  axis=-1)[:, None], padded[1 - axis] // tiles[1 - axis])
+
+
+def _empty_as_none(ranges, n: int):
+  """``ranges`` with every empty one as ``(n, n, n, 0)``, which widens no union."""
+  empty = (ranges[..., 3] <= ranges[..., 0])[..., None]
+  return jnp.where(empty, jnp.array([n, n, n, 0], jnp.int32), ranges).astype(jnp.int32)
+
+
+def joint_ranges(a, b, n: int):
+  """The blocks both ``ranges`` give (unmasked where both say so), over ``n`` blocks."""
+  if a is None or b is None:
+    return a if b is None else b
+  return _empty_as_none(jnp.stack(narrow(tuple(a[..., i] for i in range(4)),
+                                         tuple(b[..., i] for i in range(4))), axis=-1), n)
+
+
 def mask_ranges(kinds, block: tuple[int, int], tiles: tuple[int, int],
                 padded: tuple[int, int], lengths: tuple[int, int], transpose: bool = False):
   """``ranges`` ``[B', H', row_tiles, 4]`` of a block mask's classification ``kinds``
@@ -251,10 +290,12 @@ def as_scalar_array(x):
 
 
 def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_parts=(),
-                    ranges=None, hashes=None, *, padded: tuple[int, int]) -> tuple:
+                    ranges=None, hashes=None, lengths=None, *,
+                    padded: tuple[int, int]) -> tuple:
   """The kernel's per-position input arrays in ``PositionInputs`` order: ``segments``
   ``(q_seg, kv_seg)`` (padded), the functions' parts (``part_arrays``), dropout's
-  ``hashes`` (``dropout.hash_arrays`` at the padded lengths) and ``ranges``."""
+  ``hashes`` (``dropout.hash_arrays`` at the padded lengths), per-row ``lengths``
+  (``[batch, 2]`` int32) and ``ranges``."""
   rows, cols, scalars = [], [], []
   if inputs.segments:
     rows.append(segments[0])
@@ -272,4 +313,6 @@ def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_
   if inputs.dropout:
     rows.append(hashes[0])
     cols.append(hashes[1])
+  if inputs.lengths:
+    scalars += [lengths[:, :1], lengths[:, 1:]]
   return (*rows, *cols, *scalars, *(() if ranges is None else (ranges,)))

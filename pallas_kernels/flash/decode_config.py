@@ -1,0 +1,77 @@
+"""The split-KV decode kernels' config and its cost model: how many programs split one
+(batch row, KV head) cache.
+
+A decode step is memory-bound: its time is the K/V bytes over the bandwidth the
+running programs draw, and a program streams at a bounded rate. So the cache must be
+split over enough programs to fill every SM, but each split adds a fixed cost (its
+launch, its query tile, its partial ``(o, lse)`` written and merged) and splits past
+the point where every SM is busy only add that cost. The model, in units of one key
+block read by one program:
+
+    time(n) = waves(n) * (ceil(blocks / n) + FIXED_BLOCKS) + merge(n)
+
+with ``waves(n) = ceil(items * n / (sms * RESIDENT))`` (items: batch x KV heads x row
+tiles; ``RESIDENT`` programs share an SM) and ``merge(n)`` the partials' bytes written
+and read back, over what one SM-wave of block reads moves. ``decode_config`` picks the
+``n`` of least time (the smallest of equals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Programs that stream together on one SM (shared memory for their K/V stages).
+RESIDENT = 2
+# A program's fixed cost (launch, query tile, partial written), in key-block reads.
+FIXED_BLOCKS = 2
+# Query rows a decode tile holds at most: more positions take several row tiles.
+MAX_BLOCK_M = 128
+# At most this many query positions run the decode kernels (decode, speculative
+# decoding, chunked prefill); more run the flash kernels.
+DECODE_MAX_Q_LEN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """The decode kernels' tiles and split: ``block_m`` packed query rows (the query
+  heads of one KV head times the positions), ``block_k`` keys per step, ``splits``
+  programs per (batch row, KV head, row tile)."""
+
+  block_m: int = 16
+  block_k: int = 64
+  splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def split_time(splits: int, items: int, blocks: int, sms: int, merge_blocks: float) -> float:
+  """The model's time of ``splits`` (see the module docstring); ``merge_blocks``: one
+  split's partials in key-block reads."""
+  waves = -(-items * splits // (sms * RESIDENT))
+  merge = items * splits * merge_blocks / (sms * RESIDENT)
+  return waves * (-(-blocks // splits) + FIXED_BLOCKS) + merge
+
+
+def decode_config(batch: int, q_len: int, q_heads: int, kv_heads: int, kv_len: int,
+                  head_dim: int, value_head_dim: int, itemsize: int,
+                  sm_count: int | None) -> DecodeConfig:
+  """The decode config for a problem on a device with ``sm_count`` SMs (None: a
+  CPU, where interpret mode runs a small made-up device of 4 SMs)."""
+  group = q_heads // kv_heads
+  block_m = min(MAX_BLOCK_M, max(16, _next_power_of_two(q_len * group)))
+  row_tiles = -(-q_len * group // block_m)
+  block_k = 64 if max(head_dim, value_head_dim) > 128 or block_m > 64 else 128
+  block_k = min(block_k, max(16, _next_power_of_two(kv_len)))
+  blocks = -(-kv_len // block_k)
+  items = batch * kv_heads * row_tiles
+  sms = sm_count or 4
+  block_bytes = block_k * (head_dim + value_head_dim) * itemsize
+  merge_blocks = 2 * block_m * (value_head_dim + 1) * 4 / block_bytes
+  splits = min(range(1, blocks + 1),
+               key=lambda n: (split_time(n, items, blocks, sms, merge_blocks), n))
+  return DecodeConfig(block_m=block_m, block_k=block_k, splits=splits,
+                      num_warps=4 if block_m <= 64 else 8, num_stages=3)

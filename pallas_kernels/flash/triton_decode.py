@@ -1,0 +1,195 @@
+"""Split-KV decode attention, lowered through Triton (Ampere and newer): few query
+positions (decode, speculative decoding, chunked prefill) against a long KV cache.
+
+With few query rows the work is memory-bound: the kernel must read each K/V byte once
+and keep every SM streaming. So
+
+- the query heads that share a KV head are packed into one tile (``[q_len * group]``
+  rows: row ``r`` is query position ``r // group`` of head ``r % group`` of the group),
+  and the tile reads its KV head's keys once for all of them;
+- the cache is split over ``splits`` programs per (batch row, KV head, row tile), each
+  streaming its own range of key blocks with an online softmax, and writing a partial
+  ``(o, lse)``;
+- ``combine_splits`` (``softmax.combine_partials``) merges the partials by their
+  log-sum-exp, outside the kernel.
+
+Grid: ``(splits, batch, kv_heads * row_tiles)``. Keys are those of the cache's
+per-row lengths (``masking.MaskSpec.with_lengths``): a split past a row's length
+visits nothing. The forward only: gradients come from the flash backward kernels,
+which take any ``(o, lse)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jattn.kernels.common.config import padded_head_dim
+from jattn.kernels.common.launch import LENGTHS, triton_call
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, bind_lengths, kv_block_range,
+                                          range_tiles, run_tiles)
+from jattn.kernels.common.nonfinite import guard_values
+from jattn.kernels.common.softmax import (Softcap, combine_partials, dot, floor_sinks,
+                                          log2_logits, log2_units, online_softmax_finish,
+                                          online_softmax_init, online_softmax_step)
+from jattn.kernels.common.tiling import pad_to, round_up
+from jattn.kernels.flash.decode_config import DecodeConfig
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *, spec: MaskSpec,
+                   scale: float, score, group: int, q_len: int, block_m: int, block_k: int,
+                   split_blocks: int, row_tiles: int):
+  spec = bind_lengths(spec, lengths_ref)
+  split = pl.program_id(0)
+  row_start = lax.rem(pl.program_id(2), row_tiles) * block_m
+  q = q_ref[...]
+  rows = row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+  q_idx = lax.div(rows, jnp.int32(group))  # the row's query position
+  first_q = lax.div(row_start, jnp.int32(group))
+  # The tile's last real position (rows past q_len * group pad the packing only).
+  last_q = jnp.minimum(lax.div(row_start + block_m - 1, jnp.int32(group)), q_len - 1)
+  # Positions span [first_q, last_q]: the union of their key ranges, unmasked where
+  # both ends' are (ranges grow with the position), and only if all are real rows.
+  lo, full_lo, full_hi, _ = kv_block_range(spec, first_q, 1, block_k)
+  last = jnp.minimum(last_q, spec.q_len - 1) if spec.lengths else last_q
+  _, last_full_lo, last_full_hi, hi = kv_block_range(spec, last, 1, block_k)
+  full_lo, full_hi = jnp.maximum(full_lo, last_full_lo), jnp.minimum(full_hi, last_full_hi)
+  if spec.lengths:
+    hi = jnp.where(first_q < spec.q_len, hi, lo)
+    full_hi = jnp.where(last_q < spec.q_len, full_hi, full_lo)
+  # This split's share of the key blocks.
+  lo = jnp.maximum(lo, split * split_blocks)
+  hi = jnp.maximum(jnp.minimum(hi, (split + 1) * split_blocks), lo)
+  full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+  full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
+
+  def body(masked: bool, j, carry):
+    k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+    if masked:  # masked weights must not meet a non-finite value (nonfinite.py)
+      k, v = guard_values(k, v)
+    k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    s, c, _ = log2_logits(dot(q, k, 1, 1), scale, score)
+    if masked:
+      s = apply_mask(s, -jnp.inf, spec, q_idx, k_idx)
+    return online_softmax_step(carry, s, c, v)
+
+  c = log2_units(scale, score is not None)
+  carry = run_tiles(range_tiles(lo, full_lo, full_hi, hi), body,
+                    online_softmax_init(block_m, v_ref.shape[-1], None, c))
+  o, lse = online_softmax_finish(carry, c)
+  o_ref[...] = o
+  lse_ref[...] = lse
+
+
+def decode_forward(q, k, v, lengths, *, spec: MaskSpec, scale: float, score, group: int,
+                   q_len: int, block_m: int, block_k: int, splits: int, interpret: bool,
+                   num_warps: int, num_stages: int):
+  """Runs the decode kernel on packed, padded inputs.
+
+  Args:
+    q: ``[batch, kv_heads, rows_p, d_p]``: each KV head's query rows (``q_len *
+      group``, position-major), padded to a multiple of ``block_m``.
+    k, v: ``[batch, kv_len_p, kv_heads, d_p]`` / ``[..., dv_p]``, ``kv_len_p`` a
+      multiple of ``block_k``; split ``s`` takes blocks ``[s * n, (s + 1) * n)`` of
+      ``n = ceil(blocks / splits)``.
+    lengths: ``[batch, 2]`` int32 ``(q_len, kv_len)`` per batch row (``spec.lengths``).
+
+  Returns:
+    Partials ``o: [batch, kv_heads, splits, rows_p, dv_p]`` float32 and ``lse:
+    [batch, kv_heads, splits, rows_p]`` float32 (``EMPTY_ROW_LSE`` where a split saw
+    no key).
+  """
+  batch, kv_heads, rows_p, d = q.shape
+  kv_len_p, dv = k.shape[1], v.shape[-1]
+  row_tiles = rows_p // block_m
+  n_blocks = kv_len_p // block_k
+  split_blocks = -(-n_blocks // splits)
+  tile = lambda s, b, hr: (b, hr // row_tiles, hr % row_tiles, 0)
+  kernel = functools.partial(_decode_kernel, spec=spec, scale=scale, score=score, group=group,
+                             q_len=q_len, block_m=block_m, block_k=block_k,
+                             split_blocks=split_blocks, row_tiles=row_tiles)
+  whole = lambda width: pl.BlockSpec((None, kv_len_p, None, width),
+                                     lambda s, b, hr: (b, 0, hr // row_tiles, 0))
+  return triton_call(
+      kernel,
+      grid=(splits, batch, kv_heads * row_tiles),
+      in_specs=[pl.BlockSpec((None, None, block_m, d), tile), whole(d), whole(dv), LENGTHS],
+      out_specs=[pl.BlockSpec((None, None, None, block_m, dv),
+                              lambda s, b, hr: (b, hr // row_tiles, s, hr % row_tiles, 0)),
+                 pl.BlockSpec((None, None, None, block_m),
+                              lambda s, b, hr: (b, hr // row_tiles, s, hr % row_tiles))],
+      out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_p, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_p), jnp.float32)],
+      name="jattn_flash_decode", interpret=interpret, num_warps=num_warps,
+      num_stages=num_stages,
+  )(q, k, v, lengths)
+
+
+# --- host side ---------------------------------------------------------------------------
+
+def pack_rows(q, kv_heads: int):
+  """``[batch, q_len, q_heads, d]`` -> ``[batch, kv_heads, q_len * group, d]``: each KV
+  head's query rows, position-major (row ``r``: position ``r // group``, head
+  ``r % group`` of the group)."""
+  batch, q_len, q_heads, d = q.shape
+  group = q_heads // kv_heads
+  q = q.reshape(batch, q_len, kv_heads, group, d).transpose(0, 2, 1, 3, 4)
+  return q.reshape(batch, kv_heads, q_len * group, d)
+
+
+def unpack_rows(x, q_len: int):
+  """``pack_rows``' inverse for ``[batch, kv_heads, q_len * group, ...]`` outputs (a
+  trailing ``d`` axis or none): ``[batch, q_len, q_heads, d]``, or ``[batch, q_heads,
+  q_len]`` for a row statistic."""
+  batch, kv_heads, rows = x.shape[:3]
+  group = rows // q_len
+  x = x.reshape(batch, kv_heads, q_len, group, *x.shape[3:])
+  if x.ndim == 5:
+    return x.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, kv_heads * group, x.shape[-1])
+  return x.transpose(0, 1, 3, 2).reshape(batch, kv_heads * group, q_len)
+
+
+def flash_triton_decode(q, k, v, lengths, *, causal: bool, scale: float, local_window, softcap,
+                        config: DecodeConfig, interpret: bool, sinks=None):
+  """Flash attention forward for few query positions, by the split-KV decode kernel.
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, head_dim_v]``.
+    lengths: ``[batch, 2]`` int32 ``(q_len, kv_len)`` of each batch row (as
+      ``flash_triton_forward``'s), or None (every row full).
+    config: tiles, launch and the number of splits (``decode_config``).
+    sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
+
+  Returns:
+    ``(o, lse)`` as ``flash_triton_forward``'s.
+  """
+  batch, q_len, q_heads, head_dim = q.shape
+  kv_len, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
+  group = q_heads // kv_heads
+  c = config
+  rows_p = round_up(q_len * group, c.block_m)
+  kv_len_p = round_up(kv_len, c.block_k)
+  d_p, dv_p = padded_head_dim(head_dim), padded_head_dim(dv)
+  if lengths is None:
+    lengths = jnp.tile(jnp.array([[q_len, kv_len]], jnp.int32), (batch, 1))
+  spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
+                        kv_padded=kv_len_p != kv_len, segments=False, lengths=True)
+  packed = jnp.pad(pack_rows(q, kv_heads), [(0, 0), (0, 0), (0, rows_p - q_len * group),
+                                            (0, d_p - head_dim)])
+  o, lse = decode_forward(packed, pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p), lengths,
+                          spec=spec, scale=scale, score=Softcap.of(softcap), group=group,
+                          q_len=q_len, block_m=c.block_m, block_k=c.block_k, splits=c.splits,
+                          interpret=interpret, num_warps=c.num_warps, num_stages=c.num_stages)
+  sink = None
+  if sinks is not None:  # row r of KV head h is query head h * group + r % group
+    sink = floor_sinks(sinks).reshape(kv_heads, group)[:, jnp.arange(rows_p) % group][None]
+  o, lse = combine_partials(o, lse, axis=2, sink=sink)
+  rows = q_len * group
+  return (unpack_rows(o[:, :, :rows, :dv], q_len).astype(q.dtype),
+          unpack_rows(lse[:, :, :rows], q_len))
