@@ -1,8 +1,8 @@
 """jattn: fast, differentiable attention kernels for JAX, written in Pallas.
 
 Every op goes through one core (``jattn.core``): ``flash_attention``,
-``flex_attention``, ``window_attention``, ``dilated_attention``, ``retention`` and
-``retention_step``;
+``flex_attention``, ``window_attention``, ``dilated_attention``, ``retention``,
+``retention_step`` and ``paged_attention`` (with ``write_kv_pages``);
 ``jattn.gpu`` says which backend each uses here, ``jattn.nn`` holds the Flax
 modules, ``jattn.parallel`` the ring attentions over several devices, and
 ``jattn.kernels`` the Pallas kernels themselves. The PyTorch bridge is
@@ -38,6 +38,7 @@ _EXPORTS = {
     "gpu": "jattn.gpu",
     "gpu_info": "jattn.gpu:gpu_info",
     "nn": "jattn.nn",
+    "paged_attention": "jattn.paged:paged_attention",
     "parallel": "jattn.parallel",
     "recommended_dtype": "jattn.gpu:recommended_dtype",
     "retention": "jattn.retention:retention",
@@ -47,5 +48,6 @@ _EXPORTS = {
     "usable_backends": "jattn.gpu:usable_backends",
     "window_attention": "jattn.window:window_attention",
     "window_attention_reference": "jattn.reference:window_attention_reference",
+    "write_kv_pages": "jattn.paged:write_kv_pages",
 }
 lazy_exports(__name__, _EXPORTS)

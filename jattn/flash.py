@@ -88,7 +88,7 @@ def _dropout_seed(rate, key):
     raise TypeError(f"dropout_key must be a jax.random key, got {key!r}") from e
 
 
-def _window(local_window) -> tuple:
+def window_arg(local_window) -> tuple:
   """``(left, right)`` as Python ints or None, from ints of any kind (numpy's too)."""
   ok = isinstance(local_window, (tuple, list)) and len(local_window) == 2 and all(
       w is None or (is_int(w) and w >= 0) for w in local_window)
@@ -96,6 +96,15 @@ def _window(local_window) -> tuple:
     raise ValueError("local_window must be (left, right) with each a non-negative int or "
                      f"None (unbounded), got {local_window!r}")
   return tuple(None if w is None else int(w) for w in local_window)
+
+
+def sink_arg(sinks, q_heads: int):
+  """``sinks`` checked: ``[q_heads]`` floats, or None."""
+  if sinks is not None:
+    check_shape("sinks", sinks, (q_heads,), "q_heads")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise TypeError(f"sinks must be floats, got dtype {sinks.dtype}")
+  return sinks
 
 
 def row_lengths(q_lengths, kv_lengths, batch: int, q_len: int, kv_len: int):
@@ -329,13 +338,10 @@ class FlashAttention(SoftmaxOp):
       q_segment_ids = q_segment_ids.astype(jnp.int32)
       kv_segment_ids = kv_segment_ids.astype(jnp.int32)
     if local_window is not None:
-      local_window = _window(local_window)
+      local_window = window_arg(local_window)
     if softcap is not None:
       softcap = positive_number("softcap", softcap)
-    if sinks is not None:
-      check_shape("sinks", sinks, (q.shape[2],), "q_heads")
-      if not jnp.issubdtype(sinks.dtype, jnp.floating):
-        raise TypeError(f"sinks must be floats, got dtype {sinks.dtype}")
+    sinks = sink_arg(sinks, q_heads)
     seed = _dropout_seed(dropout_rate, dropout_key)
     lengths = row_lengths(q_lengths, kv_lengths, batch, q_len, k.shape[1])
     problem = FlashProblem.of(
