@@ -53,6 +53,7 @@ temporary folder unless ``--out`` is given.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -137,6 +138,7 @@ class Settings:
   inner: int
   warmup: int
   interpret: bool  # JAX's Pallas peers in interpret mode (--smoke)
+  compile_threads: int = 1
 
 
 # ---------------------------------------------------------------- compiling and timing
@@ -147,32 +149,82 @@ def _as_program(fn):
   return program
 
 
+@dataclasses.dataclass
+class Program:
+  """A compiled program, or the error compiling it gave."""
+  first: str  # the row that compiled it
+  executable: object = None
+  error: str | None = None
+  compile_s: float = 0.0  # XLA's compile (lowering not included)
+
+
 class Programs:
-  """Compiles each distinct program once (keyed by its lowered text) and times it."""
+  """Compiles each distinct program once (keyed by its lowered text) and times it.
+
+  A case's programs are lowered one by one, then the new ones compiled together on
+  ``threads`` threads (XLA compiles outside the GIL); timing is one at a time."""
 
   def __init__(self, settings: Settings):
     self.settings = settings
-    self._compiled = {}  # lowered text -> (first row's impl, executable)
+    self._seen = {}  # lowered text -> Program
 
   def forget(self):
     """Drops the compiled programs (at a new set of arrays: they will not recur)."""
-    self._compiled.clear()
+    self._seen.clear()
+
+  def compile(self, jobs) -> list:
+    """For each job ``(name, fn, args)``: ``(Program, same_as, seconds)``, where
+    ``same_as`` names the row that compiled the same program earlier (else None) and
+    ``seconds`` is this job's lowering and compiling; or the exception lowering raised."""
+    lowered, new = [], {}
+    for name, fn, args in jobs:
+      start = time.perf_counter()
+      try:
+        low = jax.jit(_as_program(fn)).lower(*args)
+      except Exception as e:
+        lowered.append(e)
+        continue
+      text = low.as_text()
+      fresh = text not in self._seen and text not in new
+      if fresh:
+        new[text] = (name, low)
+      lowered.append((text, fresh, time.perf_counter() - start))
+    threads = max(1, min(self.settings.compile_threads, len(new)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      self._seen.update(zip(new, pool.map(lambda item: _compile(*item), new.values())))
+    out = []
+    for item in lowered:
+      if isinstance(item, Exception):
+        out.append(item)
+        continue
+      text, fresh, lower_s = item
+      program = self._seen[text]
+      out.append((program, None if fresh else program.first,
+                  lower_s + (program.compile_s if fresh else 0.0)))
+    return out
+
+  def time(self, program: Program, args) -> dict:
+    s = self.settings
+    seconds = time_jax(program.executable, *args, reps=s.reps, inner=s.inner, warmup=s.warmup)
+    return {"ms": seconds * 1e3, "peak_mib": _peak_mib(program.executable)}
 
   def measure(self, name, fn, args) -> dict:
-    start = time.perf_counter()
-    lowered = jax.jit(_as_program(fn)).lower(*args)
-    text = lowered.as_text()
-    first, compiled = self._compiled.get(text, (None, None))
-    if compiled is None:
-      compiled = lowered.compile()
-      self._compiled[text] = (name, compiled)
-    compile_s = time.perf_counter() - start
-    s = self.settings
-    seconds = time_jax(compiled, *args, reps=s.reps, inner=s.inner, warmup=s.warmup)
-    row = {"ms": seconds * 1e3, "compile_s": round(compile_s, 3), "peak_mib": _peak_mib(compiled)}
-    if first is not None:
-      row["same_program_as"] = first
-    return row
+    """One program compiled and timed (errors raise)."""
+    [result] = self.compile([(name, fn, args)])
+    if isinstance(result, Exception):
+      raise result
+    if result[0].error:
+      raise RuntimeError(result[0].error)
+    return self.time(result[0], args)
+
+
+def _compile(name, lowered) -> Program:
+  start = time.perf_counter()
+  try:
+    executable = lowered.compile()
+  except Exception as e:  # e.g. a kernel that does not fit; recorded in its rows
+    return Program(name, error=_one_line(e), compile_s=time.perf_counter() - start)
+  return Program(name, executable, compile_s=time.perf_counter() - start)
 
 
 def _peak_mib(compiled):
@@ -189,22 +241,48 @@ def _one_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def run_row(programs, base: dict, name: str, build, need_bytes: int = 0) -> dict:
-  """One timed row: ``build()`` gives ``(fn, args)`` or ``(fn, args, params)``; an error
-  is recorded in the row, never raised; a row estimated over MEMORY_LIMIT is skipped."""
-  row = dict(base, impl=name)
-  if need_bytes > MEMORY_LIMIT:
-    row["skipped"] = f"needs about {need_bytes / GiB:.0f} GiB"
-  else:
+def run_case(programs: Programs, base: dict, builds: dict) -> list:
+  """The rows of one case. ``builds``: impl -> ``(build, estimated bytes)``; ``build()``
+  gives ``(fn, args)`` or ``(fn, args, params)``. A row estimated over MEMORY_LIMIT is
+  skipped; an error is recorded in its row, never raised."""
+  rows, jobs = [], []
+  for name, (build, need) in builds.items():
+    row = dict(base, impl=name)
+    rows.append(row)
+    if need > MEMORY_LIMIT:
+      row["skipped"] = f"needs about {need / GiB:.0f} GiB"
+      continue
     try:
       fn, args, *params = build()
-      if params and params[0]:
-        row["params"] = params[0]
-      row.update(programs.measure(name, fn, args))
-    except Exception as e:  # a peer lacking a feature or memory is recorded, not fatal
+    except Exception as e:  # e.g. a peer missing from this jax
       row["error"] = _one_line(e)
-  print(_fmt_row(row), flush=True)
-  return row
+      continue
+    if params and params[0]:
+      row["params"] = params[0]
+    jobs.append((row, fn, args))
+  compiled = programs.compile([(row["impl"], fn, args) for row, fn, args in jobs])
+  for (row, _, args), result in zip(jobs, compiled):
+    _time_row(programs, row, result, args)
+  for row in rows:
+    print(_fmt_row(row), flush=True)
+  return rows
+
+
+def _time_row(programs, row, result, args):
+  if isinstance(result, Exception):
+    row["error"] = _one_line(result)
+    return
+  program, same_as, seconds = result
+  row["compile_s"] = round(seconds, 3)
+  if same_as:
+    row["same_program_as"] = same_as
+  if program.error:
+    row["error"] = program.error
+    return
+  try:
+    row.update(programs.time(program, args))
+  except Exception as e:  # a kernel failing at run time
+    row["error"] = _one_line(e)
 
 
 def _fmt_row(row) -> str:
@@ -394,7 +472,8 @@ def decode_builds(c: dict, q, cache: Cache, s: Settings) -> dict:
     need = kv + (logits if impl == "xla" else 0)
     builds[impl] = (lambda fn=fn: (fn, (q, cache.k, cache.v)), need)
   if c["q_len"] == 1:
-    builds["jax_decode"] = (lambda: _jax_decode_build(c, q, cache, s, head_major=False), 2 * kv)
+    # + the head-major copy kept for jax_decode_hm, + gqa's own transposed copy
+    builds["jax_decode"] = (lambda: _jax_decode_build(c, q, cache, s, head_major=False), 3 * kv)
     builds["jax_decode_hm"] = (lambda: _jax_decode_build(c, q, cache, s, head_major=True), 2 * kv)
   return builds
 
@@ -434,8 +513,10 @@ def decode_section(programs, s: Settings, copy: dict | None, rows: list) -> dict
                head_dim=dim)
       base = dict(c, section="decode", case=_decode_case(c))
       q = _normal(0, (batch, q_len, q_heads, dim))
-      for name, (build, need) in decode_builds(c, q, cache, s).items():
-        row = run_row(programs, base, name, build, need if cache else 2 * kv)
+      builds = decode_builds(c, q, cache, s)
+      if cache is None:
+        builds = {name: (build, 2 * kv) for name, (build, _) in builds.items()}
+      for row in run_case(programs, base, builds):
         _add_bandwidth(row, kv, copy_gbps)
         rows.append(row)
     del cache
@@ -512,8 +593,8 @@ def paged_section(programs, s: Settings, copy: dict | None, rows: list) -> dict:
       programs.forget()  # the contiguous program recurs across page sizes only
     pages = Pages.random(batch, tokens, page_size, kv_heads, dim)
     q = _normal(0, (batch, 1, q_heads, dim))
-    for name, build in paged_builds(q, pages, s).items():
-      row = run_row(programs, base, name, build)
+    builds = {name: (build, 3 * kv) for name, build in paged_builds(q, pages, s).items()}
+    for row in run_case(programs, base, builds):
       _add_bandwidth(row, kv, copy_gbps)
       rows.append(row)
     del pages
@@ -579,16 +660,18 @@ def varlen_section(programs, s: Settings, copy: dict | None, rows: list) -> dict
   print(f"varlen: {len(lengths)} sequences, {lengths.sum()} tokens, lengths "
         f"{lengths.min()}-{lengths.max()} (drawn {drawn.min()}-{drawn.max()}, sum {drawn.sum()})",
         flush=True)
-  builds = varlen_builds(lengths, spec)
-  for mode, (name, (fn, args, flop_lengths)) in itertools.product(("fwd", "fwd+bwd"),
-                                                                  builds.items()):
+  impls = varlen_builds(lengths, spec)
+  for mode in ("fwd", "fwd+bwd"):
     base = dict(section="varlen", case=f"{mode} {len(lengths)} seqs {spec.total}",
                 mode=mode, tokens=spec.total, heads=spec.heads, head_dim=spec.head_dim)
-    program = fn if mode == "fwd" else _with_grads(fn)
-    row = run_row(programs, base, name, lambda: (program, args))
-    if "ms" in row:
-      row["tflops"] = varlen_flops(flop_lengths, spec.heads, spec.head_dim, mode) / row["ms"] / 1e9
-    rows.append(row)
+    wrap = (lambda fn: fn) if mode == "fwd" else _with_grads
+    builds = {name: (lambda fn=fn, args=args: (wrap(fn), args), 0)
+              for name, (fn, args, _) in impls.items()}
+    for row in run_case(programs, base, builds):
+      if "ms" in row:
+        flops = varlen_flops(impls[row["impl"]][2], spec.heads, spec.head_dim, mode)
+        row["tflops"] = flops / row["ms"] / 1e9
+      rows.append(row)
   return {"lengths": [int(x) for x in lengths], "drawn_lengths": [int(x) for x in drawn]}
 
 
@@ -650,14 +733,19 @@ def varlen_ratios(rows, grid: Grid) -> list:
 RATIOS = {"decode": decode_ratios, "paged": paged_ratios, "varlen": varlen_ratios}
 
 
-def judge(ratios: list, thresholds: dict) -> list:
-  """One line per bar that has cases: its worst case, how many pass, pass or fail."""
+def judge(ratios: list, thresholds: dict, sections) -> list:
+  """One line per bar of the sections run: its worst case, how many pass, pass or fail
+  (``pass`` None: no case had both times, e.g. a peer failed everywhere)."""
   bars = []
   for name, (what, _) in BARS.items():
-    cases = [r for r in ratios if r["bar"] == name]
-    if not cases:
+    if name.split("_")[0] not in sections:
       continue
+    cases = [r for r in ratios if r["bar"] == name]
     threshold = thresholds[name]
+    if not cases:
+      bars.append({"bar": name, "what": what, "threshold": threshold, "cases": 0,
+                   "pass": None})
+      continue
     for r in cases:
       r["pass"] = r["value"] >= threshold
     worst = min(cases, key=lambda r: r["value"])
@@ -765,10 +853,24 @@ SECTION_NOTES = {
 SECTION_TABLES = {"decode": decode_markdown, "paged": paged_markdown, "varlen": varlen_markdown}
 
 
+def errors_markdown(rows) -> list:
+  """One line per distinct (impl, error or reason skipped), with how many cases."""
+  seen = {}
+  for r in rows:
+    why = r.get("error") or r.get("skipped")
+    if why:
+      seen.setdefault((r["impl"], why), []).append(r["case"])
+  return [f"- {impl} not timed in {len(cases)} case(s) (first: {cases[0]}): {why}"
+          for (impl, why), cases in seen.items()]
+
+
 def bars_markdown(bars) -> str:
   lines = ["| bar | what | threshold | worst (case) | cases passing | result |",
            "|---|---|---|---|---|---|"]
   for b in bars:
+    if b["pass"] is None:
+      lines.append(f"| {b['bar']} | {b['what']} | {b['threshold']:.2f} | | 0/0 | no data |")
+      continue
     lines.append(f"| {b['bar']} | {b['what']} | {b['threshold']:.2f} | {b['worst']:.2f} "
                  f"({b['worst_case']}) | {b['passing']}/{b['cases']} | "
                  f"{'PASS' if b['pass'] else 'FAIL'} |")
@@ -790,7 +892,9 @@ def markdown(result) -> str:
     if "skipped" in section or "failed" in section:
       out += [f"Not run: {section.get('skipped') or section.get('failed')}", ""]
     if section.get("rows"):
-      out += [SECTION_TABLES[name](section["rows"]), *SECTION_NOTES[name],
+      errors = errors_markdown(section["rows"])
+      out += [SECTION_TABLES[name](section["rows"]), *SECTION_NOTES[name], "",
+              *(errors + [""] if errors else []),
               f"Section time (compiles included): {section['seconds']:.0f} s.", ""]
   return "\n".join(out) + "\n"
 
@@ -838,6 +942,8 @@ def parse_args(argv=None):
   parser.add_argument("--reps", type=int, default=None, help="timed samples (default 10)")
   parser.add_argument("--inner", type=int, default=None, help="calls per sample (default 10)")
   parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default 2)")
+  parser.add_argument("--compile-threads", type=int, default=None,
+                      help="programs of a case compiled at once (default: min(8, cores))")
   parser.add_argument("--bar", action="append", default=[], metavar="NAME=VALUE",
                       help=f"override a bar's threshold ({', '.join(BARS)})")
   args = parser.parse_args(argv)
@@ -852,12 +958,15 @@ def parse_args(argv=None):
 
 
 def settings_for(args) -> Settings:
+  threads = args.compile_threads or min(8, os.cpu_count() or 1)
   if args.smoke:
     return Settings(SMOKE, ("auto", "pallas_triton", "xla"), reps=args.reps or 2,
-                    inner=args.inner or 1, warmup=args.warmup or 1, interpret=True)
+                    inner=args.inner or 1, warmup=args.warmup or 1, interpret=True,
+                    compile_threads=threads)
   return Settings(QUICK if args.quick else FULL, ("auto", "pallas_triton", "pallas_mosaic"),
                   reps=args.reps or 10, inner=args.inner or 10,
-                  warmup=2 if args.warmup is None else args.warmup, interpret=False)
+                  warmup=2 if args.warmup is None else args.warmup, interpret=False,
+                  compile_threads=threads)
 
 
 def main(argv=None):
@@ -880,14 +989,16 @@ def main(argv=None):
   result = {"env": env, "label": label, "args": {k: v for k, v in vars(args).items()},
             "grid": dataclasses.asdict(settings.grid), "jattn_backends": settings.jattn_backends,
             "timing": (f"{settings.reps} samples of {settings.inner} calls after "
-                       f"{settings.warmup} warm-up calls"),
+                       f"{settings.warmup} warm-up calls; programs of a case compiled "
+                       f"{settings.compile_threads} at a time"),
             "memory_limit_gib": MEMORY_LIMIT / GiB, "copy": copy, "sections": {},
             "ratios": [], "bars": []}
   for name in names:
     section = run_section(name, settings, copy)
     result["sections"][name] = section
     result["ratios"] += RATIOS[name](section.get("rows", []), settings.grid)
-    result["bars"] = judge(result["ratios"], args.thresholds)
+    ran = [n for n, sec in result["sections"].items() if sec.get("rows")]
+    result["bars"] = judge(result["ratios"], args.thresholds, ran)
     md = markdown(result)
     write_results(out, f"decode_{label}", result, md)  # every section: a cut run keeps rows
   print(md)
