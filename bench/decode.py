@@ -23,7 +23,8 @@ one-line message while the others still run:
           (K/V pages transposed to its ``[kv_heads, pages, page_size, dim]`` layout
           outside the timed region).
   varlen  64 packed causal sequences, lengths drawn uniformly from 128-8192 (seed 0)
-          and rescaled to 131072 tokens in all, 16 q / 16 kv heads, head dim 128:
+          and scaled to 131072 tokens in all (73-3946 after scaling), 16 q / 16 kv
+          heads, head dim 128:
           forward and forward+backward (gradients of sum(o) for q, k, v) of
           ``flash_attention_varlen``, of ``flash_attention`` on 16 x 8192 (the same
           tokens, equal lengths) and of ``flash_attention`` with segment ids on the
@@ -250,7 +251,7 @@ def run_case(programs: Programs, base: dict, builds: dict) -> list:
     row = dict(base, impl=name)
     rows.append(row)
     if need > MEMORY_LIMIT:
-      row["skipped"] = f"needs about {need / GiB:.0f} GiB"
+      row["skipped"] = f"needs about {_size(need)}"
       continue
     try:
       fn, args, *params = build()
@@ -501,26 +502,30 @@ def _decode_case(c) -> str:
 
 def decode_section(programs, s: Settings, copy: dict | None, rows: list) -> dict:
   g = s.grid
-  copy_gbps = copy and copy["gbps"]
-  kv_head_counts = sorted({kv for _, kv in g.heads})
-  for dim, (batch, tokens), kv_heads in itertools.product(g.head_dims, g.caches, kv_head_counts):
-    kv = _kv_bytes(batch, tokens, kv_heads, dim)
-    programs.forget()
-    cache = Cache.random(batch, tokens, kv_heads, dim) if 2 * kv <= MEMORY_LIMIT else None
-    for (q_heads, _), q_len in itertools.product(
-        [h for h in g.heads if h[1] == kv_heads], g.q_lens):
-      c = dict(q_len=q_len, batch=batch, cache=tokens, q_heads=q_heads, kv_heads=kv_heads,
-               head_dim=dim)
-      base = dict(c, section="decode", case=_decode_case(c))
-      q = _normal(0, (batch, q_len, q_heads, dim))
-      builds = decode_builds(c, q, cache, s)
-      if cache is None:
-        builds = {name: (build, 2 * kv) for name, (build, _) in builds.items()}
-      for row in run_case(programs, base, builds):
-        _add_bandwidth(row, kv, copy_gbps)
-        rows.append(row)
-    del cache
+  for dim, (batch, tokens), kv_heads in itertools.product(
+      g.head_dims, g.caches, sorted({kv for _, kv in g.heads})):
+    programs.forget()  # the programs of one cache do not recur with the next
+    _decode_cache(programs, s, copy, rows, dim, batch, tokens, kv_heads)
   return {}
+
+
+def _decode_cache(programs, s: Settings, copy, rows, dim, batch, tokens, kv_heads):
+  """The cases on one cache (its arrays are freed on return)."""
+  g = s.grid
+  kv = _kv_bytes(batch, tokens, kv_heads, dim)
+  cache = Cache.random(batch, tokens, kv_heads, dim) if 2 * kv <= MEMORY_LIMIT else None
+  for (q_heads, _), q_len in itertools.product([h for h in g.heads if h[1] == kv_heads],
+                                               g.q_lens):
+    c = dict(q_len=q_len, batch=batch, cache=tokens, q_heads=q_heads, kv_heads=kv_heads,
+             head_dim=dim)
+    base = dict(c, section="decode", case=_decode_case(c))
+    if cache is None:
+      rows.append(dict(base, impl="all", skipped=f"K/V alone need {_size(2 * kv)}"))
+      continue
+    q = _normal(0, (batch, q_len, q_heads, dim))
+    for row in run_case(programs, base, decode_builds(c, q, cache, s)):
+      _add_bandwidth(row, kv, copy and copy["gbps"])
+      rows.append(row)
 
 
 # ---------------------------------------------------------------- paged
@@ -577,28 +582,32 @@ def paged_builds(q, pages: Pages, s: Settings) -> dict:
 
 def paged_section(programs, s: Settings, copy: dict | None, rows: list) -> dict:
   g = s.grid
-  q_heads, kv_heads = g.paged_heads
-  dim = g.paged_head_dim
-  copy_gbps = copy and copy["gbps"]
   for (batch, tokens), page_size in itertools.product(g.caches, g.page_sizes):
-    c = dict(q_len=1, batch=batch, cache=tokens, page_size=page_size, q_heads=q_heads,
-             kv_heads=kv_heads, head_dim=dim)
-    base = dict(c, section="paged", case=f"{batch}x{tokens} page {page_size}")
-    kv = _kv_bytes(batch, tokens, kv_heads, dim)
-    if tokens % page_size or 3 * kv > MEMORY_LIMIT:  # pages, contiguous copy, JAX layout
-      why = "page size does not divide the cache" if tokens % page_size else "memory"
-      rows.append(dict(base, impl="all", skipped=why))
-      continue
     if page_size == g.page_sizes[0]:
       programs.forget()  # the contiguous program recurs across page sizes only
-    pages = Pages.random(batch, tokens, page_size, kv_heads, dim)
-    q = _normal(0, (batch, 1, q_heads, dim))
-    builds = {name: (build, 3 * kv) for name, build in paged_builds(q, pages, s).items()}
-    for row in run_case(programs, base, builds):
-      _add_bandwidth(row, kv, copy_gbps)
-      rows.append(row)
-    del pages
+    _paged_case(programs, s, copy, rows, batch, tokens, page_size)
   return {}
+
+
+def _paged_case(programs, s: Settings, copy, rows, batch, tokens, page_size):
+  """One (cache, page size) case (its arrays are freed on return)."""
+  q_heads, kv_heads = s.grid.paged_heads
+  dim = s.grid.paged_head_dim
+  c = dict(q_len=1, batch=batch, cache=tokens, page_size=page_size, q_heads=q_heads,
+           kv_heads=kv_heads, head_dim=dim)
+  base = dict(c, section="paged", case=f"{batch}x{tokens} page {page_size}")
+  kv = _kv_bytes(batch, tokens, kv_heads, dim)
+  if tokens % page_size or 3 * kv > MEMORY_LIMIT:  # pages, contiguous copy, JAX layout
+    why = ("page size does not divide the cache" if tokens % page_size
+           else f"pages, contiguous and JAX-layout copies need {_size(3 * kv)}")
+    rows.append(dict(base, impl="all", skipped=why))
+    return
+  pages = Pages.random(batch, tokens, page_size, kv_heads, dim)
+  q = _normal(0, (batch, 1, q_heads, dim))
+  builds = {name: (build, 3 * kv) for name, build in paged_builds(q, pages, s).items()}
+  for row in run_case(programs, base, builds):
+    _add_bandwidth(row, kv, copy and copy["gbps"])
+    rows.append(row)
 
 
 # ---------------------------------------------------------------- varlen
