@@ -31,11 +31,13 @@ one-line message while the others still run:
           same packing. Real-FLOP TFLOP/s: causal forward 2 * sum(L_i^2) * H * D,
           forward+backward 3.5x.
 
-Timing: ``bench.common.time_jax`` (median of ``--reps`` samples of ``--inner`` queued
-calls, after ``--warmup`` calls, each sample ended by ``block_until_ready``) on
-programs jitted and compiled once each; a program equal to one already compiled
-(jattn ``auto`` resolving to a backend also timed by name) is compiled once and
-timed again for its own row (``same_program_as`` in the JSON).
+Timing (``bench/programs.py``): ``bench.common.time_jax`` (median of ``--reps``
+samples of ``--inner`` queued calls, after ``--warmup`` calls, each sample ended by
+``block_until_ready``) on jitted programs; a case's programs are compiled together
+(``--compile-threads``), and a program equal to one already compiled (jattn ``auto``
+resolving to a backend also timed by name) is compiled once and timed again for its
+own row (``same_program_as`` in the JSON). An error is recorded in its row; one
+outside a row (e.g. no memory for a cache) ends only that cache's cases.
 
     python bench/decode.py --out bench/results              # every section (GPU)
     python bench/decode.py --section decode --quick         # GQA 32/8, hd 128, q_len 1
@@ -54,7 +56,6 @@ temporary folder unless ``--out`` is given.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -71,9 +72,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import environment, time_jax, write_results  # noqa: E402
+from bench.common import environment, write_results  # noqa: E402
+from bench.programs import GiB, Programs, one_line, run_case, size  # noqa: E402
 
-GiB = 2**30
 DTYPE = jnp.bfloat16
 MEMORY_LIMIT = 60 * GiB  # configurations estimated above this are skipped, not run
 SECTIONS = ("decode", "paged", "varlen")
@@ -141,149 +142,16 @@ class Settings:
   interpret: bool  # JAX's Pallas peers in interpret mode (--smoke)
   compile_threads: int = 1
 
-
-# ---------------------------------------------------------------- compiling and timing
-
-def _as_program(fn):
-  def program(*args):  # one name for every program: equal programs lower to equal text
-    return fn(*args)
-  return program
+  def programs(self) -> Programs:
+    return Programs(self.reps, self.inner, self.warmup, self.compile_threads)
 
 
-@dataclasses.dataclass
-class Program:
-  """A compiled program, or the error compiling it gave."""
-  first: str  # the row that compiled it
-  executable: object = None
-  error: str | None = None
-  compile_s: float = 0.0  # XLA's compile (lowering not included)
+# ---------------------------------------------------------------- rows
 
-
-class Programs:
-  """Compiles each distinct program once (keyed by its lowered text) and times it.
-
-  A case's programs are lowered one by one, then the new ones compiled together on
-  ``threads`` threads (XLA compiles outside the GIL); timing is one at a time."""
-
-  def __init__(self, settings: Settings):
-    self.settings = settings
-    self._seen = {}  # lowered text -> Program
-
-  def forget(self):
-    """Drops the compiled programs (at a new set of arrays: they will not recur)."""
-    self._seen.clear()
-
-  def compile(self, jobs) -> list:
-    """For each job ``(name, fn, args)``: ``(Program, same_as, seconds)``, where
-    ``same_as`` names the row that compiled the same program earlier (else None) and
-    ``seconds`` is this job's lowering and compiling; or the exception lowering raised."""
-    lowered, new = [], {}
-    for name, fn, args in jobs:
-      start = time.perf_counter()
-      try:
-        low = jax.jit(_as_program(fn)).lower(*args)
-      except Exception as e:
-        lowered.append(e)
-        continue
-      text = low.as_text()
-      fresh = text not in self._seen and text not in new
-      if fresh:
-        new[text] = (name, low)
-      lowered.append((text, fresh, time.perf_counter() - start))
-    threads = max(1, min(self.settings.compile_threads, len(new)))
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      self._seen.update(zip(new, pool.map(lambda item: _compile(*item), new.values())))
-    out = []
-    for item in lowered:
-      if isinstance(item, Exception):
-        out.append(item)
-        continue
-      text, fresh, lower_s = item
-      program = self._seen[text]
-      out.append((program, None if fresh else program.first,
-                  lower_s + (program.compile_s if fresh else 0.0)))
-    return out
-
-  def time(self, program: Program, args) -> dict:
-    s = self.settings
-    seconds = time_jax(program.executable, *args, reps=s.reps, inner=s.inner, warmup=s.warmup)
-    return {"ms": seconds * 1e3, "peak_mib": _peak_mib(program.executable)}
-
-  def measure(self, name, fn, args) -> dict:
-    """One program compiled and timed (errors raise)."""
-    [result] = self.compile([(name, fn, args)])
-    if isinstance(result, Exception):
-      raise result
-    if result[0].error:
-      raise RuntimeError(result[0].error)
-    return self.time(result[0], args)
-
-
-def _compile(name, lowered) -> Program:
-  start = time.perf_counter()
-  try:
-    executable = lowered.compile()
-  except Exception as e:  # e.g. a kernel that does not fit; recorded in its rows
-    return Program(name, error=_one_line(e), compile_s=time.perf_counter() - start)
-  return Program(name, executable, compile_s=time.perf_counter() - start)
-
-
-def _peak_mib(compiled):
-  try:
-    m = compiled.memory_analysis()
-    return round((m.argument_size_in_bytes + m.output_size_in_bytes
-                  + m.temp_size_in_bytes) / 2**20, 1)
-  except Exception:  # not every backend reports it
-    return None
-
-
-def _one_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0][:200] if text else ''}"
-
-
-def run_case(programs: Programs, base: dict, builds: dict) -> list:
-  """The rows of one case. ``builds``: impl -> ``(build, estimated bytes)``; ``build()``
-  gives ``(fn, args)`` or ``(fn, args, params)``. A row estimated over MEMORY_LIMIT is
-  skipped; an error is recorded in its row, never raised."""
-  rows, jobs = [], []
-  for name, (build, need) in builds.items():
-    row = dict(base, impl=name)
-    rows.append(row)
-    if need > MEMORY_LIMIT:
-      row["skipped"] = f"needs about {_size(need)}"
-      continue
-    try:
-      fn, args, *params = build()
-    except Exception as e:  # e.g. a peer missing from this jax
-      row["error"] = _one_line(e)
-      continue
-    if params and params[0]:
-      row["params"] = params[0]
-    jobs.append((row, fn, args))
-  compiled = programs.compile([(row["impl"], fn, args) for row, fn, args in jobs])
-  for (row, _, args), result in zip(jobs, compiled):
-    _time_row(programs, row, result, args)
-  for row in rows:
-    print(_fmt_row(row), flush=True)
-  return rows
-
-
-def _time_row(programs, row, result, args):
-  if isinstance(result, Exception):
-    row["error"] = _one_line(result)
-    return
-  program, same_as, seconds = result
-  row["compile_s"] = round(seconds, 3)
-  if same_as:
-    row["same_program_as"] = same_as
-  if program.error:
-    row["error"] = program.error
-    return
-  try:
-    row.update(programs.time(program, args))
-  except Exception as e:  # a kernel failing at run time
-    row["error"] = _one_line(e)
+def _run(programs, base, builds, finish=lambda row: None) -> list:
+  """``run_case`` with this benchmark's memory limit and row printing."""
+  return run_case(programs, base, builds, memory_limit=MEMORY_LIMIT, finish=finish,
+                  show=lambda row: print(_fmt_row(row), flush=True))
 
 
 def _fmt_row(row) -> str:
@@ -327,7 +195,7 @@ def missing_api(section: str) -> str | None:
   try:
     fn = getattr(jattn, name, None)
   except Exception as e:  # the name exists but its module fails to import
-    return f"importing jattn.{name} failed ({_one_line(e)})"
+    return f"importing jattn.{name} failed ({one_line(e)})"
   if fn is None:
     return f"jattn has no {name} in this checkout"
   if section == "decode" and not _takes(fn, "kv_lengths"):
@@ -417,14 +285,10 @@ def copy_bandwidth(programs, nbytes: int) -> dict:
   for name, fn in (("copy", jnp.copy), ("x+1", lambda x: x + 1)):
     ms = programs.measure(name, fn, (x,))["ms"]
     result[name] = {"ms": ms, "gbps": 2 * nbytes / ms / 1e6}
-    print(f"copy bandwidth ({name}, {_size(nbytes)}): {ms:.3f} ms, "
+    print(f"copy bandwidth ({name}, {size(nbytes)}): {ms:.3f} ms, "
           f"{result[name]['gbps']:.0f} GB/s", flush=True)
   result["gbps"] = max(result["copy"]["gbps"], result["x+1"]["gbps"])
   return result
-
-
-def _size(nbytes) -> str:
-  return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.0f} MiB"
 
 
 def _add_bandwidth(row, kv_bytes, copy_gbps):
@@ -505,8 +369,20 @@ def decode_section(programs, s: Settings, copy: dict | None, rows: list) -> dict
   for dim, (batch, tokens), kv_heads in itertools.product(
       g.head_dims, g.caches, sorted({kv for _, kv in g.heads})):
     programs.forget()  # the programs of one cache do not recur with the next
-    _decode_cache(programs, s, copy, rows, dim, batch, tokens, kv_heads)
+    where = dict(section="decode", q_len="all", batch=batch, cache=tokens, q_heads="all",
+                 kv_heads=kv_heads, head_dim=dim, case=f"{batch}x{tokens} kv {kv_heads} d{dim}")
+    _guarded(rows, where, _decode_cache, programs, s, copy, rows, dim, batch, tokens, kv_heads)
   return {}
+
+
+def _guarded(rows, where: dict, fn, *args):
+  """``fn(*args)``; an error outside a row (e.g. no memory for the arrays) ends only
+  this cache's cases, recorded as a row ``where``."""
+  try:
+    fn(*args)
+  except Exception as e:
+    rows.append(dict(where, impl="all", error=one_line(e)))
+    print(_fmt_row(rows[-1]), flush=True)
 
 
 def _decode_cache(programs, s: Settings, copy, rows, dim, batch, tokens, kv_heads):
@@ -520,12 +396,11 @@ def _decode_cache(programs, s: Settings, copy, rows, dim, batch, tokens, kv_head
              head_dim=dim)
     base = dict(c, section="decode", case=_decode_case(c))
     if cache is None:
-      rows.append(dict(base, impl="all", skipped=f"K/V alone need {_size(2 * kv)}"))
+      rows.append(dict(base, impl="all", skipped=f"K/V alone need {size(2 * kv)}"))
       continue
     q = _normal(0, (batch, q_len, q_heads, dim))
-    for row in run_case(programs, base, decode_builds(c, q, cache, s)):
-      _add_bandwidth(row, kv, copy and copy["gbps"])
-      rows.append(row)
+    rows += _run(programs, base, decode_builds(c, q, cache, s),
+                 finish=lambda row: _add_bandwidth(row, kv, copy and copy["gbps"]))
 
 
 # ---------------------------------------------------------------- paged
@@ -585,7 +460,9 @@ def paged_section(programs, s: Settings, copy: dict | None, rows: list) -> dict:
   for (batch, tokens), page_size in itertools.product(g.caches, g.page_sizes):
     if page_size == g.page_sizes[0]:
       programs.forget()  # the contiguous program recurs across page sizes only
-    _paged_case(programs, s, copy, rows, batch, tokens, page_size)
+    where = dict(section="paged", batch=batch, cache=tokens, page_size=page_size,
+                 case=f"{batch}x{tokens} page {page_size}")
+    _guarded(rows, where, _paged_case, programs, s, copy, rows, batch, tokens, page_size)
   return {}
 
 
@@ -599,15 +476,14 @@ def _paged_case(programs, s: Settings, copy, rows, batch, tokens, page_size):
   kv = _kv_bytes(batch, tokens, kv_heads, dim)
   if tokens % page_size or 3 * kv > MEMORY_LIMIT:  # pages, contiguous copy, JAX layout
     why = ("page size does not divide the cache" if tokens % page_size
-           else f"pages, contiguous and JAX-layout copies need {_size(3 * kv)}")
+           else f"pages, contiguous and JAX-layout copies need {size(3 * kv)}")
     rows.append(dict(base, impl="all", skipped=why))
     return
   pages = Pages.random(batch, tokens, page_size, kv_heads, dim)
   q = _normal(0, (batch, 1, q_heads, dim))
   builds = {name: (build, 3 * kv) for name, build in paged_builds(q, pages, s).items()}
-  for row in run_case(programs, base, builds):
-    _add_bandwidth(row, kv, copy and copy["gbps"])
-    rows.append(row)
+  rows += _run(programs, base, builds,
+               finish=lambda row: _add_bandwidth(row, kv, copy and copy["gbps"]))
 
 
 # ---------------------------------------------------------------- varlen
@@ -663,6 +539,12 @@ def varlen_builds(lengths, spec: Varlen) -> dict:
           "jattn_segments": (segments, (q, k, v, ids), lengths)}
 
 
+def _add_tflops(row, impls, spec: Varlen, mode):
+  if "ms" in row:
+    flops = varlen_flops(impls[row["impl"]][2], spec.heads, spec.head_dim, mode)
+    row["tflops"] = flops / row["ms"] / 1e9
+
+
 def varlen_section(programs, s: Settings, copy: dict | None, rows: list) -> dict:
   spec = s.grid.varlen
   drawn, lengths = varlen_lengths(spec)
@@ -676,11 +558,8 @@ def varlen_section(programs, s: Settings, copy: dict | None, rows: list) -> dict
     wrap = (lambda fn: fn) if mode == "fwd" else _with_grads
     builds = {name: (lambda fn=fn, args=args: (wrap(fn), args), 0)
               for name, (fn, args, _) in impls.items()}
-    for row in run_case(programs, base, builds):
-      if "ms" in row:
-        flops = varlen_flops(impls[row["impl"]][2], spec.heads, spec.head_dim, mode)
-        row["tflops"] = flops / row["ms"] / 1e9
-      rows.append(row)
+    rows += _run(programs, base, builds,
+                 finish=lambda row, mode=mode: _add_tflops(row, impls, spec, mode))
   return {"lengths": [int(x) for x in lengths], "drawn_lengths": [int(x) for x in drawn]}
 
 
@@ -892,7 +771,7 @@ def markdown(result) -> str:
          f"bf16; medians of {result['timing']}.", ""]
   if copy:
     out += [f"Copy bandwidth: {copy['gbps']:.0f} GB/s (jitted copy {copy['copy']['gbps']:.0f}, "
-            f"x + 1 {copy['x+1']['gbps']:.0f}; {_size(copy['bytes'])} array, "
+            f"x + 1 {copy['x+1']['gbps']:.0f}; {size(copy['bytes'])} array, "
             "2 x bytes / time).", ""]
   if result["bars"]:
     out += ["## Bars", "", bars_markdown(result["bars"])]
@@ -922,9 +801,9 @@ def run_section(name, settings, copy) -> dict:
   start, rows = time.perf_counter(), []
   section = {"rows": rows}
   try:
-    section.update(SECTION_RUNNERS[name](Programs(settings), settings, copy, rows))
+    section.update(SECTION_RUNNERS[name](settings.programs(), settings, copy, rows))
   except Exception as e:
-    section["failed"] = _one_line(e)
+    section["failed"] = one_line(e)
     print(f"{name}: stopped: {section['failed']}", flush=True)
   section["seconds"] = time.perf_counter() - start
   print(f"{name}: {section['seconds']:.0f} s", flush=True)
@@ -994,7 +873,7 @@ def main(argv=None):
   names = SECTIONS if section_arg == "all" else (section_arg,)
   copy = None
   if "decode" in names or "paged" in names:
-    copy = copy_bandwidth(Programs(settings), settings.grid.copy_bytes)
+    copy = copy_bandwidth(settings.programs(), settings.grid.copy_bytes)
   result = {"env": env, "label": label, "args": {k: v for k, v in vars(args).items()},
             "grid": dataclasses.asdict(settings.grid), "jattn_backends": settings.jattn_backends,
             "timing": (f"{settings.reps} samples of {settings.inner} calls after "
