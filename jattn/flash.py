@@ -25,7 +25,9 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
 from jattn.kernels.common.softmax import backward_delta
-from jattn.kernels.flash.decode_config import DECODE_MAX_Q_LEN, DecodeConfig, decode_config
+from jattn.kernels.flash.decode_config import (DECODE_MAX_Q_LEN, DecodeConfig, decode_config,
+                                               mosaic_decode_config)
+from jattn.kernels.flash.mosaic_decode import flash_mosaic_decode, mosaic_decode_runs
 from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.kernels.flash.config import (BACKWARD_SEARCH, FORWARD_SEARCH, backward_kernels,
                                         backward_modelled, mosaic_backward_runs, mosaic_misfit)
@@ -175,6 +177,16 @@ def problem_decode_config(p: FlashProblem, info: GPUInfo) -> DecodeConfig:
                        p.value_head_dim, p.dtype.itemsize, info.sm_count)
 
 
+def _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
+  """The forward by the split-KV decode kernel, with the residuals either backward takes."""
+  p = call.problem
+  o, lse = flash_triton_decode(q, k, v, lengths, causal=p.causal, scale=p.scale,
+                               local_window=p.local_window, softcap=p.softcap,
+                               config=problem_decode_config(p, current_device()),
+                               interpret=call.interpret, sinks=sinks)
+  return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
+
+
 class TritonFlash(AttentionTritonImpl):
   def cache_key(self, p):
     return _cache_key(p)
@@ -185,11 +197,7 @@ class TritonFlash(AttentionTritonImpl):
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
     if runs_decode(p):
-      o, lse = flash_triton_decode(q, k, v, lengths, causal=p.causal, scale=p.scale,
-                                   local_window=p.local_window, softcap=p.softcap,
-                                   config=problem_decode_config(p, current_device()),
-                                   interpret=call.interpret, sinks=sinks)
-      return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
+      return _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths)
     o, lse = flash_triton_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
                                   config=call.config, interpret=call.interpret, sinks=sinks,
@@ -252,6 +260,16 @@ class MosaicFlash(MosaicImpl):
 
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
+    if runs_decode(p):
+      if not mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims):  # (heads it cannot pack)
+        return _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths)
+      config = mosaic_decode_config(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len,
+                                    p.head_dim, p.value_head_dim, p.dtype.itemsize,
+                                    current_device().sm_count)
+      o, lse = flash_mosaic_decode(q, k, v, lengths, causal=p.causal, scale=p.scale,
+                                   local_window=p.local_window, softcap=p.softcap,
+                                   config=config, sinks=sinks)
+      return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
     o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
                                   config=call.config, sinks=sinks,

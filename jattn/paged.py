@@ -4,9 +4,10 @@ of pages.
 
 The cache is a pool of pages ``[num_pages, page_size, kv_heads, head_dim]`` and a
 block table per sequence: key ``t`` of sequence ``b`` lies in page ``block_tables[b, t
-// page_size]``, slot ``t % page_size``. Implementations: ``pallas_triton`` (the
-split-KV decode kernel reading K/V through the block table,
-``jattn.kernels.flash.triton_decode``) and ``xla`` (the pages gathered into a
+// page_size]``, slot ``t % page_size``. Implementations: ``pallas_mosaic`` (the
+Hopper decode kernel, TMA copies through the block table: pages a multiple of 64),
+``pallas_triton`` (the split-KV decode kernel reading K/V through the block table,
+any page size: ``jattn.kernels.flash.triton_decode``) and ``xla`` (the pages gathered into a
 contiguous cache, then the flash reference). Forward only: a serving op.
 """
 
@@ -18,11 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.device import current_device
-from jattn.core.op import AttentionProblem, Impl, Op, TritonImpl, XlaImpl
+from jattn.core.op import AttentionProblem, Impl, MosaicImpl, Op, TritonImpl, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_integer_array,
                                    check_same_dtype, check_shape, positive_number, scale_of)
 from jattn.flash import row_lengths, sink_arg, window_arg
-from jattn.kernels.flash.decode_config import decode_config
+from jattn.kernels.flash.decode_config import decode_config, mosaic_decode_config
+from jattn.kernels.flash.mosaic_decode import flash_mosaic_decode, mosaic_decode_runs
 from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.reference import flash_attention_reference
 
@@ -67,14 +69,37 @@ class _ForwardOnly(Impl):
     raise NotImplementedError(NO_GRADIENT)
 
 
+def _config(p: PagedProblem, choose):
+  return choose(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len, p.head_dim,
+                p.value_head_dim, p.dtype.itemsize, current_device().sm_count)
+
+
+class MosaicPaged(_ForwardOnly, MosaicImpl):
+  """The Hopper decode kernel reading K/V by TMA through the block table: pages a
+  multiple of its 64-key tiles."""
+
+  def gaps(self, p):
+    runs = mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims, p.page_size)
+    return super().gaps(p) + (() if runs else (
+        "page sizes that are not a multiple of 64, query heads per KV head that do not "
+        "divide 64 or head dims not a multiple of 64",))
+
+  def forward(self, call, q, k_pages, v_pages, tables, lengths, sinks):
+    p = call.problem
+    out = flash_mosaic_decode(q, k_pages, v_pages, lengths, causal=p.causal, scale=p.scale,
+                              local_window=p.local_window, softcap=p.softcap,
+                              config=_config(p, mosaic_decode_config), sinks=sinks,
+                              block_tables=tables)
+    return out, None
+
+
 class TritonPaged(_ForwardOnly, TritonImpl):
   def forward(self, call, q, k_pages, v_pages, tables, lengths, sinks):
     p = call.problem
-    config = decode_config(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len, p.head_dim,
-                           p.value_head_dim, p.dtype.itemsize, current_device().sm_count)
     out = flash_triton_decode(q, k_pages, v_pages, lengths, causal=p.causal, scale=p.scale,
-                              local_window=p.local_window, softcap=p.softcap, config=config,
-                              interpret=call.interpret, sinks=sinks, block_tables=tables)
+                              local_window=p.local_window, softcap=p.softcap,
+                              config=_config(p, decode_config), interpret=call.interpret,
+                              sinks=sinks, block_tables=tables)
     return out, None
 
 
@@ -146,7 +171,7 @@ class PagedAttention(Op):
             row_lengths(None, lengths, p.batch, p.q_len, p.kv_len), None)
 
 
-PAGED = PagedAttention(TritonPaged(), XlaPaged())
+PAGED = PagedAttention(MosaicPaged(), TritonPaged(), XlaPaged())
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, *, q_lengths=None,
@@ -172,7 +197,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, *, q_lengths=
       q_lengths[b]`` and sees keys up to it (bottom-right alignment).
     scale, softcap, local_window, sinks: as ``flash_attention``'s.
     return_lse: also return ``lse: [batch, q_heads, q_len]`` float32.
-    backend: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
+    backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit, pages a multiple of 64),
+      ``"pallas_triton"`` or ``"xla"``.
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype (and ``lse``). No

@@ -1,8 +1,9 @@
-"""The Hopper pipeline's two extension points, K/V addressing and work items, each
-proved by a second implementation: a paged K/V cache whose pages are permuted (a
-block table), and work items in another order. On the CPU a small interpret-mode
-kernel reads through each (the same ``tile`` / ``at`` / ``q_rows`` calls the Hopper
-kernel makes); on a Hopper GPU the forward kernel itself runs with them."""
+"""The Hopper pipeline's two extension points, K/V addressing and work items, with
+implementations beside the first: a paged K/V cache whose pages are permuted (a block
+table, ``PagedKV``), split-KV decoding's items (``DecodeItems``), and work items in
+another order (here only). On the CPU a small interpret-mode kernel reads through each
+(the same ``tile`` / ``at`` / ``q_rows`` calls the Hopper kernel makes); on a Hopper
+GPU the forward kernel itself runs with them."""
 
 import dataclasses
 
@@ -16,36 +17,9 @@ from jax.experimental import pallas as pl
 from conftest import rel_err
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
-from jattn.kernels.hopper.addressing import ContiguousKV
-from jattn.kernels.hopper.work import QueryTile, QueryTiles
+from jattn.kernels.hopper.addressing import ContiguousKV, PagedKV
+from jattn.kernels.hopper.work import DecodeItems, QueryTile, QueryTiles
 from jattn.reference import flash_attention_reference
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedKV:
-  """K and V as pages ``[n_pages, page, kv_heads, d]``; sequence ``b``'s keys
-  ``[i * page, (i + 1) * page)`` are page ``table[b, i]`` (one extra input, the
-  ``[batch, pages_per_seq]`` int32 table)."""
-
-  page: int
-  pages_per_seq: int
-  n_inputs = 1
-
-  def kv_len(self, k) -> int:
-    return self.page * self.pages_per_seq
-
-  def bind(self, refs):
-    return _BoundPages(self.page, refs[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class _BoundPages:
-  page: int
-  table: object
-
-  def tile(self, ref, batch, kv_head, start, size: int):
-    page = self.table[batch, lax.div(start, jnp.int32(self.page))]
-    return ref.at[page, pl.ds(lax.rem(start, jnp.int32(self.page)), size), kv_head]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +67,7 @@ def test_paged_addressing_reads_the_tiles_of_contiguous_keys():
   assert not np.array_equal(np.asarray(table).reshape(-1), np.arange(table.size))
   n_blocks = kv_len // block
   want = _read_tiles(ContiguousKV(), k, (), batch, heads, n_blocks, block)
-  got = _read_tiles(PagedKV(page, kv_len // page), k_pages, (table,), batch, heads, n_blocks,
+  got = _read_tiles(PagedKV(page, kv_len // page, k_pages.shape[0]), k_pages, (table,), batch, heads, n_blocks,
                     block)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(want[1, 0, 3], k[1, 3 * block:4 * block, 0])
@@ -129,6 +103,30 @@ def test_work_items_cover_every_query_row_once(items):
   np.testing.assert_array_equal(count, 1)
 
 
+def test_decode_items_write_every_row_of_every_split_once():
+  """Split-KV items: each (row, split) of the partial outputs is written by exactly one
+  consumer of one item, and reads the rows of its own KV head."""
+  items = DecodeItems(n_tiles=2, n_heads=3, n_batch=2, n_splits=3, split_blocks=2,
+                      block_q=4, consumers=2, group=2)
+  q = jax.random.normal(jax.random.PRNGKey(1), (2, items.n_tiles * items.rows, 3, 8))
+  o_shape, stat_shape = items.out_shapes(2, q.shape[1], 3, 8, q.dtype)
+
+  def kernel(q_ref, o_ref, count_ref):
+    bound = items.bind()
+    count_ref[...] = jnp.zeros_like(count_ref)
+    for w in range(items.count):
+      item = bound.at(jnp.int32(w))
+      for consumer in range(items.consumers):
+        q_start = bound.q_start(item, consumer)
+        o_ref[bound.out_rows(item, q_start)] = q_ref[bound.q_rows(item, q_start)]
+        stat = bound.stat_rows(item, q_start)
+        count_ref[stat] = count_ref[stat] + 1
+
+  o, count = pl.pallas_call(kernel, interpret=True, out_shape=(o_shape, stat_shape))(q)
+  np.testing.assert_array_equal(o, jnp.broadcast_to(q[:, None], o.shape))
+  np.testing.assert_array_equal(count, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_hopper_forward_runs_on_a_paged_cache_and_other_work_items(causal):
@@ -150,7 +148,7 @@ def test_the_hopper_forward_runs_on_a_paged_cache_and_other_work_items(causal):
   runs = {
       "paged": jax.jit(lambda q, kp, vp, t: rows_forward(
           q, kp, vp, (t,), rule=rule, spec=spec, block_q=64, block_kv=128, stages=2,
-          addressing=PagedKV(page, kv_len // page))[0])(q, k_pages, v_pages, table),
+          addressing=PagedKV(page, kv_len // page, k_pages.shape[0]))[0])(q, k_pages, v_pages, table),
       "items": jax.jit(lambda q, k, v: rows_forward(
           q, k, v, rule=rule, spec=spec, block_q=64, block_kv=128, stages=2,
           persistent=False, items=items)[0])(q, k, v),

@@ -10,8 +10,8 @@ and keep every SM streaming. So
 - the cache is split over ``splits`` programs per (batch row, KV head, row tile), each
   streaming its own range of key blocks with an online softmax, and writing a partial
   ``(o, lse)``;
-- ``combine_splits`` (``softmax.combine_partials``) merges the partials by their
-  log-sum-exp, outside the kernel.
+- ``decode_rows.merge_splits`` merges the partials by their log-sum-exp, outside the
+  kernel.
 
 Grid: ``(splits, batch, kv_heads * row_tiles)``. Keys are those of the cache's
 per-row lengths (``masking.MaskSpec.with_lengths``): a split past a row's length
@@ -35,12 +35,13 @@ from jattn.kernels.common.launch import LENGTHS, triton_call
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, bind_lengths, kv_block_range,
                                           range_tiles, run_tiles)
 from jattn.kernels.common.nonfinite import guard_values
-from jattn.kernels.common.softmax import (Softcap, combine_partials, dot, floor_sinks,
-                                          log2_logits, log2_units, online_softmax_finish,
-                                          online_softmax_init, online_softmax_step)
+from jattn.kernels.common.softmax import (Softcap, dot, log2_logits, log2_units,
+                                          online_softmax_finish, online_softmax_init,
+                                          online_softmax_step)
 from jattn.kernels.common.element_functions import kernel_array
 from jattn.kernels.common.tiling import pad_last, pad_to, round_up
 from jattn.kernels.flash.decode_config import DecodeConfig
+from jattn.kernels.flash.decode_rows import merge_splits, pack_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,28 +207,6 @@ def decode_forward(q, k, v, lengths, tables=(), *, cache, spec: MaskSpec, scale:
 
 # --- host side ---------------------------------------------------------------------------
 
-def pack_rows(q, kv_heads: int):
-  """``[batch, q_len, q_heads, d]`` -> ``[batch, kv_heads, q_len * group, d]``: each KV
-  head's query rows, position-major (row ``r``: position ``r // group``, head
-  ``r % group`` of the group)."""
-  batch, q_len, q_heads, d = q.shape
-  group = q_heads // kv_heads
-  q = q.reshape(batch, q_len, kv_heads, group, d).transpose(0, 2, 1, 3, 4)
-  return q.reshape(batch, kv_heads, q_len * group, d)
-
-
-def unpack_rows(x, q_len: int):
-  """``pack_rows``' inverse for ``[batch, kv_heads, q_len * group, ...]`` outputs (a
-  trailing ``d`` axis or none): ``[batch, q_len, q_heads, d]``, or ``[batch, q_heads,
-  q_len]`` for a row statistic."""
-  batch, kv_heads, rows = x.shape[:3]
-  group = rows // q_len
-  x = x.reshape(batch, kv_heads, q_len, group, *x.shape[3:])
-  if x.ndim == 5:
-    return x.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, kv_heads * group, x.shape[-1])
-  return x.transpose(0, 1, 3, 2).reshape(batch, kv_heads * group, q_len)
-
-
 def flash_triton_decode(q, k, v, lengths, *, causal: bool, scale: float, local_window, softcap,
                         config: DecodeConfig, interpret: bool, sinks=None, block_tables=None):
   """Flash attention forward for few query positions, by the split-KV decode kernel.
@@ -266,16 +245,9 @@ def flash_triton_decode(q, k, v, lengths, *, causal: bool, scale: float, local_w
     lengths = jnp.tile(jnp.array([[q_len, kv_len]], jnp.int32), (batch, 1))
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
                         kv_padded=True, segments=False, lengths=True)
-  packed = jnp.pad(pack_rows(q, kv_heads), [(0, 0), (0, 0), (0, rows_p - q_len * group),
-                                            (0, d_p - head_dim)])
+  packed = pack_rows(q, kv_heads, rows_p, d_p)
   o, lse = decode_forward(packed, k, v, lengths, tables, cache=cache, spec=spec, scale=scale,
                           score=Softcap.of(softcap), group=group, q_len=q_len,
                           block_m=c.block_m, block_k=c.block_k, splits=c.splits,
                           interpret=interpret, num_warps=c.num_warps, num_stages=c.num_stages)
-  sink = None
-  if sinks is not None:  # row r of KV head h is query head h * group + r % group
-    sink = floor_sinks(sinks).reshape(kv_heads, group)[:, jnp.arange(rows_p) % group][None]
-  o, lse = combine_partials(o, lse, axis=2, sink=sink)
-  rows = q_len * group
-  return (unpack_rows(o[:, :, :rows, :dv], q_len).astype(q.dtype),
-          unpack_rows(lse[:, :, :rows], q_len))
+  return merge_splits(o, lse, sinks, q_len=q_len, group=group, dv=dv, dtype=q.dtype)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 
@@ -39,3 +41,36 @@ class ContiguousKV:
 
   def tile(self, ref, batch, kv_head, start, size: int):
     return ref.at[batch, pl.ds(start, size), kv_head]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+  """K and V as pages ``[num_pages, page_size, kv_heads, d]`` and a block table (one
+  extra input, ``[batch, pages_per_seq]`` int32): keys ``[i * page_size, (i + 1) *
+  page_size)`` of sequence ``b`` are page ``table[b, i]``. A tile lies in one page
+  (``page_size`` a multiple of the key tile); page ids are clamped into the pool, so
+  a bad table reads a wrong page, never out of bounds."""
+
+  page_size: int
+  pages_per_seq: int
+  num_pages: int
+
+  n_inputs = 1
+
+  def kv_len(self, k) -> int:
+    return self.page_size * self.pages_per_seq
+
+  def bind(self, refs) -> "_BoundPages":
+    return _BoundPages(self, refs[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoundPages:
+  kind: PagedKV
+  table: object
+
+  def tile(self, ref, batch, kv_head, start, size: int):
+    page_size = jnp.int32(self.kind.page_size)
+    page = self.table[batch, lax.div(start, page_size)]
+    page = jnp.minimum(jnp.maximum(page, 0), self.kind.num_pages - 1)
+    return ref.at[page, pl.ds(lax.rem(start, page_size), size), kv_head]

@@ -28,14 +28,13 @@ import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.factored_functions import COL, ROW
-from jattn.kernels.common.masking import MaskSpec, kv_block_range
+from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV
 from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_SMEM_OVERHEAD,
@@ -114,11 +113,21 @@ def forward_cost(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
 class _Item(NamedTuple):
   """One work item (``work``'s) and the key blocks ``[c_lo, c_hi)`` its rows reach."""
 
-  batch: Any
-  head: Any
-  tile: Any
+  work: Any
   c_lo: Any
   c_hi: Any
+
+  @property
+  def batch(self):
+    return self.work.batch
+
+  @property
+  def head(self):
+    return self.work.head
+
+  @property
+  def tile(self):
+    return self.work.tile
 
 
 class _Rows(NamedTuple):
@@ -161,19 +170,25 @@ class _Forward:
   def block_q(self) -> int:
     return self.items.kind.block_q
 
+  def spec_of(self, batch, head) -> MaskSpec:
+    """The mask spec of a work item's row: with per-row lengths, bound to them (the
+    last two scalar inputs)."""
+    if not self.positions.lengths:
+      return self.spec
+    lengths = self.positions.read_scalars(self.refs["scalars"], batch, head)[-2:]
+    return self.spec.with_lengths(*lengths)
+
   def item(self, t) -> _Item:
     """This CTA's ``t``-th work item (items ``cta, cta + n_ctas, ...``)."""
     w = t * self.n_ctas + self.cta
     it = self.items.at(w)
-    rows = self.items.kind.rows
-    cta_range = kv_block_range(self.spec, it.tile * rows, rows, self.block_kv)
+    cta_range = self.items.block_range(self.spec_of(it.batch, it.head), it, self.block_kv)
     if self.refs["ranges"] is not None:  # only the key blocks segment ids or a block mask allow
       cta_range = narrow(cta_range, given_range(self.refs["ranges"], it.batch, it.head,
                                                 it.tile * self.items.kind.consumers,
                                                 self.items.kind.consumers))
     n_kv_blocks = self.addressing.kv_len(self.refs["k"]) // self.block_kv
-    return _Item(it.batch, it.head, it.tile,
-                 *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
+    return _Item(it, *mp.clamp_range(cta_range[0], cta_range[3], n_kv_blocks))
 
   def q_tiles(self):
     """The Q tiles and, where the output takes a view of them, that view (else None)."""
@@ -184,7 +199,7 @@ class _Forward:
     it = self.item(t)
     q_start = self.items.q_start(it, self.wg)
     ready = self.smem["q_ready"].at[buf * mp.CONSUMERS + self.wg]
-    plgpu.copy_gmem_to_smem(self.refs["q"].at[self.items.q_rows(it, q_start)],
+    plgpu.copy_gmem_to_smem(self.refs["q"].at[self.items.q_rows(it.work, q_start)],
                             self.q_tiles()[0].at[buf, self.wg], ready)
     mp.copy_vectors(self.refs["rows"],
                     [b.at[buf, self.wg] for b in self.positions.buffers(self.smem, ROW)],
@@ -209,7 +224,7 @@ class _Forward:
 
   def work(self, t, first_use):
     """Work item ``t``; ``first_use``: the K/V ring's steps so far."""
-    spec, wg, block_q, block_kv = self.spec, self.wg, self.block_q, self.block_kv
+    wg, block_q, block_kv = self.wg, self.block_q, self.block_kv
     it = self.item(t)
     c_lo, c_hi = it.c_lo, it.c_hi
     buf = lax.rem(t, jnp.int32(self.q_buffers)) if self.persistent else 0
@@ -220,7 +235,7 @@ class _Forward:
     scalars = self.positions.read_scalars(self.refs["scalars"], it.batch, it.head)
     if self.persistent and self.q_buffers == 2:
       self.load_next_q(t, 1 - buf)
-    own = kv_block_range(spec, q_start, block_q, block_kv)
+    own = self.items.own_range(self.spec_of(it.batch, it.head), q_start, block_kv)
     if self.refs["ranges"] is not None:
       own = narrow(own, given_range(self.refs["ranges"], it.batch, it.head,
                                     it.tile * mp.CONSUMERS + wg, 1))
@@ -267,7 +282,8 @@ class _Forward:
       col_vectors = positions.load(smem, COL, lambda b: b.at[slot], mp.COL)
     plgpu.barrier_arrive(smem["k_free"].at[slot])
     tile = Tile(s.shape, 0, rows.q_start, j * self.block_kv, rows.item.batch, rows.item.head,
-                rows.row_vectors, col_vectors, rows.scalars)
+                rows.row_vectors, col_vectors, rows.scalars,
+                self.items.kind.rows_per_position)
     p, acc_scale, stats, late = rows.rule.update(s, stats, j, masked, tile)
     if acc_scale is not None:
       acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
@@ -318,10 +334,11 @@ class _Forward:
     o_smem[...] = o.astype(self.refs["q"].dtype)
     smem["stat"].at[wg][...] = row_stat
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, self.refs["o"].at[self.items.q_rows(it, rows.q_start)],
+    plgpu.copy_smem_to_gmem(o_smem,
+                            self.refs["o"].at[self.items.out_rows(it.work, rows.q_start)],
                             commit_group=False)
     plgpu.copy_smem_to_gmem(smem["stat"].at[wg],
-                            self.refs["stat"].at[self.items.stat_rows(it, rows.q_start)],
+                            self.refs["stat"].at[self.items.stat_rows(it.work, rows.q_start)],
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
 
@@ -372,7 +389,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
 def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, block_kv: int,
                  stages: int, persistent: bool | None = None,
                  positions: PositionInputs = PositionInputs(), addressing=ContiguousKV(),
-                 items=None):
+                 items=None, group: int | None = None):
   """Runs the Hopper forward kernel with row rule ``rule`` on padded inputs.
 
   Args:
@@ -389,10 +406,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
     addressing: where K and V tiles lie (``addressing``; default contiguous).
     items: the work items (``work``; default ``QueryTiles`` of the shapes, query tiles
       fastest when persistent, heavy tiles first under a mask with a right bound).
+    group: query heads per KV head (default ``q_heads // kv_heads``; 1 where the items
+      pack a KV head's query heads into rows).
 
   Returns:
-    ``o: [batch, q_len_p, q_heads, dv_p]`` in q's dtype and the rule's row statistic
-    ``[batch, q_heads, q_len_p]`` float32.
+    The outputs ``items.out_shapes`` gives: for ``QueryTiles``, ``o: [batch, q_len_p,
+    q_heads, dv_p]`` in q's dtype and the rule's row statistic ``[batch, q_heads,
+    q_len_p]`` float32.
   """
   batch, q_len_p, q_heads, dk = q.shape
   dv = v.shape[-1]
@@ -409,12 +429,11 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs)
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
                              addressing=addressing, block_kv=block_kv, stages=stages,
-                             group=q_heads // k.shape[2], persistent=persistent,
-                             q_buffers=q_buffers)
+                             group=q_heads // k.shape[2] if group is None else group,
+                             persistent=persistent, q_buffers=q_buffers)
   return mp.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
-                jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)),
+      out_type=items.out_shapes(batch, q_len_p, q_heads, dv, q.dtype),
       scratch_types=smem,
       grid=(min(items.count, mp.num_sms()) if persistent else items.count,),
       grid_names=("cta",),

@@ -42,7 +42,8 @@ from jattn.kernels.hopper import pipeline as mp
 class Tile(NamedTuple):
   """A score tile's positions and the per-position inputs there: ``rows`` (query
   vectors, laid out along ``q_axis``), ``cols`` (key vectors, along the other axis),
-  ``scalars``; ``b``, ``h`` the batch row and query head."""
+  ``scalars``; ``b``, ``h`` the batch row and query head; ``row_group`` rows per query
+  position (where a work item packs the query heads of one KV head: ``work``)."""
 
   shape: tuple
   q_axis: int
@@ -53,9 +54,11 @@ class Tile(NamedTuple):
   rows: tuple = ()
   cols: tuple = ()
   scalars: tuple = ()
+  row_group: int = 1
 
   def q_idx(self):
-    return mp.iota(self.shape, self.q_axis, self.q_start)
+    rows = mp.iota(self.shape, self.q_axis, self.q_start)
+    return rows if self.row_group == 1 else lax.div(rows, jnp.int32(self.row_group))
 
   def k_idx(self):
     return mp.iota(self.shape, 1 - self.q_axis, self.k_start)

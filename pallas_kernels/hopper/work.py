@@ -5,7 +5,8 @@ pipeline (the other is ``addressing``).
 A work-item kind is a hashable object with
 
 - ``count``: the number of items, ``rows``: the query rows of one item
-  (``consumers * block_q``), both static;
+  (``consumers * block_q``), ``rows_per_position``: the rows that share one query
+  position (1; the query heads of a KV head where an item packs them), all static;
 - ``bind() -> bound``: in the kernel, before anything else is traced, the kind with
   its traced constants, which the warpgroups share. ``bound`` has
   ``per_cta(cta, n_ctas)``: how many items CTA ``cta`` of ``n_ctas`` walks (items
@@ -15,7 +16,12 @@ A work-item kind is a hashable object with
   consumer owns (its position, for the masks); and, given it, ``q_rows(item, q_start)``
   / ``stat_rows(item, q_start)``: the index of the consumer's ``block_q`` rows in Q and
   the output (``[batch, q_len, heads, d]``) and in the row statistic (``[batch,
-  heads, q_len]``).
+  heads, q_len]``); ``block_range(spec, item, block_kv)``: the key blocks ``(lo,
+  full_lo, full_hi, hi)`` the item's rows visit (``masking.kv_block_range``'s, with
+  ``spec`` bound to the item's row where it has per-row lengths), and
+  ``own_range(spec, q_start, block_kv)``: a consumer's;
+- ``out_shapes(batch, q_len, heads, dv, dtype)``: the output and row statistic the
+  kernel writes (what ``q_rows`` / ``stat_rows`` index).
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
 from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
+
+from jattn.kernels.common.masking import kv_block_range
 
 
 class QueryTile(NamedTuple):
@@ -53,6 +62,8 @@ class QueryTiles:
   tiles_fastest: bool
   heavy_first: bool
 
+  rows_per_position = 1
+
   @property
   def count(self) -> int:
     return self.n_tiles * self.n_heads * self.n_batch
@@ -60,6 +71,10 @@ class QueryTiles:
   @property
   def rows(self) -> int:
     return self.consumers * self.block_q
+
+  def out_shapes(self, batch: int, q_len: int, heads: int, dv: int, dtype) -> tuple:
+    return (jax.ShapeDtypeStruct((batch, q_len, heads, dv), dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))
 
   def bind(self) -> "BoundQueryTiles":
     return BoundQueryTiles(self, *(jnp.int32(n) for n in (self.n_tiles, self.n_heads,
@@ -101,3 +116,101 @@ class BoundQueryTiles(NamedTuple):
 
   def stat_rows(self, item: QueryTile, q_start):
     return item.batch, item.head, pl.ds(q_start, self.kind.block_q)
+
+  def out_rows(self, item: QueryTile, q_start):
+    return self.q_rows(item, q_start)
+
+  def block_range(self, spec, item: QueryTile, block_kv: int):
+    rows = self.kind.rows
+    return kv_block_range(spec, item.tile * rows, rows, block_kv)
+
+  def own_range(self, spec, q_start, block_kv: int):
+    return kv_block_range(spec, q_start, self.kind.block_q, block_kv)
+
+
+class DecodeItem(NamedTuple):
+  batch: Any
+  head: Any  # the KV head
+  tile: Any
+  split: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeItems:
+  """Split-KV decoding's items: a tile of ``consumers * block_q`` rows of one KV head,
+  its query heads packed (row ``r``: position ``r // group`` of head ``r % group``),
+  against one of ``n_splits`` ranges of ``split_blocks`` key blocks. Q is laid out as
+  ``[batch, rows, kv_heads, d]``; each split writes a partial output ``[batch,
+  splits, rows, kv_heads, dv]`` and log-sum-exp ``[batch, splits, kv_heads, rows]``,
+  merged by their log-sum-exp outside (``softmax.combine_partials``). Items vary the
+  split fastest, then the tile, the KV head, the batch row."""
+
+  n_tiles: int
+  n_heads: int
+  n_batch: int
+  n_splits: int
+  split_blocks: int
+  block_q: int
+  consumers: int
+  group: int  # query heads per KV head: rows per position
+
+  @property
+  def count(self) -> int:
+    return self.n_splits * self.n_tiles * self.n_heads * self.n_batch
+
+  @property
+  def rows(self) -> int:
+    return self.consumers * self.block_q
+
+  @property
+  def rows_per_position(self) -> int:
+    return self.group
+
+  def out_shapes(self, batch: int, rows: int, heads: int, dv: int, dtype) -> tuple:
+    return (jax.ShapeDtypeStruct((batch, self.n_splits, rows, heads, dv), dtype),
+            jax.ShapeDtypeStruct((batch, self.n_splits, heads, rows), jnp.float32))
+
+  def bind(self) -> "BoundDecodeItems":
+    return BoundDecodeItems(self)
+
+
+class BoundDecodeItems(NamedTuple):
+  kind: DecodeItems
+
+  def per_cta(self, cta, n_ctas):
+    return lax.div(jnp.int32(self.kind.count) - cta + n_ctas - 1, n_ctas)
+
+  def at(self, w) -> DecodeItem:
+    k = self.kind
+    split, rest = lax.rem(w, jnp.int32(k.n_splits)), lax.div(w, jnp.int32(k.n_splits))
+    tile, rest = lax.rem(rest, jnp.int32(k.n_tiles)), lax.div(rest, jnp.int32(k.n_tiles))
+    head, batch = lax.rem(rest, jnp.int32(k.n_heads)), lax.div(rest, jnp.int32(k.n_heads))
+    return DecodeItem(batch, head, tile, split)
+
+  def q_start(self, item: DecodeItem, consumer):
+    return (item.tile * self.kind.consumers + consumer) * self.kind.block_q
+
+  def q_rows(self, item: DecodeItem, q_start):
+    return item.batch, pl.ds(q_start, self.kind.block_q), item.head
+
+  def out_rows(self, item: DecodeItem, q_start):
+    return item.batch, item.split, pl.ds(q_start, self.kind.block_q), item.head
+
+  def stat_rows(self, item: DecodeItem, q_start):
+    return item.batch, item.split, item.head, pl.ds(q_start, self.kind.block_q)
+
+  def _positions(self, row_start, rows: int):
+    return lax.div(row_start, jnp.int32(self.kind.group)), rows // self.kind.group
+
+  def block_range(self, spec, item: DecodeItem, block_kv: int):
+    rows = self.kind.rows
+    lo, full_lo, full_hi, hi = kv_block_range(spec, *self._positions(item.tile * rows, rows),
+                                              block_kv)
+    first = item.split * self.kind.split_blocks
+    lo = jnp.maximum(lo, first)
+    hi = jnp.maximum(jnp.minimum(hi, first + self.kind.split_blocks), lo)
+    full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+    return lo, full_lo, jnp.minimum(jnp.maximum(full_hi, full_lo), hi), hi
+
+  def own_range(self, spec, q_start, block_kv: int):
+    return kv_block_range(spec, *self._positions(q_start, self.kind.block_q), block_kv)

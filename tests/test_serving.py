@@ -1,0 +1,248 @@
+"""Serving: per-row lengths in ``flash_attention``, the split-KV decode kernels and
+``paged_attention`` / ``write_kv_pages``, against the dense reference.
+
+Kernel cases run in interpret mode on CPU (``kernel``) and compiled on a GPU; the
+16-bit Hopper cases are GPU-only.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from conftest import ON_GPU, rel_err
+from jattn.kernels.flash.decode_config import DecodeConfig, decode_config
+from jattn.kernels.flash.triton_decode import flash_triton_decode
+from jattn.paged import gather_pages
+from jattn.reference import flash_attention_reference
+
+pytestmark = pytest.mark.kernel
+
+
+def _normal(key, shapes, dtype=jnp.float32):
+  keys = jax.random.split(key, len(shapes))
+  return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
+
+
+def _lengths(key, batch, q_len, kv_len):
+  """``[batch, 2]`` (q_len, kv_len) rows: a full row, an empty cache, one key, the rest
+  random (never fewer keys than queries unless the cache is empty)."""
+  kq, kk = jax.random.split(key)
+  kv = jax.random.randint(kk, (batch,), 1, kv_len + 1).at[0].set(kv_len)
+  q = jnp.minimum(jax.random.randint(kq, (batch,), 1, q_len + 1), kv).at[0].set(q_len)
+  if batch > 2:
+    kv, q = kv.at[1].set(0), q.at[1].set(q_len)
+    kv, q = kv.at[2].set(1), q.at[2].set(1)
+  return jnp.stack([q, kv], axis=1).astype(jnp.int32)
+
+
+# (batch, q_len, q_heads, kv_heads, head_dim, head_dim_v, kv_len, causal, window, softcap,
+#  sinks, DecodeConfig)
+DECODE_CASES = [
+    (4, 1, 8, 2, 16, 16, 150, False, None, None, False, DecodeConfig(16, 16, 3)),
+    (4, 3, 4, 2, 16, 8, 97, True, None, 5.0, True, DecodeConfig(16, 32, 2)),
+    (3, 5, 4, 1, 32, 32, 64, True, (7, None), None, False, DecodeConfig(16, 16, 4)),
+    (2, 9, 4, 4, 16, 16, 80, True, None, None, True, DecodeConfig(16, 16, 1)),  # 2 row tiles
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"q{c[1]}-g{c[2] // c[3]}")
+def test_decode_kernel_matches_the_reference(case):
+  batch, q_len, heads, kv_heads, d, dv, kv_len, causal, window, softcap, with_sinks, cfg = case
+  key = jax.random.PRNGKey(q_len)
+  q, k, v = _normal(key, [(batch, q_len, heads, d), (batch, kv_len, kv_heads, d),
+                          (batch, kv_len, kv_heads, dv)])
+  sinks = jax.random.normal(key, (heads,)) if with_sinks else None
+  lengths = _lengths(jax.random.PRNGKey(7), batch, q_len, kv_len)
+  run = jax.jit(lambda *a: flash_triton_decode(
+      *a, causal=causal, scale=0.3, local_window=window, softcap=softcap, config=cfg,
+      interpret=not ON_GPU, sinks=sinks))
+  o, lse = run(q, k, v, lengths)
+  o_ref, lse_ref = flash_attention_reference(q, k, v, causal=causal, scale=0.3,
+                                             local_window=window, softcap=softcap, sinks=sinks,
+                                             lengths=lengths)
+  assert rel_err(o, o_ref) < 1e-5
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+  padding = np.arange(q_len)[None, :] >= np.asarray(lengths[:, :1])
+  assert np.all(np.asarray(o)[padding] == 0.0)
+
+
+@pytest.mark.parametrize("page_size,block_k", [(1, 16), (8, 16), (32, 16), (16, 16)])
+def test_paged_kernel_reads_through_the_block_table(page_size, block_k):
+  batch, q_len, heads, kv_heads, d = 3, 2, 4, 2, 16
+  per_seq = -(-72 // page_size)
+  num_pages = batch * per_seq + 5
+  key = jax.random.PRNGKey(page_size)
+  q, k_pages, v_pages = _normal(key, [(batch, q_len, heads, d),
+                                      (num_pages, page_size, kv_heads, d),
+                                      (num_pages, page_size, kv_heads, d)])
+  tables = jax.random.permutation(key, num_pages)[:batch * per_seq].reshape(batch, per_seq)
+  # entries past a sequence's pages are garbage: they must never be read
+  lengths = _lengths(jax.random.PRNGKey(3), batch, q_len, per_seq * page_size)
+  used = (np.arange(per_seq)[None] * page_size < np.asarray(lengths[:, 1:]))
+  tables = jnp.where(used, tables, 10 ** 6).astype(jnp.int32)
+  cfg = DecodeConfig(16, block_k, 2)
+  o, lse = jax.jit(lambda *a: flash_triton_decode(
+      *a, causal=True, scale=0.25, local_window=None, softcap=None, config=cfg,
+      interpret=not ON_GPU, block_tables=tables))(q, k_pages, v_pages, lengths)
+  k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)
+  o_ref, lse_ref = flash_attention_reference(q, k, v, causal=True, scale=0.25, lengths=lengths)
+  assert rel_err(o, o_ref) < 1e-5
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+
+
+def _flash_backends():
+  yield pytest.param("pallas_triton", jnp.float32, id="pallas_triton")
+  yield pytest.param("pallas_mosaic", jnp.bfloat16, id="pallas_mosaic", marks=pytest.mark.gpu)
+  yield pytest.param("pallas_triton", jnp.bfloat16, id="pallas_triton-bf16",
+                     marks=pytest.mark.gpu)
+
+
+# (batch, q_len, kv_len, causal, local_window, with q_lengths): the flash kernels, and
+# q_len 2 against 40 keys, the decode kernel (its gradients: the flash backward's)
+LENGTH_CASES = [(3, 24, 40, True, None, True), (3, 24, 20, False, (5, 3), True),
+                (3, 2, 40, True, None, False)]
+
+
+@pytest.mark.parametrize("backend,dtype", list(_flash_backends()))
+@pytest.mark.parametrize("case", LENGTH_CASES, ids=lambda c: f"q{c[1]}-kv{c[2]}")
+def test_flash_lengths_forward_and_gradients(backend, dtype, case):
+  batch, q_len, kv_len, causal, window, with_q = case
+  if ON_GPU:  # the Hopper tiles: longer sequences
+    q_len, kv_len = q_len * 8, kv_len * 8
+  q, k, v, do = _normal(jax.random.PRNGKey(kv_len), [
+      (batch, q_len, 4, 64), (batch, kv_len, 2, 64), (batch, kv_len, 2, 64),
+      (batch, q_len, 4, 64)], dtype)
+  lengths = _lengths(jax.random.PRNGKey(1), batch, q_len, kv_len)
+  q_lengths = lengths[:, 0] if with_q else None
+
+  def run(backend):
+    f = lambda q, k, v: jattn.flash_attention(
+        q, k, v, causal=causal, local_window=window, q_lengths=q_lengths,
+        kv_lengths=lengths[:, 1], backend=backend)
+    o, pull = jax.vjp(f, q, k, v)
+    return (o,) + pull(do)
+
+  ours = jax.jit(lambda: run(backend))()
+  ref = jax.jit(lambda: run("xla"))()
+  tol = 1e-4 if dtype == jnp.float32 else 3e-2
+  for a, b in zip(ours, ref):
+    assert rel_err(a, b, floor=1e-2) < tol
+  if with_q:  # padding rows: zero output, zero gradient
+    padding = np.arange(q_len)[None, :] >= np.asarray(q_lengths)[:, None]
+    assert np.all(np.asarray(ours[0], np.float32)[padding] == 0)
+    assert np.all(np.asarray(ours[1], np.float32)[padding] == 0)
+
+
+def test_decode_split_follows_the_cost_model():
+  """Long caches of few sequences split into many programs; many sequences fill the
+  SMs unsplit."""
+  h100 = 132
+  long = decode_config(1, 1, 32, 8, 131072, 128, 128, 2, h100)
+  wide = decode_config(64, 1, 32, 8, 4096, 128, 128, 2, h100)
+  assert long.splits * 8 >= h100 and long.block_m == 16
+  assert wide.splits <= 2
+  assert decode_config(8, 64, 32, 8, 8192, 128, 128, 2, h100).block_m == 128
+
+
+def test_write_kv_pages_then_gather_gives_the_cache():
+  batch, page, heads, d = 2, 4, 2, 8
+  k_new, v_new = _normal(jax.random.PRNGKey(0), [(batch, 6, heads, d), (batch, 6, heads, d)])
+  tables = jnp.array([[5, 0, 3], [1, 4, 2]], jnp.int32)
+  pages = jnp.zeros((7, page, heads, d))
+  positions, num_new = jnp.array([2, 9]), jnp.array([6, 2])
+  k_pages, v_pages = jattn.write_kv_pages(pages, pages, k_new, v_new, tables, positions,
+                                          num_new)
+  k = np.asarray(gather_pages(k_pages, tables))
+  np.testing.assert_array_equal(k[0, 2:8], k_new[0])
+  np.testing.assert_array_equal(k[1, 9:11], k_new[1, :2])
+  assert np.all(k[1, 11:] == 0) and np.all(k[0, :2] == 0)  # past num_new / the table
+  assert np.all(np.asarray(v_pages)[6] == 0)  # a page no table names
+
+
+def test_paged_attention_matches_flash_on_the_gathered_cache():
+  batch, q_len, page, per_seq = 2, 3, 8, 5
+  q, k_pages, v_pages = _normal(jax.random.PRNGKey(4), [
+      (batch, q_len, 4, 16), (12, page, 2, 16), (12, page, 2, 16)])
+  tables = jax.random.permutation(jax.random.PRNGKey(5), 12)[:10].reshape(batch, per_seq)
+  kv_lengths = jnp.array([37, 4])
+  ours = jattn.paged_attention(q, k_pages, v_pages, tables, kv_lengths, causal=True)
+  ref = jattn.flash_attention(q, gather_pages(k_pages, tables), gather_pages(v_pages, tables),
+                              causal=True, kv_lengths=kv_lengths, backend="xla")
+  assert rel_err(ours, ref) < 1e-5
+  with pytest.raises(NotImplementedError, match="paged_attention has no gradient"):
+    jax.grad(lambda q: jattn.paged_attention(q, k_pages, v_pages, tables, kv_lengths).sum())(q)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(kv_lengths=jnp.ones((2,), jnp.float32)), TypeError, "kv_lengths must be integers"),
+    (dict(kv_lengths=jnp.ones((3,), jnp.int32)), ValueError, r"kv_lengths must be \[batch\]"),
+    (dict(block_tables=jnp.ones((2, 2), jnp.float32)), TypeError,
+     "block_tables must be integers"),
+    (dict(k_pages=jnp.ones((4, 8, 3, 16)), v_pages=jnp.ones((4, 8, 3, 16))), ValueError,
+     "q.s heads"),
+    (dict(v_pages=jnp.ones((4, 4, 2, 16))), ValueError, r"v_pages must be \[num_pages"),
+], ids=["float-lengths", "lengths-shape", "float-tables", "heads", "v-pages"])
+def test_paged_errors_name_the_argument(change, error, match):
+  args = dict(q=jnp.ones((2, 1, 4, 16)), k_pages=jnp.ones((4, 8, 2, 16)),
+              v_pages=jnp.ones((4, 8, 2, 16)), block_tables=jnp.zeros((2, 2), jnp.int32),
+              kv_lengths=jnp.array([3, 5]))
+  args.update(change)
+  with pytest.raises(error, match=match):
+    jattn.paged_attention(**args, backend="xla")
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q_lengths=jnp.ones((2,), jnp.float32)), TypeError, "q_lengths must be integers"),
+    (dict(kv_lengths=jnp.ones((2, 1), jnp.int32)), ValueError, r"kv_lengths must be \[batch\]"),
+], ids=["float-q-lengths", "kv-lengths-rank"])
+def test_flash_length_errors_name_the_argument(change, error, match):
+  q = jnp.ones((2, 4, 2, 16))
+  with pytest.raises(error, match=match):
+    jattn.flash_attention(q, q, q, backend="xla", **change)
+
+
+# (q_len, q_heads, kv_heads, head_dim, kv_len, causal, window, softcap, sinks, page_size)
+HOPPER_DECODE_CASES = [
+    (1, 32, 8, 128, 1000, False, None, None, False, None),
+    (16, 16, 4, 64, 700, True, (100, None), 30.0, True, None),
+    (64, 8, 4, 128, 1500, True, None, None, False, None),
+    (1, 8, 1, 128, 1024, False, None, None, True, 64),
+    (5, 4, 2, 64, 900, True, None, None, False, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_DECODE_CASES, ids=lambda c: f"q{c[0]}-p{c[-1]}")
+def test_hopper_decode_matches_the_reference(case):
+  from jattn.kernels.flash.decode_config import mosaic_decode_config
+  from jattn.kernels.flash.mosaic_decode import flash_mosaic_decode
+  if jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("needs a Hopper GPU")
+  q_len, heads, kv_heads, d, kv_len, causal, window, softcap, with_sinks, page = case
+  batch = 4
+  q, k, v = _normal(jax.random.PRNGKey(q_len), [
+      (batch, q_len, heads, d), (batch, kv_len, kv_heads, d), (batch, kv_len, kv_heads, d)],
+      jnp.bfloat16)
+  sinks = jax.random.normal(jax.random.PRNGKey(2), (heads,)) if with_sinks else None
+  lengths = _lengths(jax.random.PRNGKey(5), batch, q_len, kv_len)
+  config = mosaic_decode_config(batch, q_len, heads, kv_heads, kv_len, d, d, 2, 132)
+  tables, k_in, v_in = None, k, v
+  if page is not None:  # the cache cut into pages, stored shuffled
+    per_seq = -(-kv_len // page)
+    k_in, v_in = (jnp.pad(x, [(0, 0), (0, per_seq * page - kv_len), (0, 0), (0, 0)]).reshape(
+        batch * per_seq, page, kv_heads, d) for x in (k, v))
+    order = jax.random.permutation(jax.random.PRNGKey(9), batch * per_seq)
+    k_in, v_in = k_in[jnp.argsort(order)], v_in[jnp.argsort(order)]
+    tables = order.reshape(batch, per_seq).astype(jnp.int32)
+  o, lse = jax.jit(lambda q, k, v, t: flash_mosaic_decode(
+      q, k, v, lengths, causal=causal, scale=d ** -0.5, local_window=window, softcap=softcap,
+      config=config, sinks=sinks, block_tables=t))(q, k_in, v_in, tables)
+  o_ref, lse_ref = flash_attention_reference(q, k, v, causal=causal, local_window=window,
+                                             softcap=softcap, sinks=sinks, lengths=lengths)
+  assert rel_err(o, o_ref) < 2e-2
+  valid = np.asarray(lse_ref) > -1e29
+  np.testing.assert_allclose(np.asarray(lse)[valid], np.asarray(lse_ref)[valid], atol=2e-2)
+  padding = np.arange(q_len)[None, :] >= np.asarray(lengths[:, :1])
+  assert np.all(np.asarray(o, np.float32)[padding] == 0.0)
