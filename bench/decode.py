@@ -84,11 +84,11 @@ SECTIONS = ("decode", "paged", "varlen")
 # Issue 39's bars.
 BARS = {
     "decode_vs_cudnn": ("decode, q_len 1: cuDNN ms / jattn auto ms", 1.15),
-    "multi_query_vs_cudnn": ("q_len 16 and 64: cuDNN ms / jattn auto ms", 1.2),
+    "decode_multi_query_vs_cudnn": ("decode, q_len 16 and 64: cuDNN ms / jattn auto ms", 1.2),
     "decode_vs_xla": ("decode, q_len 1: XLA ms / jattn auto ms", 1.0),
     "decode_vs_jax_pallas": ("decode, q_len 1: JAX Pallas decode ms (the faster of its two "
                              "rows) / jattn auto ms", 2.0),
-    "decode_copy_fraction": ("decode, batch x cache >= 256k tokens: jattn auto K/V "
+    "decode_copy_fraction": ("decode, q_len 1, batch x cache >= 256k tokens: jattn auto K/V "
                              "bandwidth / copy bandwidth", 0.8),
     "paged_vs_contiguous": ("paged: jattn contiguous decode ms / jattn paged ms", 0.9),
     "paged_vs_jax_paged": ("paged: JAX Pallas paged ms / jattn paged ms", 2.0),
@@ -449,12 +449,16 @@ def paged_builds(q, pages: Pages, s: Settings) -> dict:
             (q_scaled, *pages.head_major, pages.table, pages.lengths), params)
 
   contiguous = functools.partial(_jattn_decode, causal=False, backend="auto")
-  return {
-      "jattn_paged": lambda: (functools.partial(_jattn_paged, backend="auto"),
-                              (q, pages.k, pages.v, pages.table, pages.lengths)),
-      "jattn_contiguous": lambda: (contiguous, (q, *pages.contiguous, pages.lengths)),
-      "jax_paged": jax_paged,
-  }
+  paged = lambda backend: lambda: (functools.partial(_jattn_paged, backend=backend),
+                                   (q, pages.k, pages.v, pages.table, pages.lengths))
+  builds = {"jattn_paged": paged("auto"),
+            "jattn_contiguous": lambda: (contiguous, (q, *pages.contiguous, pages.lengths)),
+            "jax_paged": jax_paged}
+  # Each kernel family on its own (the Hopper one takes pages of whole 64-key tiles).
+  for backend in s.jattn_backends:
+    if backend != "auto" and (backend != "pallas_mosaic" or page_size % 64 == 0):
+      builds[f"jattn_paged_{backend.removeprefix('pallas_')}"] = paged(backend)
+  return builds
 
 
 def paged_section(programs, s: Settings, copy: dict | None, rows: list) -> dict:
@@ -592,8 +596,9 @@ def decode_ratios(rows, grid: Grid) -> list:
                "decode_vs_jax_pallas": _speedup(by, ("jax_decode", "jax_decode_hm"),
                                                 "jattn_auto")}
     else:
-      pairs = {"multi_query_vs_cudnn": _speedup(by, "cudnn", "jattn_auto")}
-    if r["batch"] * r["cache"] >= grid.copy_min_tokens and "jattn_auto" in by:
+      pairs = {"decode_multi_query_vs_cudnn": _speedup(by, "cudnn", "jattn_auto")}
+    if (r["q_len"] == 1 and r["batch"] * r["cache"] >= grid.copy_min_tokens
+        and "jattn_auto" in by):
       pairs["decode_copy_fraction"] = by["jattn_auto"].get("copy_fraction")
     out += [{"bar": b, "case": r["case"], "value": v} for b, v in pairs.items() if v is not None]
   return out

@@ -27,7 +27,8 @@ from jattn.kernels.common.dropout import seed_of
 from jattn.kernels.common.softmax import backward_delta
 from jattn.kernels.flash.decode_config import (DECODE_MAX_Q_LEN, DecodeConfig, decode_config,
                                                mosaic_decode_config)
-from jattn.kernels.flash.mosaic_decode import flash_mosaic_decode, mosaic_decode_runs
+from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
+                                               mosaic_decode_runs)
 from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.kernels.flash.config import (BACKWARD_SEARCH, FORWARD_SEARCH, backward_kernels,
                                         backward_modelled, mosaic_backward_runs, mosaic_misfit)
@@ -261,7 +262,8 @@ class MosaicFlash(MosaicImpl):
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
     if runs_decode(p):
-      if not mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims):  # (heads it cannot pack)
+      if not (mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims) and
+              mosaic_decode_preferred(p.q_len, p.q_heads // p.kv_heads, p.head_dims)):
         return _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths)
       config = mosaic_decode_config(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len,
                                     p.head_dim, p.value_head_dim, p.dtype.itemsize,

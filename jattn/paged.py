@@ -24,7 +24,8 @@ from jattn.core.validation import (check_array, check_flag, check_heads, check_i
                                    check_same_dtype, check_shape, positive_number, scale_of)
 from jattn.flash import row_lengths, sink_arg, window_arg
 from jattn.kernels.flash.decode_config import decode_config, mosaic_decode_config
-from jattn.kernels.flash.mosaic_decode import flash_mosaic_decode, mosaic_decode_runs
+from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
+                                               mosaic_decode_runs)
 from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.reference import flash_attention_reference
 
@@ -76,7 +77,8 @@ def _config(p: PagedProblem, choose):
 
 class MosaicPaged(_ForwardOnly, MosaicImpl):
   """The Hopper decode kernel reading K/V by TMA through the block table: pages a
-  multiple of its 64-key tiles."""
+  multiple of its 64-key tiles; where the Triton kernel is the faster
+  (``mosaic_decode_preferred``), that one."""
 
   def gaps(self, p):
     runs = mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims, p.page_size)
@@ -86,6 +88,8 @@ class MosaicPaged(_ForwardOnly, MosaicImpl):
 
   def forward(self, call, q, k_pages, v_pages, tables, lengths, sinks):
     p = call.problem
+    if not mosaic_decode_preferred(p.q_len, p.q_heads // p.kv_heads, p.head_dims):
+      return TritonPaged().forward(call, q, k_pages, v_pages, tables, lengths, sinks)
     out = flash_mosaic_decode(q, k_pages, v_pages, lengths, causal=p.causal, scale=p.scale,
                               local_window=p.local_window, softcap=p.softcap,
                               config=_config(p, mosaic_decode_config), sinks=sinks,
