@@ -4,8 +4,9 @@ from jattn.nn.attention import MultiHeadAttention
 from jattn.nn.dat import DAT, PRESETS as DAT_PRESETS, DATConfig
 from jattn.nn.dilated import DilatedAttention, MultiheadDilatedAttention
 from jattn.nn.dilated_ring import DilatedRingAttention
+from jattn.nn.kv_cache import AttentionCache, KVCache, PagedKVCache
 from jattn.nn.retention import GLU, MultiScaleRetention, RetNet, RetNetConfig, RetNetLayer, RMSNorm
 
-__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "DilatedAttention", "DilatedRingAttention", "GLU",
-           "MultiHeadAttention", "MultiScaleRetention", "MultiheadDilatedAttention", "RMSNorm",
+__all__ = ["AttentionCache", "DAT", "DATConfig", "DAT_PRESETS", "DilatedAttention", "DilatedRingAttention", "GLU", "KVCache", "MultiHeadAttention",
+           "MultiScaleRetention", "MultiheadDilatedAttention", "PagedKVCache", "RMSNorm",
            "RetNet", "RetNetConfig", "RetNetLayer"]
