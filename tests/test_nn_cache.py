@@ -146,6 +146,22 @@ def test_paged_cache_equals_contiguous_cache(paged_ops):
     chex.assert_trees_all_equal(gathered[row, :n], contiguous.k[...][row, :n])
 
 
+@pytest.mark.kernel
+def test_kernels_decode_as_the_reference_does():
+  """backend="auto" (here the Pallas kernels, in interpret mode on CPU): a prefill of rows
+  of their own lengths through the forward kernel, then single steps through the split-KV
+  decode kernel (a cache 5x longer than a step), as the xla backend does."""
+  x = jax.random.normal(jax.random.PRNGKey(8), (3, 9, EMBED))
+  lengths = jnp.array([6, 2, 4])
+  outs = []
+  for backend in ("auto", "xla"):
+    layer = make_layer()
+    layer.backend = backend
+    init(layer, "contiguous", 3, 40)
+    outs.append(decode_in_chunks(layer, x, (6, 1, 1, 1), lengths))
+  chex.assert_trees_all_close(*outs, atol=1e-5, rtol=1e-5)
+
+
 def test_window_softcap_sinks_and_a_low_precision_cache():
   """The layer's local window, soft-cap and sinks apply in decoding too; a bfloat16
   cache decodes a float32 layer within bfloat16's precision."""
