@@ -1,14 +1,6 @@
-"""KV caches of jattn.nn.MultiHeadAttention (contiguous and paged), DecoderLM and greedy
-generation: decoding through a cache gives what a full causal pass over the same tokens
-gives.
-
-Stand-ins: the paged cache calls ``jattn.paged_attention`` and ``jattn.write_kv_pages``,
-which are being written alongside. Until they land, the ``paged_ops`` fixture puts
-pure-jnp stand-ins of their documented signatures on ``jattn`` (gather the pages into
-contiguous keys + ``flash_attention(kv_lengths=)``; a scatter that drops tokens past a
-row's pages). Every test whose name says ``paged`` uses it; once the real functions are
-exported, delete the fixture's body (keep it as a no-op) and they run on them.
-"""
+"""KV caches of jattn.nn.MultiHeadAttention (contiguous, and paged through
+jattn.paged_attention / write_kv_pages), DecoderLM and greedy generation: decoding
+through a cache gives what a full causal pass over the same tokens gives."""
 
 import chex
 import jax
@@ -16,45 +8,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import jattn
-from jattn.nn import DecoderLM, MultiHeadAttention, greedy_generate
+from jattn.nn import DecoderLM, KVCache, MultiHeadAttention, greedy_generate
 
 EMBED, HEADS, KV_HEADS = 32, 4, 2
 TOL = dict(atol=2e-5, rtol=2e-5)
-
-
-# --- the stand-ins of jattn.paged_attention / jattn.write_kv_pages ------------------------
-
-def _token_slots(block_tables, positions, new: int, num_pages: int, page_size: int):
-  """Page and slot ``[batch, new]`` of each new token; tokens past a row's pages get page
-  ``num_pages`` (out of range: a scatter with mode="drop" skips them)."""
-  t = positions[:, None] + jnp.arange(new)[None, :]
-  index = t // page_size
-  inside = index < block_tables.shape[1]
-  page = jnp.take_along_axis(block_tables, jnp.minimum(index, block_tables.shape[1] - 1), 1)
-  return jnp.where(inside, page, num_pages), t % page_size
-
-
-def stand_in_write_kv_pages(k_pages, v_pages, k_new, v_new, block_tables, positions):
-  page, slot = _token_slots(block_tables, positions, k_new.shape[1], *k_pages.shape[:2])
-  return (k_pages.at[page, slot].set(k_new, mode="drop"),
-          v_pages.at[page, slot].set(v_new, mode="drop"))
-
-
-def stand_in_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, *, causal=False,
-                             **options):
-  batch, pages_per_seq = block_tables.shape
-  contiguous = lambda pages: pages[block_tables].reshape(
-      batch, pages_per_seq * pages.shape[1], *pages.shape[2:])
-  return jattn.flash_attention(q, contiguous(k_pages), contiguous(v_pages), causal=causal,
-                               kv_lengths=kv_lengths, **options)
-
-
-@pytest.fixture
-def paged_ops(monkeypatch):
-  """The stand-ins on ``jattn`` (where the paged cache looks them up)."""
-  monkeypatch.setattr(jattn, "paged_attention", stand_in_paged_attention, raising=False)
-  monkeypatch.setattr(jattn, "write_kv_pages", stand_in_write_kv_pages, raising=False)
+KINDS = ["contiguous", "paged"]
 
 
 # --- helpers ----------------------------------------------------------------------------
@@ -78,6 +36,14 @@ def init(layer, kind: str, batch: int, max_length: int):
 STEP = nnx.jit(lambda layer, x, lengths: layer(x, decode=True, lengths=lengths))
 
 
+def cached_keys(cache):
+  """The keys a cache holds, ``[batch, capacity, kv_heads, head_dim]`` in token order."""
+  if isinstance(cache, KVCache):
+    return cache.k[...]
+  pages = cache.k_pages[...][cache.block_tables[...]]
+  return pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+
+
 def decode_in_chunks(layer, x, sizes, lengths=None):
   """Feeds ``x`` to the cache in chunks of ``sizes`` tokens (jitted); the outputs,
   concatenated."""
@@ -90,13 +56,11 @@ def decode_in_chunks(layer, x, sizes, lengths=None):
 
 # --- the layer --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sizes", [(5, 1, 1, 1), (3, 3, 2)], ids=["prefill+steps", "chunks"])
-def test_decode_matches_full_causal_pass(kind, sizes, request):
+def test_decode_matches_full_causal_pass(kind, sizes):
   """Prefill then single steps, or a chunked prefill, under nnx.jit, with GQA: the full
   causal pass's outputs; the cache holds every token."""
-  if kind == "paged":
-    request.getfixturevalue("paged_ops")
   layer = make_layer()
   x = jax.random.normal(jax.random.PRNGKey(0), (2, sum(sizes), EMBED))
   full = layer(x)
@@ -105,12 +69,10 @@ def test_decode_matches_full_causal_pass(kind, sizes, request):
   chex.assert_trees_all_equal(layer.cache.lengths[...], jnp.array([8, 8], jnp.int32))
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "paged"])
-def test_rows_with_prompts_of_their_own_length(kind, request):
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_with_prompts_of_their_own_length(kind):
   """Left-aligned prompts of lengths 6, 2, 4 (right-padded to 6), then 3 steps: each row
   gives what the full causal pass over its own prompt and steps gives."""
-  if kind == "paged":
-    request.getfixturevalue("paged_ops")
   layer = make_layer()
   lengths, steps = jnp.array([6, 2, 4]), 3
   prompts = jax.random.normal(jax.random.PRNGKey(1), (3, 6, EMBED))
@@ -128,7 +90,7 @@ def test_rows_with_prompts_of_their_own_length(kind, request):
     chex.assert_trees_all_close(ours, full[row, :n + steps], **TOL)
 
 
-def test_paged_cache_equals_contiguous_cache(paged_ops):
+def test_paged_cache_equals_contiguous_cache():
   """Same layer, same tokens, pages out of order: the same outputs and the same cached
   keys (gathered through the block table)."""
   layer = make_layer()
@@ -140,24 +102,25 @@ def test_paged_cache_equals_contiguous_cache(paged_ops):
     outs[kind] = decode_in_chunks(layer, x, (5, 1, 1), lengths)
     outs[kind, "cache"] = layer.cache
   chex.assert_trees_all_close(outs["paged"], outs["contiguous"], **TOL)
-  paged, contiguous = outs["paged", "cache"], outs["contiguous", "cache"]
-  gathered = paged.k_pages[...][paged.block_tables[...]].reshape(2, 8, KV_HEADS, -1)
+  paged, contiguous = cached_keys(outs["paged", "cache"]), cached_keys(outs["contiguous", "cache"])
   for row, n in enumerate([7, 5]):
-    chex.assert_trees_all_equal(gathered[row, :n], contiguous.k[...][row, :n])
+    chex.assert_trees_all_equal(paged[row, :n], contiguous[row, :n])
 
 
 @pytest.mark.kernel
-def test_kernels_decode_as_the_reference_does():
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernels_decode_as_the_reference_does(kind):
   """backend="auto" (here the Pallas kernels, in interpret mode on CPU): a prefill of rows
-  of their own lengths through the forward kernel, then single steps through the split-KV
-  decode kernel (a cache 5x longer than a step), as the xla backend does."""
+  of their own lengths (contiguous: the flash forward kernel), then single steps through
+  the split-KV decode kernel (paged: reading K/V through the block table), as the xla
+  backend does."""
   x = jax.random.normal(jax.random.PRNGKey(8), (3, 9, EMBED))
   lengths = jnp.array([6, 2, 4])
   outs = []
   for backend in ("auto", "xla"):
     layer = make_layer()
     layer.backend = backend
-    init(layer, "contiguous", 3, 40)
+    init(layer, kind, 3, 40)
     outs.append(decode_in_chunks(layer, x, (6, 1, 1, 1), lengths))
   chex.assert_trees_all_close(*outs, atol=1e-5, rtol=1e-5)
 
@@ -176,21 +139,23 @@ def test_window_softcap_sinks_and_a_low_precision_cache():
                               atol=3e-2, rtol=3e-2)
 
 
-def test_writes_past_the_end_raise_eagerly_and_are_dropped_under_jit():
+@pytest.mark.parametrize("kind", KINDS)
+def test_writes_past_the_end_raise_eagerly_and_are_dropped_under_jit(kind):
   layer = make_layer()
   x = jax.random.normal(jax.random.PRNGKey(5), (2, 4, EMBED))
-  layer.init_cache((2, 4, EMBED))
+  init(layer, kind, 2, 4)
   layer(x[:, :3], decode=True, lengths=jnp.array([3, 1]))
-  with pytest.raises(ValueError, match="holds 4 tokens per row; this call would take a row "
-                     "to 5 \\(cached lengths \\[3, 1\\]\\)"):
+  with pytest.raises(ValueError, match="KV cache holds 4 tokens per row; this call would "
+                     "take a row to 5 \\(cached lengths \\[3, 1\\]\\)"):
     layer(x[:, :2], decode=True)
-  keys = layer.cache.k[...]
+  keys = cached_keys(layer.cache)
   STEP(layer, x[:, :2], None)  # row 0 has room for one
   chex.assert_trees_all_equal(layer.cache.lengths[...], jnp.array([4, 3], jnp.int32))
-  chex.assert_trees_all_equal(layer.cache.k[...][0, :3], keys[0, :3])  # nothing clamped over
+  # Nothing written over the cached tokens (a clamped start would have moved the write).
+  chex.assert_trees_all_equal(cached_keys(layer.cache)[0, :3], keys[0, :3])
 
 
-def test_misuse_errors(paged_ops):
+def test_misuse_errors():
   layer = make_layer()
   x = jnp.ones((2, 3, EMBED))
   with pytest.raises(ValueError, match="decode=True needs a KV cache: call "
@@ -223,17 +188,15 @@ def test_misuse_errors(paged_ops):
     layer(jnp.ones((3, 1, EMBED)), decode=True)
   layer(jnp.ones((2, 10, EMBED)), decode=True, lengths=jnp.array([10, 1]))
   with pytest.raises(ValueError, match="the paged KV cache holds 12 tokens per row"):
-    layer(x, decode=True)  # padding is written too: row 1 would reach 4, row 0 13
+    layer(x, decode=True)
 
 
 # --- the model and generation -----------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["contiguous", "paged"])
-def test_greedy_generation_matches_full_recompute(kind, request):
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_generation_matches_full_recompute(kind):
   """Greedy tokens from prefill + fori_loop decoding are the argmax of one full pass over
   each row's prompt and generated tokens, for prompts of different lengths."""
-  if kind == "paged":
-    request.getfixturevalue("paged_ops")
   model = DecoderLM(61, EMBED, HEADS, 2, num_kv_heads=KV_HEADS, max_positions=16,
                     tie_embeddings=kind == "paged", backend="xla", rngs=nnx.Rngs(1))
   lengths, new = jnp.array([6, 3]), 5

@@ -91,7 +91,9 @@ class MultiHeadAttention(nnx.Module):
     ``num_pages`` pages of ``page_size`` tokens; row ``b``'s token ``t`` sits in page
     ``block_tables[b, t // page_size]``. ``block_tables: [batch, pages_per_seq]`` ints
     (default: row ``b`` owns pages ``[b * pages_per_seq, (b + 1) * pages_per_seq)``,
-    which needs ``num_pages >= batch * pages_per_seq``). Replaces any cache there was."""
+    which needs ``num_pages >= batch * pages_per_seq``). Replaces any cache there was.
+    Decoding through it runs ``jattn.paged_attention``, whose backends are ``"auto"``,
+    ``"pallas_triton"`` and ``"xla"``: the layer's ``backend`` must be one of them."""
     if block_tables is None:
       if num_pages < batch * pages_per_seq:
         raise ValueError(f"the default block tables give each of {batch} rows "
@@ -164,11 +166,8 @@ class MultiHeadAttention(nnx.Module):
     q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.value_head_dim)
-    options = dict(backend=self.backend)
-    # Only the features in use: the paged op need not take every flash option.
-    for name, value in (("local_window", self.local_window), ("softcap", self.softcap),
-                        ("sinks", None if self.sinks is None else self.sinks[...])):
-      if value is not None:
-        options[name] = value
-    o = self.cache.attend(q, k, v, lengths, **options).astype(q.dtype)
+    sinks = None if self.sinks is None else self.sinks[...]
+    o = self.cache.attend(q, k, v, lengths, local_window=self.local_window,
+                          softcap=self.softcap, sinks=sinks, backend=self.backend)
+    o = o.astype(q.dtype)
     return self.out_proj(o.reshape(b, n, self.num_heads * self.value_head_dim))

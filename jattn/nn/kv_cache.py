@@ -8,21 +8,20 @@ and attend from the new queries to everything the row has cached.
   batches, one compile for every length), attended by ``flash_attention``.
 - ``PagedKVCache``: K and V in a pool of fixed-size pages that a block table maps each
   row's positions to (many sequences of very different lengths share one pool),
-  written by ``jattn.write_kv_pages`` and attended by ``jattn.paged_attention``.
+  written by ``write_kv_pages`` and attended by ``paged_attention`` (``jattn.paged``).
 
-Everything they hold is ``AttentionCache`` state, so a step under ``nnx.jit`` updates it
-in place and ``nnx.state(model, nnx.Cache)`` selects it.
+Everything they hold is ``AttentionCache`` state: a step under ``nnx.jit`` writes the new
+values back into the module, and ``nnx.state(model, nnx.Cache)`` selects them.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jattn.flash import flash_attention
+from jattn.paged import paged_attention, write_kv_pages
 
 
 class AttentionCache(nnx.Cache):
@@ -121,14 +120,6 @@ class KVCache(nnx.Module):
                            q_lengths=counts, kv_lengths=lengths, **options)
 
 
-def paged_ops():
-  """``(jattn.paged_attention, jattn.write_kv_pages)``, looked up on the package when
-  called. They are exported by ``jattn`` from a layer-2 module being written alongside
-  this one; once it has landed, import them from that module directly."""
-  package = importlib.import_module("jattn")
-  return package.paged_attention, package.write_kv_pages
-
-
 def contiguous_block_tables(batch: int, pages_per_seq: int):
   """``[batch, pages_per_seq]`` int32: row ``b`` owns pages ``[b * pages_per_seq,
   (b + 1) * pages_per_seq)``, the trivial allocation."""
@@ -145,10 +136,9 @@ class PagedKVCache(nnx.Module):
   lengths are plain state: a server may rewrite them between calls (give a row other
   pages, set a finished row's length to 0 to start a new sequence in it).
 
-  A row holds at most ``pages_per_seq * page_size`` tokens, and a call writes all its
-  ``new`` tokens, padding included (``write_kv_pages`` takes one start per row), so
-  ``length + new`` must stay within that: eagerly a call past it raises; under ``jit``
-  what happens to tokens past the end is up to ``write_kv_pages``.
+  A row holds at most ``pages_per_seq * page_size`` tokens: eagerly a call that would
+  pass that raises; under ``jit`` the tokens past the row's pages are dropped, as in
+  ``KVCache``.
   """
 
   def __init__(self, num_pages: int, page_size: int, block_tables, kv_heads: int,
@@ -173,19 +163,16 @@ class PagedKVCache(nnx.Module):
 
   def attend(self, q, k, v, counts=None, **options):
     """As ``KVCache.attend``, through the pages. ``options`` go to ``paged_attention``."""
-    paged_attention, write_kv_pages = paged_ops()
     batch, new = q.shape[:2]
     counts = new_token_counts(counts, batch, new)
     old = self.lengths[...]
-    check_room(old, new, self.capacity, "paged KV cache")
-    dtype = self.k_pages.dtype
+    check_room(old, counts, self.capacity, "paged KV cache")
+    dtype, tables = self.k_pages.dtype, self.block_tables[...]
+    # Padding (past counts) and tokens past a row's pages are not written.
     k_pages, v_pages = write_kv_pages(self.k_pages[...], self.v_pages[...], k.astype(dtype),
-                                      v.astype(dtype), self.block_tables[...], old)
+                                      v.astype(dtype), tables, old, counts)
     self.k_pages[...], self.v_pages[...] = k_pages, v_pages
-    self.lengths[...] = jnp.minimum(old + counts, self.capacity)
-    # Every row attends as if all `new` tokens were real, so that query i sits at old + i
-    # (bottom-right alignment on kv_lengths); a real query sees no padding key after it.
-    o = paged_attention(q.astype(dtype), k_pages, v_pages, self.block_tables[...], old + new,
-                        causal=True, **options)
-    real = jnp.arange(new)[None, :] < counts[:, None]
-    return jnp.where(real[:, :, None, None], o, jnp.zeros((), o.dtype))
+    lengths = jnp.minimum(old + counts, self.capacity)
+    self.lengths[...] = lengths
+    return paged_attention(q.astype(dtype), k_pages, v_pages, tables, lengths,
+                           q_lengths=counts, causal=True, **options)
