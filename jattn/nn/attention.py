@@ -92,8 +92,8 @@ class MultiHeadAttention(nnx.Module):
     ``block_tables[b, t // page_size]``. ``block_tables: [batch, pages_per_seq]`` ints
     (default: row ``b`` owns pages ``[b * pages_per_seq, (b + 1) * pages_per_seq)``,
     which needs ``num_pages >= batch * pages_per_seq``). Replaces any cache there was.
-    Decoding through it runs ``jattn.paged_attention``, whose backends are ``"auto"``,
-    ``"pallas_triton"`` and ``"xla"``: the layer's ``backend`` must be one of them."""
+    Decoding through it runs ``jattn.paged_attention`` on the layer's ``backend``, which
+    must be one that op takes (any but ``"cudnn"``)."""
     if block_tables is None:
       if num_pages < batch * pages_per_seq:
         raise ValueError(f"the default block tables give each of {batch} rows "
