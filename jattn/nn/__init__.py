@@ -2,10 +2,15 @@
 
 from jattn.nn.attention import MultiHeadAttention
 from jattn.nn.dat import DAT, PRESETS as DAT_PRESETS, DATConfig
+from jattn.nn.decoder import DecoderBlock, DecoderLM
+from jattn.nn.generate import decode_steps, greedy_generate, prefill
 from jattn.nn.dilated import DilatedAttention, MultiheadDilatedAttention
 from jattn.nn.dilated_ring import DilatedRingAttention
+from jattn.nn.kv_cache import AttentionCache, KVCache, PagedKVCache
 from jattn.nn.retention import GLU, MultiScaleRetention, RetNet, RetNetConfig, RetNetLayer, RMSNorm
 
-__all__ = ["DAT", "DATConfig", "DAT_PRESETS", "DilatedAttention", "DilatedRingAttention", "GLU",
-           "MultiHeadAttention", "MultiScaleRetention", "MultiheadDilatedAttention", "RMSNorm",
-           "RetNet", "RetNetConfig", "RetNetLayer"]
+__all__ = ["AttentionCache", "DAT", "DATConfig", "DAT_PRESETS", "DecoderBlock", "DecoderLM",
+           "DilatedAttention", "DilatedRingAttention", "GLU", "KVCache", "MultiHeadAttention",
+           "MultiScaleRetention", "MultiheadDilatedAttention", "PagedKVCache", "RMSNorm",
+           "RetNet", "RetNetConfig", "RetNetLayer", "decode_steps", "greedy_generate",
+           "prefill"]

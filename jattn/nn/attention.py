@@ -1,4 +1,5 @@
-"""Multi-head attention layer (Flax NNX) on top of ``jattn.flash_attention``."""
+"""Multi-head attention layer (Flax NNX) on top of ``jattn.flash_attention``, with a
+contiguous or paged KV cache for decoding (``jattn.nn.kv_cache``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.flash import flash_attention
+from jattn.nn.kv_cache import KVCache, PagedKVCache, contiguous_block_tables
 
 
 class MultiHeadAttention(nnx.Module):
@@ -31,6 +33,10 @@ class MultiHeadAttention(nnx.Module):
     backend: ``flash_attention`` backend.
     dtype: computation dtype (params stay in ``param_dtype``).
     rngs: ``nnx.Rngs`` for initialisation (and dropout).
+
+  Decoding: ``init_cache`` (contiguous) or ``init_paged_cache`` (pages) creates
+  ``self.cache``, and ``layer(x, decode=True)`` appends ``x``'s tokens to it and
+  attends causally to everything cached (docs/serving.md).
   """
 
   def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -66,18 +72,68 @@ class MultiHeadAttention(nnx.Module):
     self.v_proj = linear(embed_dim, num_kv_heads * self.value_head_dim)
     self.out_proj = linear(num_heads * self.value_head_dim, embed_dim)
     self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
+    # Data, not static: init_cache puts a module holding state here.
+    self.cache: KVCache | PagedKVCache | None = nnx.data(None)
+
+  def init_cache(self, input_shape: tuple, dtype=jnp.float32) -> None:
+    """Creates an empty contiguous KV cache (``self.cache``, a ``KVCache``) for
+    ``x: input_shape = (batch, max_length, embed_dim)``: every row holds up to
+    ``max_length`` tokens, at lengths of its own. Replaces any cache there was."""
+    if len(input_shape) != 3 or input_shape[-1] != self.embed_dim:
+      raise ValueError(f"init_cache takes (batch, max_length, embed_dim) with embed_dim "
+                       f"{self.embed_dim} (the layer's), got {tuple(input_shape)}")
+    self.cache = KVCache(input_shape, self.num_kv_heads, self.head_dim, self.value_head_dim,
+                         dtype)
+
+  def init_paged_cache(self, num_pages: int, page_size: int, batch: int, pages_per_seq: int,
+                       dtype=jnp.float32, block_tables=None) -> None:
+    """Creates an empty paged KV cache (``self.cache``, a ``PagedKVCache``): a pool of
+    ``num_pages`` pages of ``page_size`` tokens; row ``b``'s token ``t`` sits in page
+    ``block_tables[b, t // page_size]``. ``block_tables: [batch, pages_per_seq]`` ints
+    (default: row ``b`` owns pages ``[b * pages_per_seq, (b + 1) * pages_per_seq)``,
+    which needs ``num_pages >= batch * pages_per_seq``). Replaces any cache there was.
+    Decoding through it runs ``jattn.paged_attention`` on the layer's ``backend``, which
+    must be one that op takes (any but ``"cudnn"``)."""
+    if block_tables is None:
+      if num_pages < batch * pages_per_seq:
+        raise ValueError(f"the default block tables give each of {batch} rows "
+                         f"{pages_per_seq} pages of their own: num_pages must be at least "
+                         f"{batch * pages_per_seq}, got {num_pages} (or pass block_tables)")
+      block_tables = contiguous_block_tables(batch, pages_per_seq)
+    block_tables = jnp.asarray(block_tables)
+    if block_tables.shape != (batch, pages_per_seq):
+      raise ValueError(f"block_tables must be [batch, pages_per_seq] = {(batch, pages_per_seq)}"
+                       f", got shape {block_tables.shape}")
+    self.cache = PagedKVCache(num_pages, page_size, block_tables, self.num_kv_heads,
+                              self.head_dim, self.value_head_dim, dtype)
 
   def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
-               deterministic: bool | None = None):
+               deterministic: bool | None = None, decode: bool = False, lengths=None):
     """Attends from ``x: [batch, q_len, embed_dim]`` to ``context`` (default ``x``).
 
     ``segment_ids: [batch, q_len]`` / ``context_segment_ids: [batch, kv_len]``
     restrict attention to equal ids (packed sequences); for self-attention the
     context ids default to ``segment_ids``. ``deterministic`` overrides the module's
     (no dropout). Returns ``[batch, q_len, embed_dim]``.
+
+    ``decode=True`` (after ``init_cache`` or ``init_paged_cache``): self-attention
+    through the cache. ``x``'s tokens (a prompt, a chunk of one, or one new token per
+    row) are appended at each row's cached length, and each attends causally to the
+    row's cached tokens and those before it in ``x`` (always causal, whatever
+    ``causal`` says; no dropout). ``lengths: [batch]`` ints: how many of ``x``'s tokens
+    each row really has (default all; left-aligned, the rest padding, not cached, with
+    zero outputs).
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"x must be [batch, seq, {self.embed_dim}], got shape {x.shape}")
+    if decode:
+      if context is not None or segment_ids is not None or context_segment_ids is not None:
+        raise ValueError("decode=True is self-attention through the cache: no context or "
+                         "segment ids")
+      return self._decode(x, lengths)
+    if lengths is not None:
+      raise ValueError("lengths counts the new tokens of decode=True calls; without decode "
+                       "use segment_ids")
     context = x if context is None else context
     if context.ndim != 3 or context.shape[-1] != self.embed_dim:
       raise ValueError(f"context must be [batch, seq, {self.embed_dim}], got {context.shape}")
@@ -98,3 +154,20 @@ class MultiHeadAttention(nnx.Module):
                         kv_segment_ids=context_segment_ids, backend=self.backend,
                         sinks=None if self.sinks is None else self.sinks[...], **dropout)
     return self.out_proj(o.reshape(b, q_len, self.num_heads * self.value_head_dim))
+
+  def _decode(self, x, lengths):
+    """``decode=True``: project ``x``, append its keys and values to ``self.cache``,
+    attend through it."""
+    if self.cache is None:
+      raise ValueError("decode=True needs a KV cache: call layer.init_cache((batch, "
+                       "max_length, embed_dim), dtype) or layer.init_paged_cache(...) first")
+    self.cache.check_input(x.shape)
+    b, n = x.shape[:2]
+    q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.value_head_dim)
+    sinks = None if self.sinks is None else self.sinks[...]
+    o = self.cache.attend(q, k, v, lengths, local_window=self.local_window,
+                          softcap=self.softcap, sinks=sinks, backend=self.backend)
+    o = o.astype(q.dtype)
+    return self.out_proj(o.reshape(b, n, self.num_heads * self.value_head_dim))
