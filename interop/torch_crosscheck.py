@@ -54,13 +54,22 @@ def _dropout_keep(p, seed, device):
   return torch.as_tensor(np.array(keep)).to(device)
 
 
+def _gathered(pages, tables):
+  """A paged cache ``[num_pages, page_size, heads, d]`` as ``[batch, pages_per_seq *
+  page_size, heads, d]`` through the block table (ids clamped into the pool)."""
+  pages_of = pages[tables.long().clamp(0, pages.shape[0] - 1)]
+  return pages_of.reshape(tables.shape[0], -1, *pages.shape[2:])
+
+
 # op name -> ``fn(problem, *tensors)`` giving the op's primary output in torch; the
 # tensors are the op's arrays (``Op.arg_names``), None where the op has none.
 TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
-    "flash_attention": lambda p, q, k, v, q_seg, kv_seg, sinks, seed: flash_attention_torch(
-        q, k, v, causal=p.causal, scale=p.scale, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-        local_window=p.local_window, softcap=p.softcap, sinks=sinks,
-        dropout_keep=_dropout_keep(p, seed, q.device), dropout_rate=p.dropout_rate),
+    "flash_attention": lambda p, q, k, v, q_seg, kv_seg, sinks, seed, lengths: (
+        flash_attention_torch(
+            q, k, v, causal=p.causal, scale=p.scale, q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg, local_window=p.local_window, softcap=p.softcap,
+            sinks=sinks, dropout_keep=_dropout_keep(p, seed, q.device),
+            dropout_rate=p.dropout_rate, lengths=lengths)),
     "window_attention": lambda p, q, k, v, bias, mask: window_attention_torch(
         q, k, v, bias, mask=mask, scale=p.scale),
     "dilated_attention": _dilated,
@@ -70,6 +79,10 @@ TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
     "retention_recurrent": _retention,
     "retention_step": lambda p, q, k, v, state, decay: retention_step_torch(
         q, k, v, state, decay=decay, scale=p.scale)[0],
+    "paged_attention": lambda p, q, k_pages, v_pages, tables, lengths, sinks: (
+        flash_attention_torch(q, _gathered(k_pages, tables), _gathered(v_pages, tables),
+                              causal=p.causal, scale=p.scale, local_window=p.local_window,
+                              softcap=p.softcap, sinks=sinks, lengths=lengths)),
 }
 
 

@@ -17,15 +17,22 @@ from jattn.flex.examples import CAP, WINDOW, example_arrays
 
 
 def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=None,
-                         q_segment_ids=None, kv_segment_ids=None, device=None):
+                         q_segment_ids=None, kv_segment_ids=None, lengths=None, device=None):
   """Boolean ``[batch or 1, 1, q_len, kv_len]`` mask, True where a query may attend.
 
   Same semantics as ``jattn.flash_attention``: queries aligned bottom-right
-  (query ``i`` at key position ``i + kv_len - q_len``).
+  (query ``i`` at key position ``i + kv_len - q_len``); with ``lengths`` (``[batch,
+  2]``: each row's ``(q_len, kv_len)``) on the row's own, and queries and keys past
+  them attend nothing.
   """
-  q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+  q_idx = torch.arange(q_len, device=device)[:, None]
   k_pos = torch.arange(kv_len, device=device)[None, :]
+  q_pos = q_idx + (kv_len - q_len)
   mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+  if lengths is not None:
+    q_n, kv_n = lengths[:, 0, None, None], lengths[:, 1, None, None]
+    q_pos = q_idx + (kv_n - q_n)
+    mask = (q_idx < q_n) & (k_pos < kv_n)
   left, right = local_window if local_window is not None else (None, None)
   if causal:
     right = 0 if right is None else min(right, 0)
@@ -33,7 +40,7 @@ def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=
     mask &= k_pos <= q_pos + right
   if left is not None:
     mask &= k_pos >= q_pos - left
-  mask = mask[None, None]
+  mask = mask[:, None] if lengths is not None else mask[None, None]
   if q_segment_ids is not None:
     same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     mask = mask & same[:, None]
@@ -42,7 +49,7 @@ def flash_attention_mask(q_len: int, kv_len: int, *, causal=False, local_window=
 
 def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                           kv_segment_ids=None, local_window=None, softcap=None, sinks=None,
-                          dropout_keep=None, dropout_rate: float = 0.0):
+                          dropout_keep=None, dropout_rate: float = 0.0, lengths=None):
   """Attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
   Args:
@@ -51,6 +58,8 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
     sinks: ``[q_heads]`` sink logits in each row's denominator, or None.
     dropout_keep: a boolean ``[batch, q_heads, q_len, kv_len]`` keep-mask (jattn's,
       so that both sides drop the same weights) applied with ``dropout_rate``.
+    lengths: ``[batch, 2]`` each row's ``(q_len, kv_len)`` (``q_lengths`` and
+      ``kv_lengths`` together), or None.
     Other arguments as ``jattn.flash_attention``. A soft-cap, sinks or a given
     dropout mask cannot be expressed through SDPA, so those cases compute the softmax
     explicitly in torch.
@@ -67,7 +76,7 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
     vt = vt.repeat_interleave(q_heads // kv_heads, dim=1)
   mask = flash_attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                              device=q.device)
+                              lengths=lengths, device=q.device)
   # SDPA turns a row with no allowed key into NaN; open such rows up and zero
   # their output afterwards (the zeroing also stops their gradient).
   empty = ~mask.any(dim=-1, keepdim=True)

@@ -129,6 +129,7 @@ class PagedAttention(Op):
   name = "paged_attention"
   problem_cls = PagedProblem
   arg_names = ("q", "k_pages", "v_pages", "block_tables", "lengths", "sinks")
+  diff_argnums = ()  # a serving op: no gradient
 
   def bind(self, q, k_pages, v_pages, block_tables, kv_lengths, *, q_lengths=None,
            causal=False, scale=None, softcap=None, local_window=None, sinks=None,
