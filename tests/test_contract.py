@@ -105,14 +105,15 @@ SPECS = [
                                                              backend=backend))
     for form in RETENTION_FORMS
 ] + [
-    # packed sequences (cu_seqlens fixed per length: vmap runs over q, k, v), each
-    # sequence's last state out of the stateful forms
+    # packed sequences (cu_seqlens fixed per length: vmap runs over q, k, v) and each
+    # sequence's last state, in the forms that have one (the parallel form's packing is
+    # tests/test_retention.py's, vmap included)
     Spec(f"retention_{form}",
          lambda key, dtype, n: _normal(key, [(1, n, 1, 16), (1, n, 1, 16), (1, n, 1, 8)], dtype),
          lambda q, k, v, backend, form=form: jattn.retention(
              q, k, v, mode=form, chunk_size=16, cu_seqlens=_packing(q.shape[1]),
-             return_state=form != "parallel", backend=backend))
-    for form in RETENTION_FORMS
+             return_state=True, backend=backend))
+    for form in ("chunkwise", "recurrent")
 ] + [
     Spec("retention_step",
          lambda key, dtype, n: _normal(key, [(2, 2, 16), (2, 2, 16), (2, 2, 8), (2, 2, 16, 8)],
