@@ -661,6 +661,21 @@ def test_vmap_over_packings(form="chunkwise"):
     assert finals is None or rel_err(finals[row], finals_ref) < 1e-5
 
 
+@pytest.mark.kernel
+def test_packed_abs_sum_normalisation():
+  """``normalize="abs_sum"`` sums each row over its own sequence (the Triton kernels
+  against the reference, gradients with the denominator held constant)."""
+  q, k, v, _, _ = _inputs(batch=1, q_len=56, heads=2, dk=8, dv=6, seed=7)
+  kw = dict(decay=DECAY, scale=0.1, normalize="abs_sum", cu_seqlens=EDGE_PACKING)
+  o, pull = jax.vjp(jax.jit(lambda q, k, v: RETENTION_PARALLEL(
+      q, k, v, backend="pallas_triton", config=SMALL_TILES_MIXED, **kw)), q, k, v)
+  o_ref, pull_ref = jax.vjp(lambda q, k, v: retention_reference(q, k, v, **kw), q, k, v)
+  assert rel_err(o, o_ref) < 1e-5
+  cot = jax.random.normal(jax.random.PRNGKey(8), o.shape)
+  for name, g, g_ref in zip("qkv", pull(cot), pull_ref(cot)):
+    assert rel_err(g, g_ref) < 2e-5, name
+
+
 def test_packed_block_ranges_skip_earlier_sequences():
   """The parallel kernels' block ranges: a query tile visits exactly the key blocks
   its rows see (the first one its first row's sequence holds, up to the diagonal), and

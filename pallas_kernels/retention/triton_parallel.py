@@ -107,8 +107,9 @@ def _run_loops(unmasked, masked_runs, step, carry, between):
 # Key blocks wholly at or before a query tile's first row take the decay as a product:
 # γ^(n-m) = γ^(n-n0) · γ^(n0-m) with n0 the tile's first query. Both factors are <= 1,
 # the per-key one is a [1, block] vector per step, and the per-query one scales the
-# accumulator once at the end: one multiply per score instead of an exp2. Blocks on the
-# diagonal build the exact masked decay, and guard their rows (nonfinite.py): there a
+# accumulator once, after those blocks: one multiply per score instead of an exp2.
+# Blocks on the diagonal (and, packed, those that reach before some row's sequence
+# start) build the exact masked decay, and guard their rows (nonfinite.py): there a
 # masked weight meets the rows of keys (or, in the dK/dV pass, queries) the row does
 # not see, and 0 · inf would carry a non-finite value into it.
 
