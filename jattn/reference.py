@@ -240,16 +240,42 @@ def default_decay(heads: int):
   return 1.0 - 2.0 ** (-5.0 - jnp.arange(heads, dtype=jnp.float32))
 
 
-def retention_decay_mask(q_len: int, kv_len: int, decay):
+def packed_sequence_ids(cu_seqlens, length: int):
+  """The packed sequence of each of ``length`` positions, ``[length]`` int32: how many of
+  the sequence starts ``cu_seqlens[1:-1]`` lie at or before it.
+
+  For ``cu_seqlens`` from 0 to ``length``, non-decreasing, that is the index of the
+  sequence holding the position (an empty sequence holds none). Whatever the values,
+  the ids never decrease along the positions: positions before ``cu_seqlens[0]`` join
+  the first sequence, those from ``cu_seqlens[-1]`` on the last. (A broadcast
+  comparison, ``O(length · sequences)``: the oracle; the kernels count another way.)
+  """
+  starts = jnp.asarray(cu_seqlens)[1:-1]
+  return jnp.sum(starts[None, :] <= jnp.arange(length)[:, None], axis=1, dtype=jnp.int32)
+
+
+def _retention_visible(q_len: int, kv_len: int, segment_ids=None):
+  """``[q_len, kv_len]`` bool: query ``i`` (at position ``i + kv_len - q_len``) sees key
+  ``m`` at or before it, in its own sequence where ``segment_ids`` (``[kv_len]``) is given."""
+  diff = (jnp.arange(q_len)[:, None] + (kv_len - q_len)) - jnp.arange(kv_len)[None, :]
+  visible = diff >= 0
+  if segment_ids is not None:
+    visible &= segment_ids[kv_len - q_len:, None] == segment_ids[None, :]
+  return visible
+
+
+def retention_decay_mask(q_len: int, kv_len: int, decay, segment_ids=None):
   """``D[h, n, m] = γ_h^(n - m)`` for ``n >= m`` else 0, shape ``[heads, q_len, kv_len]``,
   in decay's dtype promoted to at least float32.
 
   Queries are the last ``q_len`` positions: query ``i`` sits at position
   ``i + kv_len - q_len``. γ = 0 gives ``γ^0 = 1`` and 0 beyond; a NaN γ gives NaN.
+  ``segment_ids`` (``[kv_len]`` ints, e.g. ``packed_sequence_ids``): also 0 where ``n``
+  and ``m`` lie in different sequences.
   """
   dtype = jnp.promote_types(jnp.result_type(decay), jnp.float32)
   diff = (jnp.arange(q_len)[:, None] + (kv_len - q_len)) - jnp.arange(kv_len)[None, :]
-  visible = diff >= 0
+  visible = _retention_visible(q_len, kv_len, segment_ids)
   # where() before exp: a negative distance would overflow γ^(n - m). log 0 is taken
   # as the most negative finite float: exp(0 · -inf) would make γ^0 NaN for γ = 0.
   power = jnp.where(visible, diff, 0).astype(dtype)
@@ -257,14 +283,15 @@ def retention_decay_mask(q_len: int, kv_len: int, decay):
   return jnp.where(visible[None], jnp.exp(power[None] * log_decay[:, None, None]), 0.0)
 
 
-def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
+def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None, cu_seqlens=None):
   """Parallel-form retention: ``O = (scale · Q Kᵀ ⊙ D) V``.
 
   Computed in the inputs' dtype promoted to at least float32 (float64 inputs under
   ``jax_enable_x64`` give a float64 oracle). Non-finite values stay in the rows that
   see them: row ``n`` (at position ``n'``) sees ``q_n`` and the keys and values at
-  positions ``<= n'``; it comes out NaN where one of them holds an inf or NaN, and
-  exact where none does (also in the gradients of the inputs it sees).
+  positions ``<= n'`` (of its own sequence, with ``cu_seqlens``); it comes out NaN
+  where one of them holds an inf or NaN, and exact where none does (also in the
+  gradients of the inputs it sees).
 
   Args:
     q: ``[batch, q_len, heads, dk]``; k: ``[batch, kv_len, heads, dk]``;
@@ -272,6 +299,10 @@ def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
     normalize: None or ``"abs_sum"``: each row of ``S = scale · Q Kᵀ ⊙ D`` is divided
       by ``max(Σ_m |S[n, m]|, 1)``, a constant for the gradient (as torchscale); a row
       whose sum is not finite (it sees a non-finite value) is divided by 1.
+    cu_seqlens: ``[num_seqs + 1]`` ints or None: the key positions hold packed
+      sequences ``[cu_seqlens[i], cu_seqlens[i + 1])`` (every batch row alike), and
+      ``D[n, m] = 0`` where ``n`` and ``m`` lie in different ones
+      (``packed_sequence_ids``).
 
   Returns:
     ``[batch, q_len, heads, dv]``.
@@ -281,6 +312,7 @@ def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
   heads, dk = q.shape[2], q.shape[3]
   decay = default_decay(heads) if decay is None else decay
   scale = scale_of(scale, dk)
+  segment_ids = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, k.shape[1])
   # A non-finite query row, or key or value row, is zeroed for the products and comes
   # back as NaN scores where it is seen: in a product with masked (zero) scores, or in
   # its transpose in the backward, 0 · inf = NaN would reach rows that do not see it.
@@ -289,22 +321,28 @@ def retention_reference(q, k, v, *, decay=None, scale=None, normalize=None):
   q, k, v = jnp.where(bad_q, 0.0, q), jnp.where(bad_kv, 0.0, k), jnp.where(bad_kv, 0.0, v)
   bad = jnp.moveaxis(bad_q, 2, 1) | jnp.moveaxis(bad_kv, 2, 1).swapaxes(2, 3)  # [b, h, q, kv]
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
-  visible = jnp.tril(jnp.ones(s.shape[2:], bool), k.shape[1] - q.shape[1])
+  visible = _retention_visible(q.shape[1], k.shape[1], segment_ids)
   s = jnp.where(visible, jnp.where(bad, jnp.nan, s * retention_decay_mask(
-      q.shape[1], k.shape[1], decay.astype(dtype))[None]), 0.0)
+      q.shape[1], k.shape[1], decay.astype(dtype), segment_ids)[None]), 0.0)
   if normalize == "abs_sum":
     den = jnp.maximum(jnp.abs(s).sum(-1, keepdims=True), 1.0)
     s = s / jax.lax.stop_gradient(jnp.where(jnp.isfinite(den), den, 1.0))
   return jnp.einsum("bhqk,bkhd->bqhd", s, v, precision="highest")
 
 
-def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_state=None):
+def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_state=None,
+                                  cu_seqlens=None):
   """Recurrent-form retention, one position at a time.
 
   ``S_t = γ S_{t-1} + k_tᵀ v_t`` (``S_{-1}`` = ``initial_state`` or 0) and
   ``o_t = scale · q_t S_t``. Shapes as :func:`retention_reference` (``q_len <= kv_len``,
   queries the last ``q_len`` positions); the state is ``[batch, heads, dk, dv]``.
   Computed in the inputs' dtype promoted to at least float32.
+
+  With ``cu_seqlens`` (``[num_seqs + 1]`` ints, batch 1, no ``initial_state``) the
+  state restarts from 0 at the first position of each packed sequence
+  (``packed_sequence_ids``), and the final states are each sequence's last,
+  ``[num_seqs, heads, dk, dv]`` (zeros for an empty sequence).
 
   Returns:
     ``(o, final_state)``.
@@ -313,20 +351,35 @@ def retention_recurrent_reference(q, k, v, *, decay=None, scale=None, initial_st
   prefix = k.shape[1] - q.shape[1]  # keys before the first query only feed the state
   q = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0)))
   q, k, v = (x.astype(dtype) for x in (q, k, v))
-  batch, _, heads, dk = q.shape
+  batch, length, heads, dk = q.shape
   decay = (default_decay(heads) if decay is None else decay).astype(dtype)
   scale = scale_of(scale, dk)
-  state = (jnp.zeros((batch, heads, dk, v.shape[-1]), dtype) if initial_state is None
-           else initial_state.astype(dtype))
+  shape = (batch, heads, dk, v.shape[-1])
+  state = jnp.zeros(shape, dtype) if initial_state is None else initial_state.astype(dtype)
+  ids = finals = None
+  if cu_seqlens is not None:
+    if batch != 1 or initial_state is not None:
+      raise ValueError("cu_seqlens takes batch 1 and no initial_state")
+    ids = packed_sequence_ids(cu_seqlens, length)
+    finals = jnp.zeros((jnp.shape(cu_seqlens)[0] - 1,) + shape, dtype)
 
-  def step(state, qkv):
-    q_t, k_t, v_t = qkv  # [batch, heads, d]
-    state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k_t, v_t,
-                                                           precision="highest")
-    return state, scale * jnp.einsum("bhk,bhkv->bhv", q_t, state, precision="highest")
+  def step(carry, qkv):
+    state, finals, previous = carry
+    q_t, k_t, v_t, id_t = qkv  # [batch, heads, d], the sequence (or None)
+    state = decay[None, :, None, None] * state
+    if finals is not None:  # a new sequence starts from 0; each sequence's last state kept
+      state = jnp.where(id_t == previous, state, 0.0)
+    state = state + jnp.einsum("bhk,bhv->bhkv", k_t, v_t, precision="highest")
+    if finals is not None:
+      finals = jax.lax.dynamic_update_index_in_dim(finals, state, id_t, 0)
+    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, state, precision="highest")
+    return (state, finals, id_t), o_t
 
-  state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
-  return jnp.moveaxis(o, 0, 1)[:, prefix:], state
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)) + (ids,)
+  first = None if ids is None else ids[0]
+  (state, finals, _), o = jax.lax.scan(step, (state, finals, first), xs)
+  o = jnp.moveaxis(o, 0, 1)[:, prefix:]
+  return (o, state) if finals is None else (o, finals[:, 0])
 
 
 def dilated_positions(seq_len: int, heads: int, segment_length: int, dilation_rate: int):

@@ -13,6 +13,11 @@ values at positions up to its own and the initial state; it comes out NaN (or in
 when one of them holds an inf or NaN, and exact otherwise, in every form and backend
 (docs/retention.md, "Non-finite values").
 
+Packed sequences (``cu_seqlens``, RetNet training on packed batches): q, k, v hold
+sequences one after another (batch 1), and every form restarts the state at each
+sequence's first position, so row n sees only its own sequence. ``retention_step``'s
+``reset`` does the same for the slots of a serving batch.
+
 Each form is an op of its own (``retention_parallel``, ``retention_chunkwise``,
 ``retention_recurrent``, ``retention_step``) sharing one problem class and one
 validation; ``retention`` picks the form (``mode``). Implementations:
@@ -47,6 +52,7 @@ from jattn.kernels.flash.config import (FORWARD_SEARCH, MosaicBlockConfig,
                                         default_mosaic_config, mosaic_misfit)
 from jattn.kernels.retention.config import CHUNKWISE_SEARCH, grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
+from jattn.kernels.retention.packing import final_states, sequence_bounds, sequence_ids
 from jattn.reference import default_decay, retention_reference
 from jattn.tuning.spaces import BlockTritonImpl
 
@@ -74,6 +80,8 @@ class RetentionProblem(Problem):
   normalize: str | None = None
   chunk_size: int | None = None  # the caller's; None: the config's
   initial_state: bool = False
+  sequences: int | None = None  # packed sequences (cu_seqlens, batch 1); None: not packed
+  reset: bool = False  # retention_step: a reset flag per slot
 
   def __post_init__(self):
     self._normalize(self.dk, kv_len=self.q_len, dv=self.dk)
@@ -81,6 +89,19 @@ class RetentionProblem(Problem):
   @property
   def head_dims(self) -> tuple[int, ...]:
     return (self.dk, self.dv)
+
+  def check_fields(self) -> None:
+    super().check_fields()
+    if self.sequences is not None and (self.batch != 1 or self.kv_len != self.q_len
+                                       or self.initial_state):
+      raise ValueError("sequences (packed, cu_seqlens) needs batch 1, kv_len == q_len and "
+                       "no initial_state")
+
+
+def _no_grad(packing) -> tuple:
+  """The gradient slot of an op's trailing integer array (``cu_seqlens``, ``reset``):
+  None where it is given, nothing where it is not."""
+  return () if packing is None else (None,)
 
 
 def _check_decay(decay, heads: int):
@@ -127,9 +148,38 @@ def _state_array(initial_state, batch, heads, dk, dv):
   return initial_state.astype(jnp.float32)
 
 
+def _check_cu_seqlens(cu_seqlens, q, k, initial_state):
+  """``cu_seqlens`` as the kernels take it (int32 ``[num_seqs + 1]``), after the checks:
+  integers, rank 1, at least one sequence, q, k, v of batch 1 and one length, no
+  initial state, and, where its values are known (not traced), from 0 to that length,
+  non-decreasing."""
+  if not hasattr(cu_seqlens, "shape"):
+    cu_seqlens = np.asarray(cu_seqlens)
+  if not (jnp.issubdtype(cu_seqlens.dtype, jnp.integer) and cu_seqlens.dtype != bool):
+    raise TypeError(f"cu_seqlens must be integers [num_seqs + 1], got dtype {cu_seqlens.dtype}")
+  if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+    raise ValueError("cu_seqlens must have rank 1 [num_seqs + 1] with at least 2 entries, got "
+                     f"shape {tuple(cu_seqlens.shape)}")
+  if q.shape[0] != 1:
+    raise ValueError("cu_seqlens packs sequences along the length: q, k, v must have batch 1, "
+                     f"got q of shape {tuple(q.shape)}")
+  if q.shape[1] != k.shape[1]:
+    raise ValueError(f"cu_seqlens needs q_len == kv_len, got {q.shape[1]} and {k.shape[1]}")
+  if initial_state is not None:
+    raise ValueError("initial_state cannot be given with cu_seqlens: every packed sequence "
+                     "starts from a zero state")
+  if not isinstance(cu_seqlens, jax.core.Tracer):
+    values = np.asarray(cu_seqlens, np.int64)
+    if values[0] != 0 or values[-1] != q.shape[1] or np.any(np.diff(values) < 0):
+      raise ValueError(f"cu_seqlens must run from 0 to the length ({q.shape[1]}) without "
+                       f"decreasing, got {values.tolist()}")
+  return jnp.asarray(cu_seqlens).astype(jnp.int32)
+
+
 def bind_sequence(q, k, v, *, decay=None, scale=None, normalize=None, initial_state=None,
-                  chunk_size=None):
-  """The shared validation of the sequence forms: ``(problem, (q, k, v, decay, state))``."""
+                  chunk_size=None, cu_seqlens=None):
+  """The shared validation of the sequence forms: ``(problem, (q, k, v, decay, state))``,
+  and ``cu_seqlens`` after them when given."""
   check_array("q", q, "batch, q_len, heads, dk")
   check_array("k", k, "batch, kv_len, heads, dk")
   check_array("v", v, "batch, kv_len, heads, dv")
@@ -142,16 +192,29 @@ def bind_sequence(q, k, v, *, decay=None, scale=None, normalize=None, initial_st
                      "last q_len positions")
   check_choice("normalize", normalize, NORMALIZERS)
   check_positive_int("chunk_size", chunk_size, optional=True)
+  packed = ()
+  if cu_seqlens is not None:
+    packed = (_check_cu_seqlens(cu_seqlens, q, k, initial_state),)
   problem = RetentionProblem(batch=batch, q_len=q_len, kv_len=k.shape[1], heads=heads, dk=dk,
                              dv=v.shape[-1], dtype=q.dtype, scale=scale_of(scale, dk),
                              normalize=normalize, chunk_size=chunk_size,
-                             initial_state=initial_state is not None)
+                             initial_state=initial_state is not None,
+                             sequences=packed[0].shape[0] - 1 if packed else None)
   arrays = (q, k, v, _decay_array(decay, heads),
-            _state_array(initial_state, batch, heads, dk, v.shape[-1]))
+            _state_array(initial_state, batch, heads, dk, v.shape[-1])) + packed
   return problem, arrays
 
 
+def _random_packing(key, length: int, sequences: int):
+  """``cu_seqlens`` of ``sequences`` random lengths (empty ones too) summing to ``length``."""
+  cuts = jnp.sort(jax.random.randint(key, (sequences - 1,), 0, length + 1))
+  return jnp.concatenate([jnp.zeros(1, jnp.int32), cuts.astype(jnp.int32),
+                          jnp.full(1, length, jnp.int32)])
+
+
 def _example(p: RetentionProblem, key):
+  """Random ``(q, k, v, decay, state)``, and the packing (``cu_seqlens``) of a packed
+  problem."""
   kq, kk, kv, ks = jax.random.split(key, 4)
   normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(p.dtype)
   q = normal(kq, (p.batch, p.q_len, p.heads, p.dk))
@@ -161,14 +224,16 @@ def _example(p: RetentionProblem, key):
   decay = jnp.linspace(0.7, 0.99, p.heads, dtype=jnp.float32)
   state = (0.1 * jax.random.normal(ks, (p.batch, p.heads, p.dk, p.dv), jnp.float32)
            if p.initial_state else jnp.zeros((p.batch, p.heads, p.dk, p.dv), jnp.float32))
-  return q, k, v, decay, state
+  packed = (_random_packing(ks, p.q_len, p.sequences),) if p.sequences else ()
+  return (q, k, v, decay, state) + packed
 
 
 class _SequenceForm(Op):
-  """A sequence form of retention: arrays ``(q, k, v, decay, state)``."""
+  """A sequence form of retention: arrays ``(q, k, v, decay, state)``, then
+  ``cu_seqlens`` where the problem is packed."""
 
   problem_cls = RetentionProblem
-  arg_names = ("q", "k", "v", "decay", "initial_state")
+  arg_names = ("q", "k", "v", "decay", "initial_state", "cu_seqlens")
 
   def bind(self, q, k, v, **kwargs):
     return bind_sequence(q, k, v, **kwargs)
@@ -194,20 +259,20 @@ class TritonParallel(BlockTritonImpl):
   def cache_key(self, p):
     return _cache_fields(p) + (str(p.normalize),)
 
-  def forward(self, call, q, k, v, decay, state):
+  def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
     p = call.problem
     log2_decay = _log2_decay(decay)
     o, den = retention_parallel_forward(q, k, v, log2_decay, scale=p.scale,
                                         normalize=p.normalize == "abs_sum", config=call.config,
-                                        interpret=call.interpret)
-    return o, (q, k, v, log2_decay, den)
+                                        interpret=call.interpret, cu_seqlens=cu_seqlens)
+    return o, (q, k, v, log2_decay, den, cu_seqlens)
 
   def backward(self, call, residuals, do):
-    q, k, v, log2_decay, den = residuals
+    q, k, v, log2_decay, den, cu_seqlens = residuals
     dq, dk, dv = retention_parallel_backward(q, k, v, log2_decay, den, do,
                                              scale=call.problem.scale, config=call.config,
-                                             interpret=call.interpret)
-    return dq, dk, dv, None, None
+                                             interpret=call.interpret, cu_seqlens=cu_seqlens)
+    return (dq, dk, dv, None, None) + _no_grad(cu_seqlens)
 
 
 class MosaicParallel(MosaicImpl):
@@ -230,30 +295,31 @@ class MosaicParallel(MosaicImpl):
     return mosaic_misfit(config, (p.dk, p.dv), p.dtype.itemsize, ("forward",),
                          shared_memory_limit(info))
 
-  def forward(self, call, q, k, v, decay, state):
+  def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
     p = call.problem
     log2_decay = _log2_decay(decay)
     c = call.config
     o, den = retention_mosaic_forward(q, k, v, log2_decay, scale=p.scale,
                                       normalize=p.normalize == "abs_sum", block_q=c.block_q,
                                       block_kv=c.block_kv, stages=c.stages,
-                                      persistent=c.persistent)
-    return o, (q, k, v, log2_decay, den)
+                                      persistent=c.persistent, cu_seqlens=cu_seqlens)
+    return o, (q, k, v, log2_decay, den, cu_seqlens)
 
   def backward(self, call, residuals, do):
-    q, k, v, log2_decay, den = residuals
+    q, k, v, log2_decay, den, cu_seqlens = residuals
     p = call.problem
     dq, dk, dv = retention_parallel_backward(
         q, k, v, log2_decay, den, do, scale=p.scale,
-        config=default_parallel_config(max(p.dk, p.dv), p.dtype.itemsize), interpret=False)
-    return dq, dk, dv, None, None
+        config=default_parallel_config(max(p.dk, p.dv), p.dtype.itemsize), interpret=False,
+        cu_seqlens=cu_seqlens)
+    return (dq, dk, dv, None, None) + _no_grad(cu_seqlens)
 
 
 class XlaParallel(XlaImpl):
-  def forward(self, call, q, k, v, decay, state):
+  def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
     p = call.problem
-    return retention_reference(q, k, v, decay=decay, scale=p.scale,
-                               normalize=p.normalize).astype(q.dtype), None
+    return retention_reference(q, k, v, decay=decay, scale=p.scale, normalize=p.normalize,
+                               cu_seqlens=cu_seqlens).astype(q.dtype), None
 
 
 class RetentionParallel(_SequenceForm):
@@ -304,7 +370,7 @@ class TritonChunkwise(TritonImpl):
               f"(dk={p.dk}, dv={p.dv}, {p.dtype.name}) > {limit // 1024} KiB")
     return None
 
-  def forward(self, call, q, k, v, decay, state):
+  def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
     p = call.problem
     # Keys before the first query: zero queries there give outputs that are dropped.
     prefix = p.kv_len - p.q_len
@@ -312,43 +378,55 @@ class TritonChunkwise(TritonImpl):
     log2_decay = _log2_decay(decay)
     o, final, states = retention_chunkwise_forward(q_full, k, v, state, log2_decay,
                                                    scale=p.scale, config=call.config,
-                                                   interpret=call.interpret)
-    return (o[:, prefix:], final), (q_full, k, v, states, log2_decay)
+                                                   interpret=call.interpret, cu_seqlens=cu_seqlens)
+    return (o[:, prefix:], final), (q_full, k, v, states, log2_decay, cu_seqlens)
 
   def backward(self, call, residuals, cotangents):
-    q_full, k, v, states, log2_decay = residuals
+    q_full, k, v, states, log2_decay, cu_seqlens = residuals
     do, dfinal = cotangents
     prefix = call.problem.kv_len - call.problem.q_len
     do = jnp.pad(do, ((0, 0), (prefix, 0), (0, 0), (0, 0))) if prefix else do
     dq, dk, dv, ds0 = retention_chunkwise_backward(q_full, k, v, states, log2_decay, do, dfinal,
                                                    scale=call.problem.scale, config=call.config,
-                                                   interpret=call.interpret)
-    return dq[:, prefix:], dk, dv, None, ds0
+                                                   interpret=call.interpret, cu_seqlens=cu_seqlens)
+    return (dq[:, prefix:], dk, dv, None, ds0) + _no_grad(cu_seqlens)
 
 
-def _chunk_terms(q, k, v, decay, scale, state):
+def _chunk_terms(q, k, v, decay, scale, state, packing=None):
   """One chunk of length ``c``: output and the state after it (all float32).
 
-  q, k: ``[batch, c, heads, dk]``; v: ``[batch, c, heads, dv]``; state: ``[batch, heads, dk, dv]``.
+  q, k: ``[batch, c, heads, dk]``; v: ``[batch, c, heads, dv]``; state: ``[batch, heads, dk, dv]``;
+  packing: None, or the chunk's packed sequences ``(cu_seqlens, start)``: cu_seqlens
+  shifted to the chunk and clipped to it, and each position's sequence start relative
+  to the chunk (``[c]``, negative where it began before the chunk).
   """
   c = q.shape[1]
+  cu_seqlens, start = (None, None) if packing is None else packing
   # Inside the chunk the parallel form (with its guard against non-finite values past
   # a row); query i sees the carried state through γ^(i+1).
-  o = retention_reference(q, k, v, decay=decay, scale=scale)
+  o = retention_reference(q, k, v, decay=decay, scale=scale, cu_seqlens=cu_seqlens)
   q_decay = _decay_powers(decay, jnp.arange(1, c + 1, dtype=jnp.float32))  # [c, heads]
-  o = o + scale * jnp.einsum("bqhk,bhkv->bqhv", q * q_decay[None, :, :, None], state,
-                             precision="highest")
-  return o, _state_of(k, v, decay, state)
+  from_state = scale * jnp.einsum("bqhk,bhkv->bqhv", q * q_decay[None, :, :, None], state,
+                                  precision="highest")
+  if start is not None:  # rows whose sequence starts in the chunk: selected, it may hold an inf
+    from_state = jnp.where((start < 0)[None, :, None, None], from_state, 0.0)
+  return o + from_state, _state_of(k, v, decay, state, None if start is None else start[-1])
 
 
-def _state_of(k, v, decay, state):
+def _state_of(k, v, decay, state, last_start=None):
   """The state after keys ``k, v`` (``[batch, c, heads, d]``) from ``state``: key ``j``
-  reaches the end through ``γ^(c-1-j)``."""
+  reaches the end through ``γ^(c-1-j)``. ``last_start`` (packed): where the last
+  sequence starts, relative to the keys: only its keys reach the end, and ``state``
+  only where it began before them."""
   c = k.shape[1]
   k_decay = _decay_powers(decay, c - 1.0 - jnp.arange(c, dtype=jnp.float32))
-  return (jnp.exp2(c * _log2_decay(decay))[None, :, None, None] * state
-          + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v,
-                       precision="highest"))
+  carried = jnp.exp2(c * _log2_decay(decay))[None, :, None, None] * state
+  if last_start is not None:  # selected, not multiplied: dropped keys may hold an inf
+    kept = (jnp.arange(c) >= last_start)[None, :, None, None]
+    k, v = jnp.where(kept, k, 0.0), jnp.where(kept, v, 0.0)
+    carried = jnp.where(last_start < 0, carried, 0.0)
+  return carried + jnp.einsum("bkhd,bkhv->bhdv", k * k_decay[None, :, :, None], v,
+                              precision="highest")
 
 
 def _split_prefix(q, k, v, decay, state):
@@ -360,31 +438,55 @@ def _split_prefix(q, k, v, decay, state):
   return k[:, prefix:], v[:, prefix:], state
 
 
+def _jnp_chunks(q, k, v, decay, scale, state, chunk: int, cu_seqlens=None):
+  """The chunkwise form on float32 ``[batch, length, heads, d]`` arrays: a scan over the
+  full chunks, then the remainder. Returns ``(o, the state after, the states before
+  every chunk)``, those ``[chunks, batch, heads, dk, dv]`` where packed, else None."""
+  length = q.shape[1]
+  n_full = length // chunk
+  starts = None
+  if cu_seqlens is not None:
+    starts = sequence_bounds(sequence_ids(cu_seqlens, length))[0]
+
+  def terms(state, q, k, v, c0, start):
+    packing = None if start is None else (jnp.clip(cu_seqlens - c0, 0, q.shape[1]), start - c0)
+    o, after = _chunk_terms(q, k, v, decay, scale, state, packing)
+    return after, (o, None if start is None else state)
+
+  outputs, before = [], []
+  if n_full:
+    def split(x, axis=1):
+      x = jax.lax.slice_in_dim(x, 0, n_full * chunk, axis=axis)
+      x = x.reshape(x.shape[:axis] + (n_full, chunk) + x.shape[axis + 1:])
+      return jnp.moveaxis(x, axis, 0)
+
+    xs = (split(q), split(k), split(v), jnp.arange(n_full) * chunk,
+          None if starts is None else split(starts, 0))
+    state, (o, b) = jax.lax.scan(lambda state, x: terms(state, *x), state, xs)
+    outputs.append(jnp.moveaxis(o, 0, 1).reshape(q.shape[0], n_full * chunk, *o.shape[3:]))
+    before.append(b)
+  if length % chunk:
+    tail = slice(n_full * chunk, length)
+    state, (o, b) = terms(state, q[:, tail], k[:, tail], v[:, tail], n_full * chunk,
+                          None if starts is None else starts[tail])
+    outputs.append(o)
+    before.append(None if b is None else b[None])
+  o = jnp.concatenate(outputs, axis=1)
+  return o, state, None if starts is None else jnp.concatenate(before)
+
+
 class XlaChunkwise(XlaImpl):
-  def forward(self, call, q, k, v, decay, state):
-    """A scan over full chunks, then the remainder."""
+  def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
+    """``_jnp_chunks``; packed, each sequence's last state from the states before the
+    chunks (``final_states``, as the Pallas form)."""
     p = call.problem
     chunk = p.chunk_size or DEFAULT_CHUNK
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     k, v, state = _split_prefix(q, k, v, decay, state)
-    n_full = p.q_len // chunk
-    outputs = []
-    if n_full:
-      def split(x):
-        x = x[:, :n_full * chunk]
-        return jnp.moveaxis(x.reshape(x.shape[0], n_full, chunk, *x.shape[2:]), 1, 0)
-
-      def body(state, qkv):
-        o, state = _chunk_terms(*qkv, decay, p.scale, state)
-        return state, o
-
-      state, o = jax.lax.scan(body, state, (split(q), split(k), split(v)))
-      outputs.append(jnp.moveaxis(o, 0, 1).reshape(q.shape[0], n_full * chunk, *o.shape[3:]))
-    if p.q_len % chunk:
-      tail = slice(n_full * chunk, p.q_len)
-      o, state = _chunk_terms(q[:, tail], k[:, tail], v[:, tail], decay, p.scale, state)
-      outputs.append(o)
-    return (jnp.concatenate(outputs, axis=1).astype(p.dtype), state), None
+    o, state, before = _jnp_chunks(q, k, v, decay, p.scale, state, chunk, cu_seqlens)
+    if cu_seqlens is not None:
+      state = final_states(k, v, _log2_decay(decay), before[:, 0], cu_seqlens, chunk)
+    return (o.astype(p.dtype), state), None
 
 
 class RetentionChunkwise(_SequenceForm):
@@ -394,24 +496,42 @@ class RetentionChunkwise(_SequenceForm):
 
 # --- recurrent -----------------------------------------------------------------------------
 
-def _step(q, k, v, decay, scale, state):
-  state = decay[None, :, None, None] * state + jnp.einsum("bhk,bhv->bhkv", k, v,
-                                                         precision="highest")
+def _step(q, k, v, decay, scale, state, reset=None):
+  """One position of ``[batch, heads, d]`` arrays: ``(o, new state)``; ``reset``
+  (``[batch]`` bool or None): the rows whose old state is taken as zeros (selected: it
+  may hold an inf)."""
+  state = decay[None, :, None, None] * state
+  if reset is not None:
+    state = jnp.where(reset[:, None, None, None], 0.0, state)
+  state = state + jnp.einsum("bhk,bhv->bhkv", k, v, precision="highest")
   return scale * jnp.einsum("bhk,bhkv->bhv", q, state, precision="highest"), state
 
 
 class XlaRecurrent(XlaImpl):
-  def forward(self, call, q, k, v, decay, state):
+  def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
+    """A scan over positions; packed, the state restarts at each sequence's first
+    position and each sequence's last state is kept (a slot per sequence)."""
     p = call.problem
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     k, v, state = _split_prefix(q, k, v, decay, state)
+    finals = resets = ids = None
+    if cu_seqlens is not None:
+      ids = sequence_ids(cu_seqlens, p.q_len)
+      resets = sequence_bounds(ids)[0] == jnp.arange(p.q_len)
+      finals = jnp.zeros((p.sequences,) + state.shape[1:], jnp.float32)
 
-    def body(state, qkv):
-      o, state = _step(*qkv, decay, p.scale, state)
-      return state, o
+    def body(carry, xs):
+      state, finals = carry
+      q_t, k_t, v_t, reset, seq = xs
+      o, state = _step(q_t, k_t, v_t, decay, p.scale, state,
+                       None if reset is None else reset[None])
+      if finals is not None:
+        finals = jax.lax.dynamic_update_index_in_dim(finals, state[0], seq, 0)
+      return (state, finals), o
 
-    state, o = jax.lax.scan(body, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)))
-    return (jnp.moveaxis(o, 0, 1).astype(p.dtype), state), None
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v)) + (resets, ids)
+    (state, finals), o = jax.lax.scan(body, (state, finals), xs)
+    return (jnp.moveaxis(o, 0, 1).astype(p.dtype), state if finals is None else finals), None
 
 
 class RetentionRecurrent(_SequenceForm):
@@ -422,33 +542,43 @@ class RetentionRecurrent(_SequenceForm):
 # --- the decoding step ---------------------------------------------------------------------
 
 class TritonStep(TritonImpl):
-  def forward(self, call, q, k, v, state, decay):
+  def forward(self, call, q, k, v, state, decay, reset=None):
     log2_decay = _log2_decay(decay)
     o, new_state = retention_step_forward(q, k, v, state, log2_decay, scale=call.problem.scale,
-                                          interpret=call.interpret)
-    return (o, new_state), (q, k, v, new_state, log2_decay)
+                                          interpret=call.interpret, reset=reset)
+    return (o, new_state), (q, k, v, new_state, log2_decay, reset)
 
   def backward(self, call, residuals, cotangents):
-    q, k, v, new_state, log2_decay = residuals
+    q, k, v, new_state, log2_decay, reset = residuals
     dq, dk, dv, dstate = retention_step_backward(q, k, v, new_state, log2_decay, *cotangents,
-                                                 scale=call.problem.scale)
-    return dq, dk, dv, dstate, None
+                                                 scale=call.problem.scale, reset=reset)
+    return (dq, dk, dv, dstate, None) + _no_grad(reset)
 
 
 class XlaStep(XlaImpl):
-  def forward(self, call, q, k, v, state, decay):
+  def forward(self, call, q, k, v, state, decay, reset=None):
     o, state = _step(*(x.astype(jnp.float32) for x in (q, k, v)), decay, call.problem.scale,
-                     state)
+                     state, reset)
     return (o.astype(q.dtype), state), None
+
+
+def _check_reset(reset, batch: int):
+  """``reset`` as ``[batch]`` bool (a list or a numpy array too)."""
+  if not hasattr(reset, "shape"):
+    reset = np.asarray(reset)
+  check_shape("reset", reset, (batch,), "batch")
+  if reset.dtype != bool:
+    raise TypeError(f"reset must be bool [batch], got dtype {reset.dtype}")
+  return jnp.asarray(reset)
 
 
 class RetentionStep(Op):
   name = "retention_step"
   problem_cls = RetentionProblem
-  arg_names = ("q", "k", "v", "state", "decay")
+  arg_names = ("q", "k", "v", "state", "decay", "reset")
   diff_argnums = (0, 1, 2, 3)
 
-  def bind(self, q, k, v, state, *, decay=None, scale=None):
+  def bind(self, q, k, v, state, *, decay=None, scale=None, reset=None):
     check_array("q", q, "batch, heads, dk")
     check_array("k", k, "batch, heads, dk")
     check_array("v", v, "batch, heads, dv")
@@ -458,13 +588,16 @@ class RetentionStep(Op):
     check_shape("v", v, (batch, heads, None), "batch, heads, dv")
     dv = v.shape[-1]
     check_shape("state", state, (batch, heads, dk, dv), "batch, heads, dk, dv")
+    resets = () if reset is None else (_check_reset(reset, batch),)
     problem = RetentionProblem(batch=batch, heads=heads, dk=dk, dv=dv, dtype=q.dtype,
-                               scale=scale_of(scale, dk), initial_state=True)
-    return problem, (q, k, v, state.astype(jnp.float32), _decay_array(decay, heads))
+                               scale=scale_of(scale, dk), initial_state=True,
+                               reset=reset is not None)
+    return problem, (q, k, v, state.astype(jnp.float32), _decay_array(decay, heads)) + resets
 
   def example(self, p, key):
-    q, k, v, decay, state = _example(p, key)
-    return q[:, 0], k[:, 0], v[:, 0], state, decay
+    q, k, v, decay, state = _example(p, key)[:5]
+    resets = (jax.random.bernoulli(key, 0.5, (p.batch,)),) if p.reset else ()
+    return (q[:, 0], k[:, 0], v[:, 0], state, decay) + resets
 
 
 RETENTION_PARALLEL = RetentionParallel(MosaicParallel(), TritonParallel(), XlaParallel())
@@ -477,7 +610,7 @@ FORMS = {"parallel": RETENTION_PARALLEL, "chunkwise": RETENTION_CHUNKWISE,
 
 def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "auto",
               normalize: str | None = None, initial_state=None, return_state: bool = False,
-              chunk_size: int | None = None, backend: str = "auto"):
+              chunk_size: int | None = None, cu_seqlens=None, backend: str = "auto"):
   """Multi-head retention (RetNet), differentiable.
 
   Args:
@@ -500,20 +633,33 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
       64). It changes speed, not the result; the Pallas kernels take powers of two
       >= 16 and lower it where their tiles would not fit the GPU's shared memory (e.g.
       to 32 for float32 with dk = dv = 128 on an H100).
+    cu_seqlens: ``[num_seqs + 1]`` ints, or None: packed sequences (training on packed
+      batches). q, k, v are ``[1, total, heads, d]`` and hold sequence ``i`` at
+      positions ``[cu_seqlens[i], cu_seqlens[i + 1])``, from 0 to ``total``,
+      non-decreasing (checked where the values are known; under ``jit`` positions
+      outside the range join the first or last sequence); empty sequences are allowed.
+      Each sequence is independent: its state starts from zero at its first position
+      (``initial_state`` is refused), ``D[n, m] = 0`` across sequences. A traced array:
+      one compiled program serves every packing of ``total`` positions into
+      ``num_seqs`` sequences. Every form and backend takes it.
     backend: ``"auto"`` (the Pallas kernels where usable, else jnp),
       ``"pallas_mosaic"`` (parallel, Hopper, 16-bit inputs), ``"pallas_triton"``
       (parallel and chunkwise) or ``"xla"`` (pure jnp).
 
   Returns:
     ``o: [batch, q_len, heads, dv]`` in q's dtype, and with ``return_state`` the final
-    state ``[batch, heads, dk, dv]`` float32. A row that sees an inf or NaN (in q at
-    its own position, k or v at or before it, or the initial state) is non-finite;
-    the other rows, and the gradients they send back, are exact.
+    state ``[batch, heads, dk, dv]`` float32 (with ``cu_seqlens``: each sequence's
+    last state, ``[num_seqs, heads, dk, dv]``, zeros for an empty one: what decoding
+    each sequence on with ``retention_step`` starts from). A row that sees an inf or
+    NaN (in q at its own position, k or v at or before it in its sequence, or the
+    initial state) is non-finite; the other rows, and the gradients they send back,
+    are exact.
   """
   check_choice("mode", mode, MODES)
   return_state = check_flag("return_state", return_state)
   problem, arrays = bind_sequence(q, k, v, decay=decay, scale=scale, normalize=normalize,
-                                  initial_state=initial_state, chunk_size=chunk_size)
+                                  initial_state=initial_state, chunk_size=chunk_size,
+                                  cu_seqlens=cu_seqlens)
   stateful = return_state or initial_state is not None
   if mode == "auto":
     mode = "chunkwise" if stateful or problem.kv_len > PARALLEL_MAX_LEN else "parallel"
@@ -533,19 +679,27 @@ def retention(q, k, v, *, decay=None, scale: float | None = None, mode: str = "a
   return outputs if return_state else outputs[0]
 
 
-def retention_step(q, k, v, state, *, decay=None, scale: float | None = None,
+def retention_step(q, k, v, state, *, decay=None, scale: float | None = None, reset=None,
                    backend: str = "auto"):
   """One recurrent (decoding) step: ``S' = γ S + kᵀ v``, ``o = scale · q S'``.
+
+  Each batch row is a slot of a serving batch with a sequence of its own.
 
   Args:
     q, k: ``[batch, heads, dk]``; v: ``[batch, heads, dv]``; state ``[batch, heads, dk, dv]``
       (zeros before the first position).
     decay, scale: as ``retention``.
+    reset: ``[batch]`` bool, or None: True where the slot starts a new sequence at this
+      step (its request finished and another took the slot): its ``state`` is taken
+      as zeros (whatever it holds, inf or NaN included) and gets a zero gradient. A
+      traced array: one compiled step serves every pattern of resets.
     backend: ``"auto"`` (the Pallas step kernel where usable, else jnp),
       ``"pallas_triton"`` or ``"xla"``. Both are differentiable.
 
   Returns:
     ``(o, new_state)``: ``o: [batch, heads, dv]`` in q's dtype, the state float32;
-    non-finite for a (batch, head) whose q, k, v or state holds an inf or NaN.
+    non-finite for a (batch, head) whose q, k, v or (not reset) state holds an inf or
+    NaN.
   """
-  return RETENTION_STEP(q, k, v, state, decay=decay, scale=scale, backend=backend)
+  return RETENTION_STEP(q, k, v, state, decay=decay, scale=scale, reset=reset,
+                        backend=backend)

@@ -43,6 +43,13 @@ def _normal(key, shapes, dtype):
   return tuple(jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes))
 
 
+def _packing(n: int):
+  """``cu_seqlens`` of ``n`` packed positions: an empty sequence, one of length 1, and
+  (from 24 positions on) one that starts inside a chunk of 16 and crosses into the next."""
+  third = n // 3
+  return np.array([0, third, third, third + 1, n], np.int32)
+
+
 WINDOW_MASK = np.ones((2, 6, 6), bool)
 WINDOW_MASK[1, 2] = False  # row 2 of odd windows sees no key
 RETENTION_FORMS = ("parallel", "chunkwise", "recurrent")
@@ -98,10 +105,26 @@ SPECS = [
                                                              backend=backend))
     for form in RETENTION_FORMS
 ] + [
+    # packed sequences (cu_seqlens fixed per length: vmap runs over q, k, v) and each
+    # sequence's last state, in the forms that have one (the parallel form's packing is
+    # tests/test_retention.py's, vmap included)
+    Spec(f"retention_{form}",
+         lambda key, dtype, n: _normal(key, [(1, n, 1, 16), (1, n, 1, 16), (1, n, 1, 8)], dtype),
+         lambda q, k, v, backend, form=form: jattn.retention(
+             q, k, v, mode=form, chunk_size=16, cu_seqlens=_packing(q.shape[1]),
+             return_state=True, backend=backend))
+    for form in ("chunkwise", "recurrent")
+] + [
     Spec("retention_step",
          lambda key, dtype, n: _normal(key, [(2, 2, 16), (2, 2, 16), (2, 2, 8), (2, 2, 16, 8)],
                                        dtype),
          lambda q, k, v, state, backend: jattn.retention_step(q, k, v, state, backend=backend)),
+    # a serving batch: slot 0 starts a new sequence
+    Spec("retention_step",
+         lambda key, dtype, n: _normal(key, [(2, 2, 16), (2, 2, 16), (2, 2, 8), (2, 2, 16, 8)],
+                                       dtype),
+         lambda q, k, v, state, backend: jattn.retention_step(
+             q, k, v, state, reset=np.array([True, False]), backend=backend)),
 ]
 BACKENDS = ("pallas_mosaic", "pallas_triton", "cudnn", "xla")
 # Backends without float32: the contract runs them in bfloat16.

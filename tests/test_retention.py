@@ -551,3 +551,296 @@ def test_retention_step_checks_its_decay():
   o, _ = jax.jit(lambda d: jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, decay=d))(
       jnp.array([0.5, 0.7, 0.9]))
   chex.assert_shape(o, (2, 3, 6))
+
+
+# --- packed sequences (cu_seqlens) and the serving step's reset ---------------------------
+
+# 56 positions in chunks (and tiles) of 16: an empty sequence first and between others,
+# sequences of length 1 (one at position 0, one mid-chunk), one that ends at a chunk
+# boundary and one that starts there and fills its chunk, one that starts mid-chunk
+# and crosses the next boundary.
+EDGE_PACKING = np.array([0, 0, 1, 1, 7, 16, 40, 40, 41, 56], np.int32)
+
+
+def _random_packing(total: int, sequences: int, seed: int):
+  """``cu_seqlens`` of ``sequences`` random lengths summing to ``total`` (empty ones
+  likely: the cuts may repeat)."""
+  cuts = np.sort(np.random.default_rng(seed).integers(0, total + 1, sequences - 1))
+  return np.concatenate([[0], cuts, [total]]).astype(np.int32)
+
+
+def _explicit_packed(q, k, v, decay, scale, cu_seqlens):
+  """Packed retention by its definition, in float64: each sequence on its own, the
+  recurrence from a zero state. ``(o [total, heads, dv], last states [seqs, heads, dk, dv])``."""
+  q, k, v, g = (np.asarray(x, np.float64) for x in (q[0], k[0], v[0], decay))
+  o = np.zeros(q.shape[:2] + v.shape[-1:])
+  finals = np.zeros((len(cu_seqlens) - 1,) + q.shape[1:] + v.shape[-1:])
+  for i, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+    state = np.zeros(finals.shape[1:])
+    for t in range(lo, hi):
+      state = g[:, None, None] * state + k[t, :, :, None] * v[t, :, None, :]
+      o[t] = scale * np.einsum("hk,hkv->hv", q[t], state)
+    finals[i] = state
+  return o, finals
+
+
+def test_packed_references_match_the_definition():
+  q, k, v, _, decay = _inputs(batch=1, q_len=56, heads=2)
+  o_def, finals_def = _explicit_packed(q, k, v, decay, 0.3, EDGE_PACKING)
+  o = retention_reference(q, k, v, decay=decay, scale=0.3, cu_seqlens=EDGE_PACKING)
+  o_rec, finals = retention_recurrent_reference(q, k, v, decay=decay, scale=0.3,
+                                                cu_seqlens=EDGE_PACKING)
+  for ours in (o[0], o_rec[0]):
+    np.testing.assert_allclose(ours, o_def, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(finals, finals_def, rtol=1e-5, atol=1e-5)
+  assert not np.asarray(finals)[[0, 2]].any()  # the empty sequences
+
+
+def _packed_form(form, backend):
+  """``f(q, k, v, cu_seqlens) -> (o, last states or None)`` of a form and backend."""
+  def f(q, k, v, cu_seqlens):
+    if form == "parallel":
+      config = SMALL_TILES_MIXED if backend == "pallas_triton" else None
+      return RETENTION_PARALLEL(q, k, v, decay=DECAY, cu_seqlens=cu_seqlens, backend=backend,
+                                config=config), None
+    return jattn.retention(q, k, v, decay=DECAY, mode=form, chunk_size=16, return_state=True,
+                           cu_seqlens=cu_seqlens, backend=backend)
+  return f
+
+
+DECAY = jnp.array([0.6, 0.99], jnp.float32)
+# Tiles of different sizes per pass: the dK/dV and dQ passes see other block ranges.
+SMALL_TILES_MIXED = jattn.BlockConfig(block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16,
+                                      block_q_dq=16, block_k_dq=16)
+PACKED_FORMS = [("parallel", "xla"), ("parallel", "pallas_triton"), ("chunkwise", "xla"),
+                ("chunkwise", "pallas_triton"), ("recurrent", "xla")]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("form,backend", PACKED_FORMS, ids=[f"{f}-{b}" for f, b in PACKED_FORMS])
+def test_packed_sequences_match_the_reference_with_gradients(form, backend):
+  """Two packings (one with empty, length-1 and mid-chunk sequences, one random)
+  through one compiled program (cu_seqlens is traced: one compile per number of
+  sequences): outputs, each sequence's last state and the gradients of q, k, v
+  against the references."""
+  q, k, v, _, _ = _inputs(batch=1, q_len=56, heads=2, dk=8, dv=6, seed=3)
+
+  @jax.jit
+  def run(q, k, v, cu, cot):
+    out, pull = jax.vjp(lambda q, k, v: _packed_form(form, backend)(q, k, v, cu), q, k, v)
+    return out, pull((cot[0], None if out[1] is None else cot[1]))
+
+  for seed, cu in enumerate([EDGE_PACKING, _random_packing(56, 9, seed=1)]):
+    (o_ref, finals_ref), pull_ref = jax.vjp(lambda q, k, v: retention_recurrent_reference(
+        q, k, v, decay=DECAY, cu_seqlens=cu), q, k, v)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+    cot = (jax.random.normal(keys[0], o_ref.shape), jax.random.normal(keys[1], finals_ref.shape))
+    (o, finals), grads = run(q, k, v, cu, cot)
+    assert rel_err(o, o_ref) < 1e-5
+    if finals is None:  # the parallel form: no state, its gradient from o alone
+      cot = (cot[0], jnp.zeros_like(cot[1]))
+    else:
+      assert finals.shape == (len(cu) - 1, 2, 8, 6) and rel_err(finals, finals_ref) < 1e-5
+    for name, g, g_ref in zip("qkv", grads, pull_ref(cot)):
+      assert rel_err(g, g_ref) < 2e-5, name
+  assert run._cache_size() == 1  # one compile, every packing
+
+
+@pytest.mark.kernel
+def test_vmap_over_packings(form="chunkwise"):
+  """A batch of packed rows, each with a packing of its own, through ``vmap``."""
+  q, k, v, _, _ = _inputs(batch=3, q_len=40, heads=2, dk=8, dv=6, seed=6)
+  cus = np.stack([_random_packing(40, 4, seed) for seed in range(3)])
+  f = _packed_form(form, "pallas_triton")
+  o, finals = jax.jit(jax.vmap(lambda q, k, v, cu: f(q[None], k[None], v[None], cu)))(
+      q, k, v, cus)
+  for row, cu in enumerate(cus):
+    o_ref, finals_ref = retention_recurrent_reference(q[row:row + 1], k[row:row + 1],
+                                                      v[row:row + 1], decay=DECAY, cu_seqlens=cu)
+    assert rel_err(o[row], o_ref) < 1e-5
+    assert finals is None or rel_err(finals[row], finals_ref) < 1e-5
+
+
+@pytest.mark.kernel
+def test_packed_abs_sum_normalisation():
+  """``normalize="abs_sum"`` sums each row over its own sequence (the Triton kernels
+  against the reference, gradients with the denominator held constant)."""
+  q, k, v, _, _ = _inputs(batch=1, q_len=56, heads=2, dk=8, dv=6, seed=7)
+  kw = dict(decay=DECAY, scale=0.1, normalize="abs_sum", cu_seqlens=EDGE_PACKING)
+  o, pull = jax.vjp(jax.jit(lambda q, k, v: RETENTION_PARALLEL(
+      q, k, v, backend="pallas_triton", config=SMALL_TILES_MIXED, **kw)), q, k, v)
+  o_ref, pull_ref = jax.vjp(lambda q, k, v: retention_reference(q, k, v, **kw), q, k, v)
+  assert rel_err(o, o_ref) < 1e-5
+  cot = jax.random.normal(jax.random.PRNGKey(8), o.shape)
+  for name, g, g_ref in zip("qkv", pull(cot), pull_ref(cot)):
+    assert rel_err(g, g_ref) < 2e-5, name
+
+
+def test_packed_block_ranges_skip_earlier_sequences():
+  """The parallel kernels' block ranges: a query tile visits exactly the key blocks
+  its rows see (the first one its first row's sequence holds, up to the diagonal), and
+  runs unmasked only blocks every row sees whole; the dK/dV ranges likewise."""
+  from jattn.kernels.common.masking import MaskSpec
+  from jattn.kernels.retention.packing import sequence_bounds, sequence_ids
+  from jattn.kernels.retention.triton_parallel import _key_runs, _query_runs
+
+  total, bq, bk = 96, 16, 32
+  spec = MaskSpec.build(total, total, causal=True, local_window=None, kv_padded=False,
+                        segments=False)
+  for cu in (np.array([0, 3, 3, 40, 41, 70, 96]), _random_packing(total, 5, seed=2)):
+    start, end = (np.asarray(x) for x in sequence_bounds(sequence_ids(cu, total)))
+    n, m = np.arange(total)[:, None], np.arange(total)[None, :]
+    sees = (m <= n) & (m >= start[:, None])  # [query, key]
+    for tiles, runs_of, view in ((
+        (bq, bk), lambda i: _key_runs(spec, start[i * bq:], i * bq, bq, bk), sees),
+        ((bk, bq), lambda i: _query_runs(spec, end[i * bk:], i * bk, bk, bq), sees.T)):
+      rows, cols = tiles
+      for i in range(total // rows):
+        (u_lo, u_hi), masked = runs_of(i)
+        blocks = view[i * rows:(i + 1) * rows].reshape(rows, -1, cols)
+        needed = np.flatnonzero(blocks.any(axis=(0, 2)))
+        visited = set(range(int(u_lo), int(u_hi)))
+        for lo, hi in masked:
+          visited |= set(range(int(lo), int(hi)))
+        assert visited == set(range(needed[0], needed[-1] + 1)), (cu, tiles, i)
+        assert all(blocks[:, j].all() for j in range(int(u_lo), int(u_hi))), (cu, tiles, i)
+
+
+# (the xla forms are the references' own formulas, or built on them)
+@pytest.mark.kernel
+@pytest.mark.parametrize("form", ["parallel", "chunkwise"])
+def test_a_nonfinite_value_stays_in_its_packed_sequence(form, backend="pallas_triton"):
+  """An inf key and a NaN value in the middle sequence (which starts and ends mid-chunk):
+  its rows at and after them come out non-finite, the other sequences' rows, their last
+  states and the gradients they send back are exact."""
+  cu = np.array([0, 12, 27, 45], np.int32)
+  q, k, v, _, _ = _inputs(batch=1, q_len=45, heads=2, dk=8, dv=6, seed=4)
+  dirty_k, dirty_v = k.at[0, 15, 0, 1].set(jnp.inf), v.at[0, 20, 1, 2].set(jnp.nan)
+  f = _packed_form(form, backend)
+  (o, finals), pull = jax.vjp(lambda k, v: f(q, k, v, cu), dirty_k, dirty_v)
+  o_ref, finals_ref = retention_recurrent_reference(q, k, v, decay=DECAY, cu_seqlens=cu)
+  seen = np.zeros((45, 2), bool)
+  seen[15:27, 0] = seen[20:27, 1] = True
+  o = np.asarray(o[0])
+  np.testing.assert_array_equal(~np.isfinite(o).all(-1), seen)
+  assert rel_err(o[~seen], np.asarray(o_ref[0])[~seen]) < 1e-5
+  if finals is not None:
+    assert rel_err(np.asarray(finals)[[0, 2]], np.asarray(finals_ref)[[0, 2]]) < 1e-5
+  cot = jnp.where(jnp.asarray(seen)[None, :, :, None], 0.0, 1.0) * jnp.ones_like(o_ref)
+  dk, dv = pull((cot, None if finals is None else
+                 jnp.zeros_like(finals).at[0].set(1.0).at[2].set(1.0)))
+  for g in (dk, dv):  # the other sequences' keys and values
+    assert np.isfinite(np.asarray(g)[0, np.r_[0:12, 27:45]]).all()
+
+
+@pytest.mark.kernel
+def test_packed_prefill_then_a_serving_batch_with_resets(backend="pallas_triton"):
+  """Three prompts prefilled packed give each one's state; the step serves them as a
+  batch of three slots, and slot 1's request is replaced by a new one (reset, its old
+  state holding an inf): every slot decodes as its own sequence would."""
+  cu = np.array([0, 5, 6, 19], np.int32)
+  q, k, v, _, _ = _inputs(batch=1, q_len=19 + 9, heads=2, dk=8, dv=6, seed=5)
+  _, states = jattn.retention(q[:, :19], k[:, :19], v[:, :19], decay=DECAY, mode="chunkwise",
+                              chunk_size=16, return_state=True, cu_seqlens=cu, backend=backend)
+  states = states.at[1, 0, 0, 0].set(jnp.inf)  # what a blown-up request leaves behind
+  step = jax.jit(lambda q, k, v, state, reset: jattn.retention_step(
+      q, k, v, state, decay=DECAY, reset=reset, backend=backend))
+  # Slot inputs per step: 3 steps x 3 slots from the 9 positions after the prompts.
+  tokens = [x[0, 19:].reshape(3, 3, *x.shape[2:]) for x in (q, k, v)]
+  outs = []
+  for t in range(3):
+    reset = np.array([False, t == 0, False])
+    o, states = step(*(x[t] for x in tokens), states, reset)
+    outs.append(o)
+  for slot, (lo, hi) in enumerate([(0, 5), (None, None), (6, 19)]):
+    # Slot 1 starts afresh at step 0; the others continue their prompts.
+    keep = np.arange(19)[lo:hi] if lo is not None else np.arange(0)
+    seq = [jnp.concatenate([x[:, keep], x[:, 19 + slot::3]], 1) for x in (q, k, v)]
+    o_ref, s_ref = retention_recurrent_reference(*seq, decay=DECAY)
+    got = jnp.stack([o[slot] for o in outs])
+    assert rel_err(got, o_ref[0, len(keep):]) < 1e-5, slot
+    assert rel_err(states[slot], s_ref[0]) < 1e-5, slot
+  assert step._cache_size() == 1
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+def test_retention_step_reset_gradients(backend):
+  """Reset slots start from zeros and send no gradient to their old state; the others
+  are the plain step's, gradients included."""
+  q, k, v, state, _ = _inputs(batch=3, q_len=1, heads=2, dk=8, dv=70)  # two state tiles
+  q, k, v = q[:, 0], k[:, 0], v[:, 0]
+  reset = jnp.array([True, False, True])
+  (o, s), pull = jax.vjp(lambda *a: jattn.retention_step(*a, decay=DECAY, reset=reset,
+                                                          backend=backend), q, k, v, state)
+  fresh = jnp.where(reset[:, None, None, None], 0.0, state)
+  (o_ref, s_ref), pull_ref = jax.vjp(lambda *a: jattn.retention_step(
+      *a, decay=DECAY, backend="xla"), q, k, v, fresh)
+  chex.assert_trees_all_close((o, s), (o_ref, s_ref), atol=1e-5, rtol=1e-5)
+  cot = (jax.random.normal(jax.random.PRNGKey(0), o.shape),
+         jax.random.normal(jax.random.PRNGKey(1), s.shape))
+  grads, grads_ref = pull(cot), pull_ref(cot)
+  chex.assert_trees_all_close(grads[:3], grads_ref[:3], atol=1e-5, rtol=1e-5)
+  dstate = np.asarray(grads[3])
+  assert not dstate[[0, 2]].any() and rel_err(dstate[1], grads_ref[3][1]) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(cu_seqlens=jnp.array([0.0, 5.0])), TypeError, "cu_seqlens must be integers"),
+    (dict(cu_seqlens=jnp.array([True, False])), TypeError, "cu_seqlens must be integers"),
+    (dict(cu_seqlens=jnp.array([[0, 5]])), ValueError, r"cu_seqlens must have rank 1"),
+    (dict(cu_seqlens=jnp.array([5])), ValueError, "with at least 2 entries"),
+    (dict(cu_seqlens=[0, 3, 6]), ValueError, r"cu_seqlens must run from 0 to the length \(5\)"),
+    (dict(cu_seqlens=np.array([0, 4, 3, 5])), ValueError, "without decreasing"),
+    (dict(cu_seqlens=[1, 5]), ValueError, "cu_seqlens must run from 0"),
+    (dict(cu_seqlens=[0, 5], q=jnp.ones((2, 5, 3, 8)), k=jnp.ones((2, 5, 3, 8)),
+          v=jnp.ones((2, 5, 3, 6))), ValueError,
+     "cu_seqlens packs sequences along the length: q, k, v must have batch 1"),
+    (dict(cu_seqlens=[0, 5], q=jnp.ones((1, 4, 3, 8))), ValueError, "cu_seqlens needs q_len"),
+    (dict(cu_seqlens=[0, 5], initial_state=jnp.ones((1, 3, 8, 6))), ValueError,
+     "initial_state cannot be given with cu_seqlens"),
+    (dict(cu_seqlens=[0, 5], mode="parallel", return_state=True), ValueError,
+     "mode='parallel' has no state"),
+])
+def test_bad_packings(kwargs, error, match):
+  args = dict(q=jnp.ones((1, 5, 3, 8)), k=jnp.ones((1, 5, 3, 8)), v=jnp.ones((1, 5, 3, 6)))
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    jattn.retention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+@pytest.mark.parametrize("reset,error,match", [
+    (jnp.array([1, 0]), TypeError, r"reset must be bool \[batch\], got dtype int32"),
+    (jnp.array([True, False, True]), ValueError, r"reset must be \[batch\] = \[2\]"),
+    (jnp.array([[True, False]]), ValueError, r"reset must be \[batch\]"),
+])
+def test_bad_resets(reset, error, match):
+  q, k, v, state, _ = _inputs(q_len=1)
+  with pytest.raises(error, match=match):
+    jattn.retention_step(q[:, 0], k[:, 0], v[:, 0], state, reset=reset)
+
+
+def test_packed_problems_from_keywords():
+  assert RETENTION_CHUNKWISE.problem(q_len=40, heads=2, dk=16, sequences=3).sequences == 3
+  with pytest.raises(ValueError, match="sequences .packed, cu_seqlens. needs batch 1"):
+    RETENTION_CHUNKWISE.problem(batch=2, q_len=40, sequences=3)
+  # The examples a problem draws (tuning, crosscheck) are packings of its length.
+  arrays = RETENTION_CHUNKWISE.example(RETENTION_CHUNKWISE.problem(q_len=40, sequences=3),
+                                       jax.random.PRNGKey(0))
+  cu = np.asarray(arrays[5])
+  assert cu.shape == (4,) and cu[0] == 0 and cu[-1] == 40 and (np.diff(cu) >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 3e-2), (jnp.float16, 4e-3)])
+def test_hopper_parallel_forward_packed(dtype, tol):
+  _skip_without_hopper()
+  total = 1100
+  q, k, v, _, decay = _inputs(1, total, total, 3, 64, 128, dtype=dtype)
+  cu = np.array([0, 1, 1, 70, 64 * 5 + 3, 700, 1099, 1100], np.int32)
+  for normalize in (None, "abs_sum"):
+    o = RETENTION_PARALLEL(q, k, v, decay=decay, cu_seqlens=cu, normalize=normalize,
+                           backend="pallas_mosaic", config=HOPPER_TILES)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    o_ref = retention_reference(*f32, decay=decay, normalize=normalize, cu_seqlens=cu)
+    assert rel_err(o, o_ref) < tol, normalize

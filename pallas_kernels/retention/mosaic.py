@@ -17,6 +17,11 @@ memory that rows on both sides of the key read: a non-finite value reaches the e
 rows of its diagonal block, the one exception to the rule (as in the Hopper flash
 kernels; docs/flash_attention.md). A guard on the host costs more than it is worth
 (docs/retention.md has the measurements).
+
+Packed sequences (``cu_seqlens``) ride on the per-position inputs flash attention's
+segment ids use (``hopper.inputs``): the sequence ids as row and col vectors, and the
+key blocks each query block's sequences reach as block ranges; every visited block
+then builds the exact decay, 0 across sequences.
 """
 
 from __future__ import annotations
@@ -33,13 +38,16 @@ from jattn.kernels.common.tiling import pad_to, tile_axis
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.budget import mosaic_head_dim
 from jattn.kernels.hopper.forward import ConsumerRows, Rows, rows_forward
+from jattn.kernels.hopper.inputs import PositionInputs, position_arrays, segment_ranges
+from jattn.kernels.retention.packing import sequence_ids
 from jattn.kernels.retention.triton_parallel import abs_sum_denominator
 
 
 @dataclasses.dataclass(frozen=True)
 class DecayRows:
-  """Retention's row rule (causal ``spec`` without a window or segments); reads
-  ``log2 γ`` per head (``[heads]`` float32)."""
+  """Retention's row rule (causal ``spec`` without a window; with ``spec.segments``,
+  the tiles' first row and col vectors are sequence ids); reads ``log2 γ`` per head
+  (``[heads]`` float32)."""
 
   spec: MaskSpec
   scale: float
@@ -61,15 +69,17 @@ class DecayRows:
       return 1.0 + (row_decay - 1.0) * flag.astype(jnp.float32)
 
     def update(s, stats, j, masked, tile):
-      del tile
       (den,) = stats
       k_first = j * t.block_kv
       acc_scale = None
       if masked:
         dist = mp.iota(s.shape, 0, q_first) - mp.iota(s.shape, 1, k_first)
-        # Above the diagonal the weight may overflow to inf and the score be non-finite:
-        # selected away, never multiplied.
-        s = jnp.where(dist >= 0, s * jnp.exp2(dist.astype(jnp.float32) * lg + log2_scale),
+        visible = dist >= 0
+        if self.spec.segments:
+          visible = visible & (tile.row(0) == tile.col(0))
+        # Above the diagonal (or across sequences) the weight may overflow to inf and
+        # the score be non-finite: selected away, never multiplied.
+        s = jnp.where(visible, s * jnp.exp2(dist.astype(jnp.float32) * lg + log2_scale),
                       0.0)
         acc_scale = joins(j == first_masked)
         den = den * acc_scale
@@ -92,7 +102,7 @@ class DecayRows:
 
 def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bool,
                              block_q: int, block_kv: int, stages: int,
-                             persistent: bool | None = None):
+                             persistent: bool | None = None, cu_seqlens=None):
   """Parallel retention ``O = (scale · Q Kᵀ ⊙ D) V`` on Hopper.
 
   Args:
@@ -102,6 +112,8 @@ def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bo
     normalize: divide rows by ``max(Σ|S|, 1)``.
     block_q, block_kv, stages, persistent: the forward kernel's tiles (``block_q`` per
       consumer warpgroup), ring depth and schedule (``hopper.forward.rows_forward``).
+    cu_seqlens: ``[num_seqs + 1]`` int, or None: packed sequences (batch 1,
+      ``q_len == kv_len``), each row seeing its own only.
 
   Returns:
     ``(o, den)`` as ``retention_parallel_forward``: ``o: [batch, q_len, heads, dv]``
@@ -111,12 +123,21 @@ def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bo
   dk, dv = q.shape[-1], v.shape[-1]
   _, q_len_p = tile_axis(q_len, (mp.CONSUMERS * block_q,), clamp=False)
   _, kv_len_p = tile_axis(kv_len, (block_kv,), clamp=False)
-  # Zero-padded keys add nothing, so only causality restricts the blocks.
+  # Zero-padded keys add nothing, so only causality (and the sequences) restrict the blocks.
+  packed = cu_seqlens is not None
   spec = MaskSpec.build(q_len, kv_len, causal=True, local_window=None, kv_padded=False,
-                        segments=False)
+                        segments=packed)
+  positions = PositionInputs(segments=packed, ranges=packed)
+  inputs = ()
+  if packed:
+    ids = sequence_ids(cu_seqlens, q_len)[None]
+    segments = (pad_to(ids, q_len_p), pad_to(ids, kv_len_p))
+    inputs = position_arrays(positions, segments, ranges=segment_ranges(
+        *segments, q_len, kv_len, block_q, block_kv), padded=(q_len_p, kv_len_p))
   dk_p, dv_p = mosaic_head_dim(dk), mosaic_head_dim(dv)
   o, den = rows_forward(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p),
-                        pad_to(v, kv_len_p, dv_p), (log2_decay.astype(jnp.float32),),
+                        pad_to(v, kv_len_p, dv_p), inputs + (log2_decay.astype(jnp.float32),),
                         rule=DecayRows(spec, scale, normalize), spec=spec, block_q=block_q,
-                        block_kv=block_kv, stages=stages, persistent=persistent)
+                        block_kv=block_kv, stages=stages, persistent=persistent,
+                        positions=positions)
   return o[:, :q_len, :, :dv], den[:, :, :q_len]
