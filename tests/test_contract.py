@@ -30,12 +30,14 @@ class Spec:
   """A public op as the contract calls it: ``inputs(key, dtype, length)`` gives the
   differentiable arrays for a sequence (or window) length, ``call(*arrays, backend=)``
   runs the op; ``masked`` gives arrays and the ``[.., rows, ..]`` index of output rows
-  that see nothing (None: the op has no mask)."""
+  that see nothing (None: the op has no mask); ``forward_only``: the op has no
+  gradient, and what the contract asks of gradients it asks of the outputs."""
 
   op: str
   inputs: Callable
   call: Callable
   masked: Callable | None = None
+  forward_only: bool = False  # no gradient (a serving op): outputs are checked instead
 
 
 def _normal(key, shapes, dtype):
@@ -65,6 +67,36 @@ FLASH_FEATURES = Spec(
     lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 24)], dtype)
                         + _normal(key, [(2,)], jnp.float32), np.s_[:, :2]))
 
+def _cache_lengths(k):
+  """Per-row cache lengths of a ``[batch=2, kv_len, ...]`` cache: full, and a third
+  (none for fewer than 3 keys: that row's queries see nothing)."""
+  return jnp.array([k.shape[1], k.shape[1] // 3])
+
+
+def _paged(k):
+  """``[2, n, heads, d]`` keys as pages of 4 in reversed order and their block table."""
+  per_seq = -(-k.shape[1] // 4)
+  pages = jnp.pad(k, [(0, 0), (0, 4 * per_seq - k.shape[1]), (0, 0), (0, 0)])
+  pages = pages.reshape(2 * per_seq, 4, *k.shape[2:])[::-1]
+  return pages, (2 * per_seq - 1 - jnp.arange(2 * per_seq)).reshape(2, per_seq)
+
+
+def _paged_call(q, k, v, backend):
+  (k_pages, table), (v_pages, _) = _paged(k), _paged(v)
+  return jattn.paged_attention(q, k_pages, v_pages, table, _cache_lengths(k), causal=True,
+                               backend=backend)
+
+
+# decoding: two query positions against a cache of per-row lengths
+DECODE_SHAPES = lambda key, dtype, n: _normal(key, [(2, 2, 4, 16), (2, n, 2, 16),
+                                                    (2, n, 2, 16)], dtype)
+DECODE_MASKED = lambda key, dtype: (DECODE_SHAPES(key, dtype, 2), np.s_[1])
+
+FLASH_DECODE = Spec("flash_attention", DECODE_SHAPES,
+                    lambda q, k, v, backend: jattn.flash_attention(
+                        q, k, v, causal=True, kv_lengths=_cache_lengths(k), backend=backend),
+                    DECODE_MASKED)
+
 SPECS = [
     Spec("flash_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
@@ -75,6 +107,8 @@ SPECS = [
          lambda key, dtype: (_normal(key, [(1, 6, 2, 16), (1, 4, 2, 16), (1, 4, 2, 16)], dtype),
                              np.s_[:, :2])),
     FLASH_FEATURES,
+    FLASH_DECODE,
+    Spec("paged_attention", DECODE_SHAPES, _paged_call, DECODE_MASKED, forward_only=True),
     Spec("flex_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
          # an ALiBi-like distance penalty under a causal mask (closing over no array:
@@ -169,6 +203,8 @@ def _compiled(spec):
   process, so the xla references serve every backend's case."""
 
   def out_and_grads(backend, *args):
+    if spec.forward_only:
+      return spec.call(*args, backend=backend), ()
     loss = lambda *a: (lambda out: (_loss(out), out))(spec.call(*a, backend=backend))
     (_, out), grads = jax.value_and_grad(loss, argnums=tuple(range(len(args))),
                                          has_aux=True)(*args)
@@ -176,6 +212,8 @@ def _compiled(spec):
 
   def composed_grads(backend, *stacked):
     f = jax.checkpoint(lambda *b: spec.call(*b, backend=backend))
+    if spec.forward_only:  # (the outputs, in the gradients' place)
+      return tuple(jax.tree.leaves(jax.vmap(f)(*stacked)))
     loss = lambda *a: _loss(jax.vmap(f)(*a))
     return jax.grad(loss, argnums=tuple(range(len(stacked))))(*stacked)
 
@@ -265,8 +303,8 @@ def _mismatched(args):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.op)
 @pytest.mark.parametrize("bad,error,named", [
-    (_mixed, TypeError, "k bfloat16"), (_wrong_rank, ValueError, r"^q must have rank"),
-    (_mismatched, ValueError, r"^k must be \["),
+    (_mixed, TypeError, "k(_pages)? bfloat16"), (_wrong_rank, ValueError, r"^q must have rank"),
+    (_mismatched, ValueError, r"^k(_pages)? must be \["),
 ], ids=["mixed-dtypes", "wrong-rank", "mismatched-shapes"])
 def test_bad_inputs_raise_errors_naming_the_argument(spec, bad, error, named):
   args = spec.inputs(jax.random.PRNGKey(5), jnp.float32, 8)
@@ -281,10 +319,10 @@ def test_unknown_backend_is_named(spec):
     spec.call(*args, backend="tpu")
 
 
-# (the rings' blocks run without sinks or dropout)
+# (the rings' blocks run without sinks, dropout or per-row lengths)
 SOFTMAX_OPS = [c for c in CASES if c.values[0].op in ("flash_attention", "window_attention",
                                                       "dilated_attention")
-               and c.values[0] is not FLASH_FEATURES]
+               and c.values[0] not in (FLASH_FEATURES, FLASH_DECODE)]
 
 
 @pytest.mark.parametrize("spec,backend", SOFTMAX_OPS)

@@ -134,7 +134,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, cache, spec: MaskSpe
   spec = bind_lengths(spec, lengths_ref)
   cache = cache.bind(refs[:cache.n_inputs], spec.kv_len)
   o_ref, lse_ref = refs[cache.n_inputs:]
-  row_start = lax.rem(pl.program_id(2), row_tiles) * block_m
+  row_start = lax.rem(pl.program_id(2), jnp.int32(row_tiles)) * block_m
   q = q_ref[...]
   rows = row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
   q_idx = lax.div(rows, jnp.int32(group))  # the row's query position
