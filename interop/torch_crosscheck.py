@@ -54,6 +54,24 @@ def _dropout_keep(p, seed, device):
   return torch.as_tensor(np.array(keep)).to(device)
 
 
+def _varlen(p, q, k, v, cu_q, cu_k, sinks):
+  """Packed sequences in torch: one dense call per sequence, zeros past the last."""
+  cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+  out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+  parts = []
+  for s in range(len(cu_q) - 1):
+    (a, b), (c, d) = (cu_q[s], min(cu_q[s + 1], cu_q[s] + p.q_len)), (
+        cu_k[s], min(cu_k[s + 1], cu_k[s] + p.kv_len))
+    if b > a and d > c:
+      o = flash_attention_torch(q[None, a:b], k[None, c:d], v[None, c:d], causal=p.causal,
+                                scale=p.scale, local_window=p.local_window, softcap=p.softcap,
+                                sinks=sinks)[0]
+      parts.append((a, b, o))
+  for a, b, o in parts:  # (out of place: autograd through the copies)
+    out = torch.cat([out[:a], o, out[b:]])
+  return out
+
+
 def _gathered(pages, tables):
   """A paged cache ``[num_pages, page_size, heads, d]`` as ``[batch, pages_per_seq *
   page_size, heads, d]`` through the block table (ids clamped into the pool)."""
@@ -79,6 +97,7 @@ TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
     "retention_recurrent": _retention,
     "retention_step": lambda p, q, k, v, state, decay: retention_step_torch(
         q, k, v, state, decay=decay, scale=p.scale)[0],
+    "flash_attention_varlen": _varlen,
     "paged_attention": lambda p, q, k_pages, v_pages, tables, lengths, sinks: (
         flash_attention_torch(q, _gathered(k_pages, tables), _gathered(v_pages, tables),
                               causal=p.causal, scale=p.scale, local_window=p.local_window,

@@ -2,7 +2,8 @@
 
 Every op goes through one core (``jattn.core``): ``flash_attention``,
 ``flex_attention``, ``window_attention``, ``dilated_attention``, ``retention``,
-``retention_step`` and ``paged_attention`` (with ``write_kv_pages``);
+``retention_step``, ``flash_attention_varlen`` and ``paged_attention`` (with
+``write_kv_pages``);
 ``jattn.gpu`` says which backend each uses here, ``jattn.nn`` holds the Flax
 modules, ``jattn.parallel`` the ring attentions over several devices, and
 ``jattn.kernels`` the Pallas kernels themselves. The PyTorch bridge is
@@ -32,6 +33,8 @@ _EXPORTS = {
     "dilated_attention_reference": "jattn.reference:dilated_attention_reference",
     "flash_attention": "jattn.flash:flash_attention",
     "flash_attention_reference": "jattn.reference:flash_attention_reference",
+    "flash_attention_varlen": "jattn.varlen:flash_attention_varlen",
+    "flash_attention_varlen_reference": "jattn.reference:flash_attention_varlen_reference",
     "flex": "jattn.flex",
     "flex_attention": "jattn.flex:flex_attention",
     "flex_attention_reference": "jattn.reference:flex_attention_reference",

@@ -132,7 +132,9 @@ def has_mask(p: FlashProblem) -> bool:
 
 # --- implementations ---------------------------------------------------------------------
 
-def _cache_key(p: FlashProblem) -> tuple[str, ...]:
+def flash_cache_key(p: FlashProblem) -> tuple[str, ...]:
+  """The fields a tuned flash config is stored under (those of any problem with flash's
+  dtype, head dims, ``causal`` and lengths)."""
   dv = () if p.value_head_dim == p.head_dim else (f"dv{padded_head_dim(p.value_head_dim)}",)
   return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}", *dv,
           "causal" if p.causal else "noncausal", f"s{bucket(max(p.q_len, p.kv_len))}")
@@ -190,7 +192,7 @@ def _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
 
 class TritonFlash(AttentionTritonImpl):
   def cache_key(self, p):
-    return _cache_key(p)
+    return flash_cache_key(p)
 
   def heuristic_config(self, p, info):
     return default_block_config(max(p.head_dims), p.dtype.itemsize)
@@ -236,7 +238,7 @@ class MosaicFlash(MosaicImpl):
     return default_mosaic_config(*p.head_dims)
 
   def cache_key(self, p):
-    return _cache_key(p)
+    return flash_cache_key(p)
 
   def tuning_stages(self):
     return FORWARD_SEARCH + BACKWARD_SEARCH

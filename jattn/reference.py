@@ -10,6 +10,7 @@ from jattn.core.validation import scale_of
 from jattn.kernels.common.dropout import keep_mask
 from jattn.kernels.common.nonfinite import clear, nonfinite_rows
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, floor_sinks
+from jattn.kernels.common.tiling import packed_positions
 
 
 def compute_dtype(*arrays):
@@ -136,6 +137,56 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   lse = lse[..., 0]
   return (o.reshape(batch, q_len, q_heads, v.shape[-1]).astype(q.dtype),
           lse.reshape(batch, q_heads, q_len))
+
+
+def flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
+                                     max_seqlen_k: int, causal=False, scale=None,
+                                     local_window=None, softcap=None, sinks=None):
+  """Dense attention over packed sequences, differentiable by autodiff: row ``t`` of
+  ``q`` ``[total_q, q_heads, head_dim]`` attends to the keys of its own sequence in k, v
+  ``[total_k, kv_heads, head_dim(_v)]`` (sequence ``s``: rows ``[cu[s], cu[s + 1])``),
+  with the mask of ``flash_attention_reference`` on the sequence's own lengths, each
+  clipped to ``max_seqlen_q`` / ``max_seqlen_k``. Returns ``(o [total_q, q_heads,
+  head_dim_v], lse [q_heads, total_q])``; rows no sequence holds give zeros and
+  ``EMPTY_ROW_LSE``."""
+  total_q, q_heads, head_dim = q.shape
+  total_k, kv_heads = k.shape[:2]
+  group = q_heads // kv_heads
+  scale = scale_of(scale, head_dim)
+  dtype = compute_dtype(q)
+  seq_q, pos_q, valid_q = packed_positions(cu_seqlens_q, total_q, max_seqlen_q)
+  seq_k, pos_k, valid_k = packed_positions(cu_seqlens_k, total_k, max_seqlen_k)
+  cu_q, cu_k = (jnp.asarray(c).astype(jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k))
+  len_q = jnp.minimum(jnp.diff(cu_q), max_seqlen_q)[seq_q]
+  len_k = jnp.minimum(jnp.diff(cu_k), max_seqlen_k)[seq_q]
+  q_abs = (pos_q + len_k - len_q)[:, None]
+  mask = (seq_q[:, None] == seq_k[None]) & valid_q[:, None] & valid_k[None]
+  mask &= pos_k[None] < len_k[:, None]
+  left, right = local_window if local_window is not None else (None, None)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  if right is not None:
+    mask &= pos_k[None] <= q_abs + right
+  if left is not None:
+    mask &= pos_k[None] >= q_abs - left
+  qg = q.reshape(total_q, kv_heads, group, head_dim)
+  precision = jax.lax.Precision.HIGHEST
+  logits = jnp.einsum("qhgd,khd->hgqk", qg, k, preferred_element_type=dtype,
+                      precision=precision) * scale
+  bad, v = guarded_values(v)
+  logits = jnp.where(jnp.swapaxes(bad, 0, 1)[:, None, None, :], jnp.nan, logits)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  mask = jnp.broadcast_to(mask, logits.shape)
+  if sinks is not None:
+    sink = floor_sinks(sinks).astype(dtype).reshape(kv_heads, group, 1, 1)
+    logits = jnp.concatenate([logits, jnp.broadcast_to(sink, logits.shape[:-1] + (1,))], -1)
+    mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + (1,), bool)], -1)
+  p, lse = masked_softmax(logits, mask)
+  o = jnp.einsum("hgqk,khd->qhgd", p[..., :total_k].astype(v.dtype), v,
+                 preferred_element_type=dtype, precision=precision)
+  return (o.reshape(total_q, q_heads, v.shape[-1]).astype(q.dtype),
+          lse[..., 0].reshape(q_heads, total_q))
 
 
 def flex_attention_reference(q, k, v, *, score_mod=None, mask_mod=None, scale=None,

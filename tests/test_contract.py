@@ -87,6 +87,20 @@ def _paged_call(q, k, v, backend):
                                backend=backend)
 
 
+def _varlen_call(q, k, v, backend):
+  """Two packed sequences: the first a third of the rows, with half as many keys (its
+  first queries, causal bottom-right, see none)."""
+  total = q.shape[0]
+  cu_q = jnp.array([0, total // 3, total])
+  cu_k = jnp.array([0, total // 6, total])
+  return jattn.flash_attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=total,
+                                      max_seqlen_k=total, causal=True, backend=backend)
+
+
+VARLEN_SHAPES = lambda key, dtype, n: _normal(key, [(2 * n, 4, 16), (2 * n, 2, 16),
+                                                    (2 * n, 2, 16)], dtype)
+
+
 # decoding: two query positions against a cache of per-row lengths
 DECODE_SHAPES = lambda key, dtype, n: _normal(key, [(2, 2, 4, 16), (2, n, 2, 16),
                                                     (2, n, 2, 16)], dtype)
@@ -109,6 +123,8 @@ SPECS = [
     FLASH_FEATURES,
     FLASH_DECODE,
     Spec("paged_attention", DECODE_SHAPES, _paged_call, DECODE_MASKED, forward_only=True),
+    Spec("flash_attention_varlen", VARLEN_SHAPES, _varlen_call,
+         lambda key, dtype: (VARLEN_SHAPES(key, dtype, 3), np.s_[:1])),
     Spec("flex_attention",
          lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
          # an ALiBi-like distance penalty under a causal mask (closing over no array:

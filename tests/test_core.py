@@ -74,7 +74,8 @@ def test_every_op_is_known():
   assert set(gpu.ops()) == {"flash_attention", "flex_attention", "window_attention",
                             "dilated_attention",
                             "retention_parallel", "retention_chunkwise", "retention_recurrent",
-                            "retention_step", "paged_attention"}
+                            "retention_step", "paged_attention",
+                            "flash_attention_varlen"}
   for op in OPS.values():
     assert op.backends[0] == "auto" and op.backends[-1] == "xla"
     assert op.backends[1:] == tuple(b for b in BACKEND_NAMES if b in op.backends)

@@ -246,3 +246,60 @@ def test_hopper_decode_matches_the_reference(case):
   np.testing.assert_allclose(np.asarray(lse)[valid], np.asarray(lse_ref)[valid], atol=2e-2)
   padding = np.arange(q_len)[None, :] >= np.asarray(lengths[:, :1])
   assert np.all(np.asarray(o, np.float32)[padding] == 0.0)
+
+
+def _per_sequence(q, k, v, lq, lk, **kwargs):
+  """The varlen result as a loop of dense calls, one per sequence (zeros past the last)."""
+  outs, cq, ck = [], 0, 0
+  for a, b in zip(lq, lk):
+    if a and b:
+      outs.append(flash_attention_reference(q[None, cq:cq + a], k[None, ck:ck + b],
+                                            v[None, ck:ck + b], **kwargs)[0][0])
+    elif a:
+      outs.append(jnp.zeros((a,) + q.shape[1:-1] + v.shape[-1:], q.dtype))
+    cq, ck = cq + a, ck + b
+  rest = jnp.zeros((q.shape[0] - cq,) + q.shape[1:-1] + v.shape[-1:], q.dtype)
+  return jnp.concatenate(outs + [rest])
+
+
+# (query lengths, key lengths, causal, window, softcap, sinks)
+VARLEN_CASES = [([5, 0, 33, 1, 17], [5, 0, 33, 1, 17], True, None, None, False),
+                ([4, 19, 2, 0], [30, 19, 9, 6], True, (6, None), 3.0, True),
+                ([12, 7, 1], [3, 40, 1], False, (2, 4), None, False)]
+
+
+@pytest.mark.parametrize("backend,dtype", list(_flash_backends())[::2])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross"])
+def test_varlen_forward_and_gradients_match_a_loop_over_sequences(backend, dtype, case):
+  lq, lk, causal, window, softcap, with_sinks = case
+  cu = lambda lengths: jnp.array(np.cumsum([0] + lengths), jnp.int32)
+  q, k, v, do = _normal(jax.random.PRNGKey(len(lq)), [
+      (sum(lq) + 3, 4, 32), (sum(lk), 2, 32), (sum(lk), 2, 32), (sum(lq) + 3, 4, 32)], dtype)
+  sinks = jax.random.normal(jax.random.PRNGKey(1), (4,)) if with_sinks else None
+  kwargs = dict(causal=causal, local_window=window, softcap=softcap, sinks=sinks, scale=0.2)
+  ours = lambda q, k, v: jattn.flash_attention_varlen(
+      q, k, v, cu(lq), cu(lk), max_seqlen_q=max(lq), max_seqlen_k=max(lk), backend=backend,
+      **kwargs)
+  o, pull = jax.vjp(ours, q, k, v)
+  o_ref, pull_ref = jax.vjp(lambda *a: _per_sequence(*a, lq, lk, **kwargs), q, k, v)
+  tol = 1e-4 if dtype == jnp.float32 else 3e-2
+  assert rel_err(o, o_ref) < tol
+  for g, g_ref in zip(pull(do), pull_ref(do)):
+    assert rel_err(g, g_ref, floor=1e-2) < tol
+  assert np.all(np.asarray(o, np.float32)[sum(lq):] == 0)  # rows past the last sequence
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(cu_seqlens_q=jnp.array([0.0, 4.0])), TypeError, "cu_seqlens_q must be integers"),
+    (dict(cu_seqlens_q=jnp.array([1, 4])), ValueError, "cu_seqlens_q must run from 0"),
+    (dict(cu_seqlens_k=jnp.array([0, 3, 5])), ValueError, r"cu_seqlens_k must be \[num_seqs"),
+    (dict(max_seqlen_q=4.0), ValueError, "max_seqlen_q must be a positive int"),
+    (dict(q=jnp.ones((6, 3, 8))), ValueError, "q's heads"),
+], ids=["float-cu", "cu-start", "cu-lengths", "max-float", "heads"])
+def test_varlen_errors_name_the_argument(change, error, match):
+  args = dict(q=jnp.ones((6, 4, 8)), k=jnp.ones((6, 2, 8)), v=jnp.ones((6, 2, 8)),
+              cu_seqlens_q=jnp.array([0, 4]), cu_seqlens_k=jnp.array([0, 6]),
+              max_seqlen_q=4, max_seqlen_k=6)
+  args.update(change)
+  with pytest.raises(error, match=match):
+    jattn.flash_attention_varlen(**args, backend="xla")

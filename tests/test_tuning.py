@@ -191,7 +191,8 @@ def test_every_triton_implementation_and_the_hopper_ones_are_tunable():
                      ("window_attention", "pallas_triton"), ("dilated_attention", "pallas_triton"),
                      ("retention_parallel", "pallas_triton"),
                      ("retention_parallel", "pallas_mosaic"),
-                     ("retention_chunkwise", "pallas_triton")}
+                     ("retention_chunkwise", "pallas_triton"),
+                     ("flash_attention_varlen", "pallas_triton")}
   assert FLASH.impl("pallas_mosaic").tuning_stages() == FORWARD_SEARCH + BACKWARD_SEARCH
   for op_name, backend in tunable:  # every one plans on the H100 from its own heuristic
     op = OPS[op_name]

@@ -38,7 +38,7 @@ from jattn.core.cache import RANKING, TuningKey, backend_times, lookup
 
 # The modules that define the public ops (each creates its ``Op`` on import).
 OP_MODULES = ("jattn.flash", "jattn.flex.attention", "jattn.window", "jattn.dilated",
-              "jattn.retention", "jattn.paged")
+              "jattn.retention", "jattn.paged", "jattn.varlen")
 
 
 class OpRegistry(collections.abc.MutableMapping):

@@ -1,5 +1,6 @@
 """Host-side tiling: which tiles a kernel runs along an axis, how far that axis is
-padded, and the zero padding of inputs and per-row statistics."""
+padded, the zero padding of inputs and per-row statistics, and where packed
+sequences' rows lie."""
 
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ def pad_last(x, width: int):
   if x.shape[-1] == width:
     return x
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def packed_positions(cu_seqlens, total: int, max_len: int | None = None):
+  """Each of ``total`` packed rows' ``(sequence, position in it, valid)`` (``[total]``
+  each) from the cumulative lengths ``[seqs + 1]``: a row is valid when a sequence holds
+  it (at or after ``cu_seqlens[0]``, before ``cu_seqlens[-1]``) at a position below
+  ``max_len``."""
+  cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+  t = jnp.arange(total, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+  inside = (seq < cu.shape[0] - 1) & (t >= cu[0])
+  seq = jnp.minimum(seq, cu.shape[0] - 2)
+  local = t - cu[seq]
+  valid = inside if max_len is None else inside & (local < max_len)
+  return seq, local, valid

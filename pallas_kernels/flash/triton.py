@@ -12,15 +12,16 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jattn.kernels.common.block_sparsity import retile, tile_lists
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
 from jattn.kernels.common.element_functions import TileFunction, kernel_array
 from jattn.kernels.common.dropout import backward_rows
 from jattn.kernels.common.masking import MaskSpec
-from jattn.kernels.common.softmax import (ScoreFunction, Softcap, backward_delta, backward_lse,
-                                          floor_sinks)
-from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
+from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, ScoreFunction, Softcap,
+                                          backward_delta, backward_lse, floor_sinks)
+from jattn.kernels.common.tiling import packed_positions, pad_rows, pad_to, tile_axis
 
 
 @jax.tree_util.register_pytree_node_class
@@ -68,6 +69,7 @@ class FlexMods:
                       transpose=transpose)
 from jattn.kernels.flash.triton_bwd import flash_backward
 from jattn.kernels.flash.triton_fwd import flash_forward
+from jattn.kernels.flash.triton_rows import PackedRows
 
 
 def kernel_tiles(config: BlockConfig, q_len: int, kv_len: int):
@@ -158,3 +160,72 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
       lists=lists, dropout_rate=dropout_rate, dropout_seed=dropout_seed, lengths=lengths)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
           dv[:, :kv_len, :, :dv_width])
+
+
+def _packed_spec(max_q: int, max_k: int, causal: bool, local_window) -> MaskSpec:
+  return MaskSpec.build(max_q, max_k, causal=causal, local_window=local_window, kv_padded=True,
+                        segments=False, lengths=True)
+
+
+def _pad_packed(x, rows: int, width: int):
+  return jnp.pad(x, [(0, rows - x.shape[0]), (0, 0), (0, width - x.shape[-1])])
+
+
+def flash_triton_varlen_forward(q, k, v, cu_q, cu_k, *, max_q: int, max_k: int, causal: bool,
+                                scale: float, local_window, softcap, config: BlockConfig,
+                                interpret: bool, sinks=None):
+  """Flash attention forward over packed sequences.
+
+  Args:
+    q: ``[total_q, q_heads, head_dim]``; k: ``[total_k, kv_heads, head_dim]``; v:
+      ``[total_k, kv_heads, head_dim_v]``.
+    cu_q, cu_k: ``[seqs + 1]`` int32 cumulative lengths: sequence ``s`` is rows
+      ``[cu_q[s], cu_q[s + 1])`` of q and ``[cu_k[s], cu_k[s + 1])`` of k and v.
+    max_q, max_k: bounds of the lengths (the grid's extent); a longer sequence's rows
+      past them are not computed (zeros) and its keys past them not seen.
+    sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
+
+  Returns:
+    ``(o [total_q, q_heads, head_dim_v], lse [q_heads, total_q] float32)``; rows no
+    sequence holds give zeros and ``EMPTY_ROW_LSE``.
+  """
+  total_q, dv = q.shape[0], v.shape[-1]
+  bq, bk, _, _ = kernel_tiles(config, max_q, max_k)
+  d_p = padded_head_dim(q.shape[-1])
+  o, lse = flash_forward(
+      _pad_packed(q, total_q + bq[0], d_p), _pad_packed(k, k.shape[0] + bk[0], d_p),
+      _pad_packed(v, k.shape[0] + bk[0], padded_head_dim(dv)), None, None,
+      spec=_packed_spec(max_q, max_k, causal, local_window), scale=scale,
+      score=Softcap.of(softcap), config=config, block_q=bq[0], block_k=bk[0],
+      interpret=interpret, sinks=None if sinks is None else kernel_array(floor_sinks(sinks)),
+      lengths=jnp.stack([cu_q, cu_k], axis=1).astype(jnp.int32),
+      layout=PackedRows(max_q, max_k))
+  valid = packed_positions(cu_q, total_q, max_q)[2]
+  return (jnp.where(valid[:, None, None], o[:total_q, :, :dv], 0).astype(q.dtype),
+          jnp.where(valid[None], lse[:, :total_q], EMPTY_ROW_LSE))
+
+
+def flash_triton_varlen_backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, *, max_q: int,
+                                 max_k: int, causal: bool, scale: float, local_window, softcap,
+                                 config: BlockConfig, interpret: bool):
+  """Gradients ``(dq, dk, dv)`` over packed sequences given the rows' ``o`` and ``lse``
+  (``[q_heads, total_q]``) and the cotangents ``do``, ``dlse``; shapes as
+  ``flash_triton_varlen_forward``'s."""
+  total_q, total_k = q.shape[0], k.shape[0]
+  bq, bk, _, _ = kernel_tiles(config, max_q, max_k)
+  rows_q, rows_k = total_q + max(bq), total_k + max(bk)
+  d_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
+  delta = backward_delta(o[None], do[None], dlse[None])[0]
+  dq, dk, dv = flash_backward(
+      _pad_packed(q, rows_q, d_p), _pad_packed(k, rows_k, d_p), _pad_packed(v, rows_k, dv_p),
+      _pad_packed(do.astype(q.dtype), rows_q, dv_p), backward_lse(lse, rows_q, False),
+      pad_rows(delta, rows_q), None, None,
+      spec=_packed_spec(max_q, max_k, causal, local_window), scale=scale,
+      score=Softcap.of(softcap), config=config, blocks=(bq[1], bk[1], bq[2], bk[2]),
+      interpret=interpret, lengths=jnp.stack([cu_q, cu_k], axis=1).astype(jnp.int32),
+      layout=PackedRows(max_q, max_k))
+  valid_q = packed_positions(cu_q, total_q, max_q)[2][:, None, None]
+  valid_k = packed_positions(cu_k, total_k, max_k)[2][:, None, None]
+  return (jnp.where(valid_q, dq[:total_q, :, :q.shape[-1]], 0),
+          jnp.where(valid_k, dk[:total_k, :, :k.shape[-1]], 0),
+          jnp.where(valid_k, dv[:total_k, :, :v.shape[-1]], 0))

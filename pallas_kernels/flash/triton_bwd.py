@@ -21,13 +21,15 @@ from jax.experimental import pallas as pl
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
+from jattn.kernels.common.element_functions import kernel_array
 from jattn.kernels.common.launch import (LENGTHS, row_stat_spec, tile_spec, triton_call,
                                          whole_array_spec, whole_sequence_spec)
-from jattn.kernels.common.masking import (MaskSpec, bind_lengths, element_mask,
+from jattn.kernels.common.masking import (MaskSpec, element_mask,
                                           kv_block_range, q_block_range, range_tiles,
                                           run_tiles, split_extra_refs)
 from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
+from jattn.kernels.flash.triton_rows import BATCH_ROWS, PackedRows
 
 
 def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
@@ -42,14 +44,15 @@ def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
                 seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
-                block_k: int, group: int, lists: bool, dropout_rate: float):
+                block_k: int, group: int, lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
-  spec = bind_lengths(spec, lengths_ref)
+  spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
   k_start = pl.program_id(0) * block_k
   batch_row, kv_head = pl.program_id(1), pl.program_id(2)
   # Guarded for every tile (nonfinite.py): the rows of a tile without a mask all see a
   # key whose value is not finite, and are NaN either way.
-  k_scored, v = guard_values(k_ref[...], v_ref[...])
+  k_scored, v = guard_values(rows_at.key_tile(k_ref, k_start, block_k),
+                             rows_at.key_tile(v_ref, k_start, block_k))
   # Tiles are kept transposed ([keys, queries]) so no operand needs a transpose.
   k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
   k_seg = kv_seg_ref[...][:, None] if spec.segments else None
@@ -57,10 +60,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
   def body(head, masked: bool, i, carry):
     dk, dv = carry
     q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
-    q = q_ref[q_slice, head, :]
-    do = do_ref[q_slice, head, :]
-    lse2 = lse_ref[head, q_slice]
-    delta = delta_ref[head, q_slice]
+    q = rows_at.q_rows(q_ref, q_slice, head)
+    do = rows_at.q_rows(do_ref, q_slice, head)
+    lse2 = rows_at.stat_rows(lse_ref, head, q_slice)
+    delta = rows_at.stat_rows(delta_ref, head, q_slice)
     q_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
     bh = (batch_row, head)
     s_t, c, g_t = log2_logits(dot(k_scored, q, 1, 1), scale, score, bh + (q_idx, k_idx), True)
@@ -98,29 +101,29 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
   dk, dv = lax.fori_loop(0, group, per_head,
                          tuple(jnp.zeros((block_k, ref.shape[-1]), jnp.float32)
                                for ref in (k_ref, v_ref)))
-  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  rows_at.store_keys(dk_ref, k_start, (dk * scale).astype(dk_ref.dtype))
+  rows_at.store_keys(dv_ref, k_start, dv.astype(dv_ref.dtype))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
                seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
-               block_k: int, lists: bool, dropout_rate: float):
+               block_k: int, lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (dq_ref,) = split_extra_refs(refs, spec, score, lists)
-  spec = bind_lengths(spec, lengths_ref)
+  spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
-  q = q_ref[...]
-  do = do_ref[...]
-  lse2 = lse_ref[...]
-  delta = delta_ref[...]
+  q = rows_at.q_tile(q_ref, q_start, block_q)
+  do = rows_at.q_tile(do_ref, q_start, block_q)
+  lse2 = rows_at.q_stat(lse_ref, q_start, block_q)
+  delta = rows_at.q_stat(delta_ref, q_start, block_q)
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
   rows = row_hash(seed_ref[0], *bh, q_idx) if dropout_rate else None
 
   def body(masked: bool, j, dq):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    k = k_ref[k_slice, :]
-    v = v_ref[k_slice, :]
+    k = rows_at.kv_tile(k_ref, k_slice)
+    v = rows_at.kv_tile(v_ref, k_slice)
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     k_scored, mask = k, None
     if masked:  # as the forward; and masked dS must not meet a non-finite key row
@@ -143,12 +146,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
   else:
     schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
   dq = run_tiles(schedule, body, jnp.zeros(q.shape, jnp.float32))
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  rows_at.store(dq_ref, q_start, (dq * scale).astype(dq_ref.dtype))
 
 
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
                    score, config: BlockConfig, blocks, interpret: bool, arrays=(),
-                   lists=None, dropout_rate: float = 0.0, dropout_seed=None, lengths=None):
+                   lists=None, dropout_rate: float = 0.0, dropout_seed=None, lengths=None,
+                   layout=BATCH_ROWS):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
@@ -165,10 +169,17 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
       kernel's tiles (transposed: per key tile) and at the dQ kernel's; or None.
     dropout_rate, dropout_seed: the forward's dropout (its mask is rebuilt).
     lengths: ``[batch, 2]`` int32 per-row lengths when ``spec.lengths``, else None.
+    layout: where the rows lie (``triton_rows``; ``PackedRows`` as ``flash_forward``
+      takes it: ``lse``, ``delta`` ``[q_heads, total_q_p]``, ``lengths`` the cumulative
+      lengths; rows no sequence covers are left unwritten).
 
   Returns:
     ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
   """
+  if isinstance(layout, PackedRows):
+    return _packed_backward(q, k, v, do, lse, delta, lengths, spec=spec, scale=scale,
+                            score=score, blocks=blocks, layout=layout, interpret=interpret,
+                            num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages)
   batch, q_len_p, q_heads, d = q.shape
   kv_len_p, kv_heads, dv_width = k.shape[1], k.shape[2], v.shape[-1]
   group = q_heads // kv_heads
@@ -178,7 +189,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   seed = dropout_seed if dropout_rate else None
   # The seed's and the lengths' specs, after the segment ids'.
   scalar_specs = [None if seed is None else whole_array_spec(seed),
-               LENGTHS if spec.lengths else None]
+                  LENGTHS if spec.lengths else None]
 
   full_q = lambda width: pl.BlockSpec((None, q_len_p, q_heads, width),
                                       lambda j, b, h: (b, 0, 0, 0))
@@ -193,7 +204,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   dk, dv = triton_call(
       functools.partial(_dkv_kernel, spec=spec, scale=scale, score=score,
                         block_q=bq_dkv, block_k=bk_dkv, group=group, lists=bool(dkv_lists),
-                        dropout_rate=dropout_rate),
+                        dropout_rate=dropout_rate, layout=layout),
       grid=(kv_len_p // bk_dkv, batch, kv_heads),
       in_specs=[full_q(d), k_tile, v_tile, full_q(dv_width), full_rows, full_rows, *seg_specs,
                 *scalar_specs, *extra, *list_specs(dkv_lists, per_head=False)],
@@ -210,7 +221,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   dq = triton_call(
       functools.partial(_dq_kernel, spec=spec, scale=scale, score=score,
                         block_q=bq_dq, block_k=bk_dq, lists=bool(dq_lists),
-                        dropout_rate=dropout_rate),
+                        dropout_rate=dropout_rate, layout=layout),
       grid=(q_len_p // bq_dq, batch, q_heads),
       in_specs=[tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
                 whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
@@ -220,4 +231,43 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_flash_bwd_dq", **launch,
   )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dq_lists)
+  return dq, dk, dv
+
+
+def _packed_backward(q, k, v, do, lse, delta, cu, *, spec, scale, score, blocks,
+                     layout: PackedRows, interpret, num_warps, num_stages):
+  """``flash_backward`` on packed rows (``[total, heads, d]``)."""
+  total_q, q_heads, d = q.shape
+  total_k, kv_heads, dv_width = k.shape[0], k.shape[1], v.shape[-1]
+  group = q_heads // kv_heads
+  bq_dkv, bk_dkv, bq_dq, bk_dq = blocks
+  seqs, cu = cu.shape[0] - 1, kernel_array(cu)
+  launch = dict(interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+  rows = lambda n, w, heads: pl.BlockSpec((n, None, w), lambda i, b, h: (0, heads(h), 0))
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, b, h: (0,) * x.ndim)
+  stats = pl.BlockSpec((None, total_q), lambda i, b, h: (h, 0))
+  kernel = lambda body, **kw: functools.partial(
+      body, spec=spec, scale=scale, score=score, lists=False, dropout_rate=0.0,
+      layout=layout, **kw)
+  own_kv = lambda h: h
+  dk, dv = triton_call(
+      kernel(_dkv_kernel, block_q=bq_dkv, block_k=bk_dkv, group=group),
+      grid=(-(-layout.max_k // bk_dkv), seqs, kv_heads),
+      in_specs=[whole(q), rows(total_k, d, own_kv), rows(total_k, dv_width, own_kv), whole(do),
+                whole(lse), whole(delta), None, None, None, whole_array_spec(cu)],
+      out_specs=[rows(total_k, d, own_kv), rows(total_k, dv_width, own_kv)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      name="jattn_flash_varlen_bwd_dkv", **launch,
+  )(q, k, v, do, lse, delta, None, None, None, cu)
+  kv_of = lambda h: h // group
+  dq = triton_call(
+      kernel(_dq_kernel, block_q=bq_dq, block_k=bk_dq),
+      grid=(-(-layout.max_q // bq_dq), seqs, q_heads),
+      in_specs=[rows(total_q, d, own_kv), rows(total_k, d, kv_of), rows(total_k, dv_width, kv_of),
+                rows(total_q, dv_width, own_kv), stats, stats, None, None, None,
+                whole_array_spec(cu)],
+      out_specs=rows(total_q, d, own_kv),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      name="jattn_flash_varlen_bwd_dq", **launch,
+  )(q, k, v, do, lse, delta, None, None, None, cu)
   return dq, dk, dv

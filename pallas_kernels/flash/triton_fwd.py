@@ -22,21 +22,23 @@ from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
 from jattn.kernels.common.launch import (LENGTHS, row_stat_spec, tile_spec, triton_call,
                                          whole_array_spec, whole_sequence_spec)
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, bind_lengths, kv_block_range, range_tiles,
+from jattn.kernels.common.element_functions import kernel_array
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
                                           run_tiles, split_extra_refs)
 from jattn.kernels.common.nonfinite import guard_values
 from jattn.kernels.common.softmax import (dot, log2_logits, log2_units, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
+from jattn.kernels.flash.triton_rows import BATCH_ROWS, PackedRows
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_ref, lengths_ref,
                     *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
-                    lists: bool, dropout_rate: float):
+                    lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
-  spec = bind_lengths(spec, lengths_ref)
+  spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
-  q = q_ref[...]
+  q = rows_at.q_tile(q_ref, q_start, block_q)
   q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   q_seg = q_seg_ref[...][:, None] if spec.segments else None
   rows = row_hash(seed_ref[0], *bh, q_idx) if dropout_rate else None
@@ -44,7 +46,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
   def body(masked: bool, j, carry):
     k_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    k, v = k_ref[k_slice, :], v_ref[k_slice, :]
+    k, v = rows_at.kv_tile(k_ref, k_slice), rows_at.kv_tile(v_ref, k_slice)
     if masked:  # masked weights must not meet a non-finite value (nonfinite.py)
       k, v = guard_values(k, v)
     s, c, _ = log2_logits(dot(q, k, 1, 1), scale, score, bh + (q_idx, k_idx))
@@ -64,14 +66,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
   o, lse = online_softmax_finish(carry, c)
   if dropout_rate:
     o = o * (1.0 / (1.0 - dropout_rate))
-  o_ref[...] = o.astype(o_ref.dtype)
-  lse_ref[...] = lse
+  rows_at.store(o_ref, q_start, o.astype(o_ref.dtype))
+  rows_at.store(lse_ref, q_start, lse)
 
 
 def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score,
                   config: BlockConfig, block_q: int, block_k: int, interpret: bool,
                   arrays=(), lists=None, sinks=None, dropout_rate: float = 0.0,
-                  dropout_seed=None, lengths=None):
+                  dropout_seed=None, lengths=None, layout=BATCH_ROWS):
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -84,6 +86,11 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
       (``dropout.seed_of``) when > 0.
     lengths: ``[batch, 2]`` int32 ``(q_len, kv_len)`` per batch row when
       ``spec.lengths``, else None.
+    layout: where the rows lie (``triton_rows``). ``PackedRows``: q ``[total_q_p,
+      q_heads, d_p]``, k, v ``[total_k_p, kv_heads, ...]`` (each padded by a tile),
+      ``lengths`` the ``[seqs + 1, 2]`` cumulative lengths; the batch axis below counts
+      sequences, ``q_len_p`` is the longest one's, padded to the tile; no segment ids
+      or dropout; rows no sequence covers are left unwritten.
     score: a score transform (``Softcap``, ``ScoreFunction``) or None.
     arrays: the arrays the score function, then the mask function, read.
     lists: ``block_sparsity.tile_lists`` at ``(block_q, block_k)``, or None.
@@ -91,6 +98,10 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
   Returns:
     ``o`` like ``q`` and ``lse: [batch, q_heads, q_len_p]`` float32 (natural log).
   """
+  if isinstance(layout, PackedRows):
+    return _packed_forward(q, k, v, lengths, spec=spec, scale=scale, score=score,
+                           config=config, block_q=block_q, block_k=block_k,
+                           interpret=interpret, sinks=sinks, layout=layout)
   batch, q_len_p, q_heads, d = q.shape
   kv_len_p, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
   group = q_heads // kv_heads
@@ -109,7 +120,7 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
     in_specs += list_specs(lists, per_head=True)
   kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, score=score,
                              block_q=block_q, block_k=block_k, lists=lists is not None,
-                             dropout_rate=dropout_rate)
+                             dropout_rate=dropout_rate, layout=layout)
   return triton_call(
       kernel,
       grid=(q_len_p // block_q, batch, q_heads),
@@ -120,3 +131,32 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
       name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
       num_stages=config.num_stages,
   )(q, k, v, q_seg, kv_seg, sinks, seed, lengths, *arrays, *(lists or ()))
+
+
+def _packed_forward(q, k, v, cu, *, spec, scale, score, config, block_q, block_k, interpret,
+                    sinks, layout: PackedRows):
+  """``flash_forward`` on packed rows: ``(o [total_q_p, q_heads, dv_p], lse [q_heads,
+  total_q_p])``."""
+  total_q, q_heads, d = q.shape
+  total_k, kv_heads, dv = k.shape[0], k.shape[1], v.shape[-1]
+  group = q_heads // kv_heads
+  seqs = cu.shape[0] - 1
+  cu = kernel_array(cu)
+  rows = lambda n, w, heads: pl.BlockSpec((n, None, w), lambda i, b, h: (0, heads(h), 0))
+  kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, score=score,
+                             block_q=block_q, block_k=block_k, lists=False, dropout_rate=0.0,
+                             layout=layout)
+  return triton_call(
+      kernel,
+      grid=(-(-layout.max_q // block_q), seqs, q_heads),
+      in_specs=[rows(total_q, d, lambda h: h), rows(total_k, d, lambda h: h // group),
+                rows(total_k, dv, lambda h: h // group), None, None,
+                None if sinks is None else whole_array_spec(sinks), None,
+                whole_array_spec(cu)],
+      out_specs=[rows(total_q, dv, lambda h: h),
+                 pl.BlockSpec((None, total_q), lambda i, b, h: (h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((total_q, q_heads, dv), q.dtype),
+                 jax.ShapeDtypeStruct((q_heads, total_q), jnp.float32)],
+      name="jattn_flash_varlen_fwd", interpret=interpret, num_warps=config.num_warps,
+      num_stages=config.num_stages,
+  )(q, k, v, None, None, sinks, None, cu)

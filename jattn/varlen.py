@@ -1,0 +1,190 @@
+"""``jattn.flash_attention_varlen``: flash attention over packed sequences of different
+lengths, addressed by cumulative lengths (FlashAttention's ``varlen`` API).
+
+Implementations: ``pallas_triton`` (the flash kernels on ``PackedRows``: one program
+per (sequence, query tile, head), its rows sliced from the packed arrays, its stores
+masked to its sequence; tiles past a sequence's length do nothing, so the cost follows
+the real lengths) and ``xla`` (``reference.flash_attention_varlen_reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.core.op import AttentionProblem, Op, XlaImpl
+from jattn.core.validation import (check_array, check_flag, check_heads, check_positive_int,
+                                   check_same_dtype, check_shape, positive_number, scale_of)
+from jattn.flash import AttentionTritonImpl, flash_cache_key, sink_arg, sink_grad, window_arg
+from jattn.kernels.common.config import default_block_config
+from jattn.kernels.common.softmax import backward_delta
+from jattn.kernels.flash.triton import flash_triton_varlen_backward, flash_triton_varlen_forward
+from jattn.reference import flash_attention_varlen_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenProblem(AttentionProblem):
+  """A varlen call: ``batch`` counts sequences, ``q_len`` / ``kv_len`` are the
+  ``max_seqlen``s, ``total_q`` / ``total_k`` the packed rows."""
+
+  total_q: int = 1
+  total_k: int | None = None  # default total_q
+  causal: bool = False
+  local_window: tuple | None = None
+  softcap: float | None = None
+  sinks: bool = False
+  value_head_dim: int | None = None
+  return_lse: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.total_k is None:
+      self._set(total_k=self.total_q)
+    if self.value_head_dim is None:
+      self._set(value_head_dim=self.head_dim)
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim, self.value_head_dim)
+
+
+def _check_cu(name: str, cu, total: int) -> None:
+  """``[seqs + 1]`` integers; where their values are known, from 0, non-decreasing, at
+  most ``total``."""
+  if not hasattr(cu, "shape") or cu.ndim != 1 or cu.shape[0] < 2:
+    raise ValueError(f"{name} must be [num_seqs + 1] integers, got "
+                     f"{getattr(cu, 'shape', type(cu).__name__)}")
+  if not jnp.issubdtype(cu.dtype, jnp.integer):
+    raise TypeError(f"{name} must be integers, got dtype {cu.dtype}")
+  if isinstance(cu, jax.core.Tracer):
+    return
+  values = np.asarray(cu)
+  if values[0] != 0 or np.any(np.diff(values) < 0) or values[-1] > total:
+    raise ValueError(f"{name} must run from 0, never decreasing, to at most the "
+                     f"{total} packed rows, got {values.tolist()}")
+
+
+class TritonVarlen(AttentionTritonImpl):
+  def cache_key(self, p):  # (its lengths: the longest sequences')
+    return flash_cache_key(p)
+
+  def heuristic_config(self, p, info):
+    return default_block_config(max(p.head_dims), p.dtype.itemsize)
+
+  def forward(self, call, q, k, v, cu_q, cu_k, sinks):
+    p = call.problem
+    o, lse = flash_triton_varlen_forward(
+        q, k, v, cu_q, cu_k, max_q=p.q_len, max_k=p.kv_len, causal=p.causal, scale=p.scale,
+        local_window=p.local_window, softcap=p.softcap, config=call.config,
+        interpret=call.interpret, sinks=sinks)
+    return (o, lse), ((q, k, v, cu_q, cu_k, sinks), o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    p = call.problem
+    (q, k, v, cu_q, cu_k, sinks), o, lse = residuals
+    dq, dk, dv = flash_triton_varlen_backward(
+        q, k, v, cu_q, cu_k, o, lse, *cotangents, max_q=p.q_len, max_k=p.kv_len,
+        causal=p.causal, scale=p.scale, local_window=p.local_window, softcap=p.softcap,
+        config=call.config, interpret=call.interpret)
+    dsinks = None
+    if sinks is not None:
+      delta = backward_delta(o[None], cotangents[0][None], cotangents[1][None])
+      dsinks = sink_grad(sinks, lse[None], delta)
+    return dq, dk, dv, None, None, dsinks
+
+
+class XlaVarlen(XlaImpl):
+  def forward(self, call, q, k, v, cu_q, cu_k, sinks):
+    p = call.problem
+    return flash_attention_varlen_reference(
+        q, k, v, cu_q, cu_k, max_seqlen_q=p.q_len, max_seqlen_k=p.kv_len, causal=p.causal,
+        scale=p.scale, local_window=p.local_window, softcap=p.softcap, sinks=sinks), None
+
+
+class FlashVarlen(Op):
+  name = "flash_attention_varlen"
+  problem_cls = VarlenProblem
+  arg_names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "sinks")
+  diff_argnums = (0, 1, 2, 5)
+
+  def bind(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+           causal=False, scale=None, local_window=None, softcap=None, sinks=None,
+           return_lse=False):
+    check_array("q", q, "total_q, q_heads, head_dim")
+    check_array("k", k, "total_k, kv_heads, head_dim")
+    check_array("v", v, "total_k, kv_heads, head_dim_v")
+    check_same_dtype(q=q, k=k, v=v)
+    total_q, q_heads, head_dim = q.shape
+    check_shape("k", k, (None, None, head_dim), "total_k, kv_heads, head_dim")
+    check_shape("v", v, tuple(k.shape[:2]) + (None,), "total_k, kv_heads, head_dim_v")
+    check_heads(q_heads, k.shape[1])
+    _check_cu("cu_seqlens_q", cu_seqlens_q, total_q)
+    _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    check_shape("cu_seqlens_k", cu_seqlens_k, tuple(cu_seqlens_q.shape), "num_seqs + 1")
+    check_positive_int("max_seqlen_q", max_seqlen_q)
+    check_positive_int("max_seqlen_k", max_seqlen_k)
+    problem = VarlenProblem(
+        batch=cu_seqlens_q.shape[0] - 1, q_len=int(max_seqlen_q), kv_len=int(max_seqlen_k),
+        q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim, dtype=q.dtype,
+        scale=scale_of(scale, head_dim), total_q=total_q, total_k=k.shape[0],
+        causal=check_flag("causal", causal),
+        local_window=None if local_window is None else window_arg(local_window),
+        softcap=None if softcap is None else positive_number("softcap", softcap),
+        sinks=sinks is not None, value_head_dim=v.shape[-1],
+        return_lse=check_flag("return_lse", return_lse))
+    return problem, (q, k, v, cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32),
+                     sink_arg(sinks, q_heads))
+
+  def finish(self, problem, outputs):
+    o, lse = outputs
+    return (o, lse) if problem.return_lse else o
+
+  def example(self, p: VarlenProblem, key):
+    kq, kk, kv, kl = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (p.total_q, p.q_heads, p.head_dim)).astype(p.dtype)
+    k = jax.random.normal(kk, (p.total_k, p.kv_heads, p.head_dim)).astype(p.dtype)
+    v = jax.random.normal(kv, (p.total_k, p.kv_heads, p.value_head_dim)).astype(p.dtype)
+    cuts = jnp.sort(jax.random.randint(kl, (p.batch - 1,), 0, p.total_q + 1))
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), cuts.astype(jnp.int32),
+                          jnp.full((1,), p.total_q, jnp.int32)])
+    return q, k, v, cu, cu if p.total_k == p.total_q else cu * p.total_k // p.total_q, None
+
+
+VARLEN = FlashVarlen(TritonVarlen(), XlaVarlen())
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
+                           max_seqlen_k: int, causal: bool = False, scale: float | None = None,
+                           local_window=None, softcap: float | None = None, sinks=None,
+                           return_lse: bool = False, backend: str = "auto", config=None):
+  """Flash attention over packed sequences of different lengths, differentiable.
+
+  Args:
+    q: ``[total_q, q_heads, head_dim]``; k: ``[total_k, kv_heads, head_dim]``; v:
+      ``[total_k, kv_heads, head_dim_v]``: the sequences' rows one after another.
+    cu_seqlens_q, cu_seqlens_k: ``[num_seqs + 1]`` integers (traced: one compile
+      serves every packing of as many sequences), from 0, never decreasing: sequence
+      ``s`` is rows ``[cu_seqlens_q[s], cu_seqlens_q[s + 1])`` of q and
+      ``[cu_seqlens_k[s], cu_seqlens_k[s + 1])`` of k, v. Sequences are independent;
+      rows past ``cu_seqlens_q[-1]`` are padding (zeros).
+    max_seqlen_q, max_seqlen_k: Python ints at least the longest sequence's lengths
+      (they size the kernels' grids); a longer sequence is cut to them (its rows past
+      ``max_seqlen_q`` give zeros, its keys past ``max_seqlen_k`` are not seen).
+    causal: within each sequence, aligned bottom-right on its own lengths: query ``i``
+      sits at key position ``i + len_k - len_q``.
+    scale, local_window, softcap, sinks: as ``flash_attention``'s.
+    return_lse: also return ``lse: [q_heads, total_q]`` float32.
+    backend: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
+    config: a ``BlockConfig`` for ``pallas_triton``.
+
+  Returns:
+    ``o: [total_q, q_heads, head_dim_v]`` in q's dtype (and ``lse``). Gradients flow to
+    q, k, v and sinks.
+  """
+  return VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, local_window=local_window,
+                softcap=softcap, sinks=sinks, return_lse=return_lse, backend=backend,
+                config=config)
