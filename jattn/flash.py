@@ -77,6 +77,29 @@ class FlashProblem(AttentionProblem):
     return q, k, jax.random.normal(keys[2], shape, jnp.float32).astype(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServingProblem(AttentionProblem):
+  """The fields the serving ops (``paged_attention``, ``flash_attention_varlen``) share
+  with flash attention's problem: its mask and score features, the value head dim
+  (default ``head_dim``) and ``return_lse``."""
+
+  causal: bool = False
+  local_window: tuple | None = None
+  softcap: float | None = None
+  sinks: bool = False
+  value_head_dim: int | None = None
+  return_lse: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.value_head_dim is None:
+      self._set(value_head_dim=self.head_dim)
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim, self.value_head_dim)
+
+
 def _dropout_seed(rate, key):
   """The kernels' ``[2]`` int32 seed words of a dropout call (None without dropout)."""
   if not (is_number(rate) and 0 <= rate < 1):

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.device import current_device
-from jattn.core.op import AttentionProblem, Impl, MosaicImpl, Op, TritonImpl, XlaImpl
+from jattn.core.op import Impl, MosaicImpl, Op, TritonImpl, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_integer_array,
                                    check_same_dtype, check_shape, positive_number, scale_of)
-from jattn.flash import row_lengths, sink_arg, window_arg
+from jattn.flash import ServingProblem, row_lengths, sink_arg, window_arg
 from jattn.kernels.flash.decode_config import decode_config, mosaic_decode_config
 from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
                                                mosaic_decode_runs)
@@ -34,27 +34,12 @@ NO_GRADIENT = ("paged_attention has no gradient (it serves a cache); train with 
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedProblem(AttentionProblem):
+class PagedProblem(ServingProblem):
   """A paged-attention call: ``kv_len`` is the block table's capacity
   (``pages_per_seq * page_size``)."""
 
   page_size: int = 16
   num_pages: int = 1
-  causal: bool = False
-  local_window: tuple | None = None
-  softcap: float | None = None
-  sinks: bool = False
-  value_head_dim: int | None = None
-  return_lse: bool = False
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.value_head_dim is None:
-      self._set(value_head_dim=self.head_dim)
-
-  @property
-  def head_dims(self) -> tuple[int, ...]:
-    return (self.head_dim, self.value_head_dim)
 
   @property
   def pages_per_seq(self) -> int:

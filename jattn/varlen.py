@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.core.op import AttentionProblem, Op, XlaImpl
+from jattn.core.op import Op, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_positive_int,
                                    check_same_dtype, check_shape, positive_number, scale_of)
-from jattn.flash import AttentionTritonImpl, flash_cache_key, sink_arg, sink_grad, window_arg
+from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, sink_arg,
+                         sink_grad, window_arg)
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.softmax import backward_delta
 from jattn.kernels.flash.triton import flash_triton_varlen_backward, flash_triton_varlen_forward
@@ -26,29 +27,17 @@ from jattn.reference import flash_attention_varlen_reference
 
 
 @dataclasses.dataclass(frozen=True)
-class VarlenProblem(AttentionProblem):
+class VarlenProblem(ServingProblem):
   """A varlen call: ``batch`` counts sequences, ``q_len`` / ``kv_len`` are the
   ``max_seqlen``s, ``total_q`` / ``total_k`` the packed rows."""
 
   total_q: int = 1
   total_k: int | None = None  # default total_q
-  causal: bool = False
-  local_window: tuple | None = None
-  softcap: float | None = None
-  sinks: bool = False
-  value_head_dim: int | None = None
-  return_lse: bool = False
 
   def __post_init__(self):
     super().__post_init__()
     if self.total_k is None:
       self._set(total_k=self.total_q)
-    if self.value_head_dim is None:
-      self._set(value_head_dim=self.head_dim)
-
-  @property
-  def head_dims(self) -> tuple[int, ...]:
-    return (self.head_dim, self.value_head_dim)
 
 
 def _check_cu(name: str, cu, total: int) -> None:
