@@ -230,15 +230,15 @@ STEPS = {"math": _decode_step_math, "default": decode_step,
          "efficient": _decode_step_efficient, "cudnn": _decode_step_cudnn}
 
 
-def compile_fns(step, compile_: bool, coordinate_descent: bool = True):
-  """(prefill, step): compiled as gpt-fast does (the step with ``mode="reduce-overhead"``,
-  i.e. CUDA graphs on a GPU; the prefill without), or as they are."""
-  if not compile_:
-    return prefill, step
+def compiled(fn, compile_: bool, **options):
+  """``torch.compile(fn, fullgraph=True, **options)``, or ``fn`` itself."""
+  return torch.compile(fn, fullgraph=True, **options) if compile_ else fn
+
+
+def configure_inductor(coordinate_descent: bool = True) -> None:
+  """gpt-fast's inductor setting: coordinate-descent tuning of the generated kernels."""
   import torch._inductor.config as inductor_config
   inductor_config.coordinate_descent_tuning = coordinate_descent
-  return (torch.compile(prefill, fullgraph=True),
-          torch.compile(step, mode="reduce-overhead", fullgraph=True))
 
 
 def generate(prefill_fn, step_fn, model, prompt, steps: int, sync=lambda: None):
