@@ -22,7 +22,8 @@ steps) and decode tokens/s = batch * 255 / decode seconds (the loop's tokens; th
 of the 256 comes from the prefill), and the first call of each (compile included; for
 torch, also CUDA-graph recording). Host wall clock between device syncs on both sides
 (so dispatch and Python overhead count). Each round runs every row once, in alternating
-order; medians over ``--reps`` rounds after ``--warmup`` untimed ones.
+order; medians over ``--reps`` rounds after ``--warmup`` untimed ones. Also prefill +
+decode tokens/s = batch * 256 / (prefill + decode seconds), median over rounds.
 
 Bar: jattn decode tokens/s / torch decode tokens/s >= 1.2, against the fastest torch row.
 
@@ -41,8 +42,8 @@ Writes ``generate_<label>.json`` and ``.md`` under ``--out`` (default bench/resu
 with ``--smoke`` the temporary folder) after the first calls and after every round.
 ``--label`` defaults to the GPU's short name (``_kv<n>`` appended for GQA). ``--smoke``
 runs 2 layers of width 64, batch 2, a 16-token prompt and 8 new tokens on the CPU (JAX's
-XLA backend there, torch compiled unless ``--no-compile``) and exits 1 unless both sides
-give the same tokens.
+XLA backend there, torch compiled unless ``--no-compile``) and exits 1 unless the check
+passes and both sides give the same tokens (in float32, its default dtype).
 """
 
 from __future__ import annotations
@@ -225,8 +226,10 @@ def summarize(samples: dict, shape: Shape) -> dict:
   out = dict(samples)
   if samples.get("decode_s"):
     decode = statistics.median(samples["decode_s"])
+    whole = statistics.median(p + d for p, d in zip(samples["prefill_s"], samples["decode_s"]))
     out.update(prefill_ms=statistics.median(samples["prefill_s"]) * 1e3, decode_ms=decode * 1e3,
-               tokens_per_s=shape.batch * shape.steps / decode)
+               tokens_per_s=shape.batch * shape.steps / decode,
+               generate_tokens_per_s=shape.batch * shape.new_tokens / whole)
   return out
 
 
@@ -313,17 +316,19 @@ def _fmt(value, spec):
 
 
 def table(rows: dict, bar: dict, torch_mode: str) -> str:
-  lines = ["| row | prefill ms | decode ms | decode tokens/s | jattn / row | first prefill s "
-           "| first decode s | what |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| row | prefill ms | decode ms | decode tokens/s | jattn / row | prefill + decode "
+           "tokens/s | first prefill s | first decode s | what |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for name, r in rows.items():
     what = ROW_NOTES.get(name, "")
     what = what.replace("compiled + CUDA graphs", torch_mode)
     if "error" in r:
-      lines.append(f"| {name} | | | | | | | ERROR {r['error']} |")
+      lines.append(f"| {name} | | | | | | | | ERROR {r['error']} |")
       continue
     lines.append(f"| {name} | {_fmt(r.get('prefill_ms'), '.2f')} | {_fmt(r.get('decode_ms'), '.2f')}"
                  f" | {_fmt(r.get('tokens_per_s'), '.0f')} | "
-                 f"{_fmt(bar['ratios'].get(name), '.2f')} | {r['first_prefill_s']:.1f} | "
+                 f"{_fmt(bar['ratios'].get(name), '.2f')} | "
+                 f"{_fmt(r.get('generate_tokens_per_s'), '.0f')} | {r['first_prefill_s']:.1f} | "
                  f"{r['first_decode_s']:.1f} | {what} |")
   return "\n".join(lines) + "\n"
 
@@ -417,6 +422,7 @@ def devices(args) -> str:
   """The torch device; exits where the run cannot happen."""
   import torch
   if args.smoke:
+    os.environ.pop("JATTN_INTERPRET", None)  # jattn's XLA backend on the CPU, not interpret
     jax.config.update("jax_platforms", "cpu")
     return "cpu"
   jax_gpu = jax.devices()[0].platform == "gpu"
@@ -473,9 +479,9 @@ def main(argv=None):
   run_rounds(runners, args, shape, save)
   print(markdown(result))
   print(f"wrote {os.path.join(out_dir, f'generate_{label}')}.json and .md")
-  if args.smoke:
+  if args.smoke:  # bfloat16 (--dtype) may round the two sides apart: then only reported
     same = all(a["equal_fraction"] == 1.0 for a in result["agreement"].values())
-    ok = same and (check is None or check["pass"])
+    ok = (same or args.dtype != "float32") and (check is None or check["pass"])
     print(f"smoke: {'OK' if ok else 'FAILED'} (tokens equal: {same}, check: "
           f"{None if check is None else check['pass']})")
     sys.exit(0 if ok else 1)

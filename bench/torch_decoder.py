@@ -247,13 +247,13 @@ def generate(prefill_fn, step_fn, model, prompt, steps: int, sync=lambda: None):
   device)."""
   n = prompt.shape[1]
   positions = torch.arange(n, device=prompt.device)
+  position = torch.tensor([n], device=prompt.device)
   sync()
   start = time.perf_counter()
   token = prefill_fn(model, prompt, positions).clone()
   sync()
   middle = time.perf_counter()
   out = [token]
-  position = torch.tensor([n], device=prompt.device)
   for _ in range(steps):
     token = step_fn(model, token, position).clone()  # a CUDA graph's output is reused
     out.append(token)
