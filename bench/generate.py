@@ -346,7 +346,9 @@ def markdown(result) -> str:
          f"Compute {cfg['dtype']}, jattn parameters {cfg['param_dtype']} (torch weights "
          f"{cfg['dtype']}); jattn backend {cfg['backend']}; torch "
          f"{torch_mode}.",
-         "", f"Medians of {result['rounds']} rounds ({result['timing']}).", "",
+         "", f"torch device {env['torch_device']} (CUDA {env['torch_cuda']}), Python "
+         f"{env['python']}, jattn commit {env['jattn_commit']}.", "",
+         f"Medians of {result['rounds']} rounds ({result['timing']}).", "",
          table(result["rows"], bar, torch_mode)]
   if bar["pass"] is None:
     out += ["Bar: no data.", ""]
