@@ -156,8 +156,9 @@ def has_mask(p: FlashProblem) -> bool:
 # --- implementations ---------------------------------------------------------------------
 
 def flash_cache_key(p: FlashProblem) -> tuple[str, ...]:
-  """The fields a tuned flash config is stored under (those of any problem with flash's
-  dtype, head dims, ``causal`` and lengths)."""
+  """The fields a tuned flash config is stored under: dtype, head dims, ``causal`` and
+  the arrays' lengths (bucketed; per-row lengths do not count) of any problem that has
+  flash's fields."""
   dv = () if p.value_head_dim == p.head_dim else (f"dv{padded_head_dim(p.value_head_dim)}",)
   return (p.dtype.name, f"d{padded_head_dim(p.head_dim)}", *dv,
           "causal" if p.causal else "noncausal", f"s{bucket(max(p.q_len, p.kv_len))}")
@@ -409,7 +410,8 @@ class FlashAttention(SoftmaxOp):
     lengths = None
     if p.lengths:  # every row full but the first, which is shorter (not empty)
       lengths = jnp.array([[p.q_len, p.kv_len]] * p.batch, jnp.int32)
-      lengths = lengths.at[0].set([max(1, p.q_len // 2), max(p.q_len // 2, p.kv_len * 2 // 3)])
+      lengths = lengths.at[0].set([max(1, p.q_len // 2),
+                                   min(p.kv_len, max(p.q_len // 2, p.kv_len * 2 // 3))])
     if not p.segment_ids:
       return q, k, v, None, None, sinks, seed, lengths
     # Packed sequences: sorted ids, kv ids shifted so that some queries see nothing.

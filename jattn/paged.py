@@ -131,6 +131,9 @@ class PagedAttention(Op):
                 "num_pages, page_size, kv_heads, head_dim_v")
     check_heads(q_heads, kv_heads, kv_name="k_pages")
     check_integer_array("block_tables", block_tables, (batch, None), "batch, pages_per_seq")
+    if kv_lengths is None:
+      raise ValueError("kv_lengths must be [batch] integers (each sequence's cached keys), "
+                       "got None")
     capacity = block_tables.shape[1] * page_size
     lengths = row_lengths(q_lengths, kv_lengths, batch, q_len, capacity)
     problem = PagedProblem(
@@ -178,7 +181,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, *, q_lengths=
       page_size, kv_heads, head_dim_v]``: the pool of pages (any page size), q's dtype.
     block_tables: ``[batch, pages_per_seq]`` integers: key ``t`` of sequence ``b`` lies
       in page ``block_tables[b, t // page_size]``, slot ``t % page_size``. Entries past
-      a sequence's pages are never read.
+      a sequence's pages are never read; an id outside the pool reads a page clamped
+      into it (never out of bounds).
     kv_lengths: ``[batch]`` integers: each sequence's cached keys (the new ones
       included), clipped to ``[0, pages_per_seq * page_size]``.
     q_lengths: ``[batch]`` integers, or None (every row ``q_len``): query rows at or
@@ -214,7 +218,8 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_
   Returns:
     The updated ``(k_pages, v_pages)``. Jitted; donate the pools (``jax.jit(...,
     donate_argnums=(0, 1))`` around a step) and the update happens in place. Tokens
-    past a sequence's block table, or past ``num_new``, are not written.
+    past a sequence's block table, or past ``num_new``, or whose table entry is not a
+    page of the pool (a negative id, say), are not written.
   """
   check_array("k_pages", k_pages, "num_pages, page_size, kv_heads, head_dim")
   check_array("v_pages", v_pages, "num_pages, page_size, kv_heads, head_dim_v")
@@ -236,9 +241,12 @@ def _write_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_ne
   batch, new_tokens = k_new.shape[:2]
   num_pages, page_size = k_pages.shape[:2]
   t = positions.astype(jnp.int32)[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]
-  slot_of_table = jnp.minimum(t // page_size, block_tables.shape[1] - 1)
+  slot_of_table = jnp.clip(t // page_size, 0, block_tables.shape[1] - 1)
   page = jnp.take_along_axis(block_tables.astype(jnp.int32), slot_of_table, axis=1)
-  valid = (t < block_tables.shape[1] * page_size) & (t >= 0)
+  # A page id outside the pool (-1 for "none yet", say) is never written: negative
+  # indices would wrap around to another sequence's page.
+  valid = ((t < block_tables.shape[1] * page_size) & (t >= 0) & (page >= 0)
+           & (page < num_pages))
   if num_new is not None:
     valid &= jnp.arange(new_tokens)[None] < num_new[:, None]
   page = jnp.where(valid, page, num_pages)  # out of bounds: dropped

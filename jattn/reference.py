@@ -147,8 +147,8 @@ def flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max
   ``[total_k, kv_heads, head_dim(_v)]`` (sequence ``s``: rows ``[cu[s], cu[s + 1])``),
   with the mask of ``flash_attention_reference`` on the sequence's own lengths, each
   clipped to ``max_seqlen_q`` / ``max_seqlen_k``. Returns ``(o [total_q, q_heads,
-  head_dim_v], lse [q_heads, total_q])``; rows no sequence holds give zeros and
-  ``EMPTY_ROW_LSE``."""
+  head_dim_v], lse [q_heads, total_q])``; rows no sequence holds see no key: zeros and
+  ``EMPTY_ROW_LSE`` (the sink's logit with sinks)."""
   total_q, q_heads, head_dim = q.shape
   total_k, kv_heads = k.shape[:2]
   group = q_heads // kv_heads

@@ -149,10 +149,14 @@ def test_writes_past_the_end_raise_eagerly_and_are_dropped_under_jit(kind):
                      "take a row to 5 \\(cached lengths \\[3, 1\\]\\)"):
     layer(x[:, :2], decode=True)
   keys = cached_keys(layer.cache)
-  STEP(layer, x[:, :2], None)  # row 0 has room for one
+  new = x[:, 1:3][::-1]  # rows' next two tokens
+  out = STEP(layer, new, None)  # row 0 has room for one
   chex.assert_trees_all_equal(layer.cache.lengths[...], jnp.array([4, 3], jnp.int32))
   # Nothing written over the cached tokens (a clamped start would have moved the write).
   chex.assert_trees_all_equal(cached_keys(layer.cache)[0, :3], keys[0, :3])
+  # The token that found room sits at its position (the full pass's last output).
+  full = make_layer()(jnp.concatenate([x[:1, :3], new[:1, :1]], axis=1))
+  chex.assert_trees_all_close(out[0, 0], full[0, 3], **TOL)
 
 
 def test_misuse_errors():

@@ -157,8 +157,14 @@ def test_write_kv_pages_then_gather_gives_the_cache():
   k = np.asarray(gather_pages(k_pages, tables))
   np.testing.assert_array_equal(k[0, 2:8], k_new[0])
   np.testing.assert_array_equal(k[1, 9:11], k_new[1, :2])
-  assert np.all(k[1, 11:] == 0) and np.all(k[0, :2] == 0)  # past num_new / the table
+  assert np.all(k[1, 11:] == 0) and np.all(k[0, :2] == 0)  # past num_new / before positions
   assert np.all(np.asarray(v_pages)[6] == 0)  # a page no table names
+  # Past the table, and table entries that are no page of the pool: nothing written.
+  unallocated = jnp.array([[2, -1, 3], [1, 9, 5]], jnp.int32)  # -1 and 9: no page of 7
+  k_pages, _ = jattn.write_kv_pages(pages, pages, k_new, v_new, unallocated,
+                                    jnp.array([2, 2]))
+  written = np.flatnonzero(np.any(np.asarray(k_pages) != 0, axis=(1, 2, 3)))
+  np.testing.assert_array_equal(written, [1, 2])  # tokens 2-3 of each row; the rest dropped
 
 
 def test_paged_attention_matches_flash_on_the_gathered_cache():
@@ -183,7 +189,8 @@ def test_paged_attention_matches_flash_on_the_gathered_cache():
     (dict(k_pages=jnp.ones((4, 8, 3, 16)), v_pages=jnp.ones((4, 8, 3, 16))), ValueError,
      "q.s heads"),
     (dict(v_pages=jnp.ones((4, 4, 2, 16))), ValueError, r"v_pages must be \[num_pages"),
-], ids=["float-lengths", "lengths-shape", "float-tables", "heads", "v-pages"])
+    (dict(kv_lengths=None), ValueError, r"kv_lengths must be \[batch\] integers"),
+], ids=["float-lengths", "lengths-shape", "float-tables", "heads", "v-pages", "no-lengths"])
 def test_paged_errors_name_the_argument(change, error, match):
   args = dict(q=jnp.ones((2, 1, 4, 16)), k_pages=jnp.ones((4, 8, 2, 16)),
               v_pages=jnp.ones((4, 8, 2, 16)), block_tables=jnp.zeros((2, 2), jnp.int32),
@@ -248,40 +255,47 @@ def test_hopper_decode_matches_the_reference(case):
   assert np.all(np.asarray(o, np.float32)[padding] == 0.0)
 
 
-def _per_sequence(q, k, v, lq, lk, **kwargs):
-  """The varlen result as a loop of dense calls, one per sequence (zeros past the last)."""
-  outs, cq, ck = [], 0, 0
+def _per_sequence(q, k, v, lq, lk, max_q, max_k, **kwargs):
+  """The varlen result as a loop of dense calls, one per sequence, each cut to
+  ``max_q`` / ``max_k`` (rows past the cut and past the last sequence: zeros)."""
+  out = jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)
+  cq = ck = 0
   for a, b in zip(lq, lk):
-    if a and b:
-      outs.append(flash_attention_reference(q[None, cq:cq + a], k[None, ck:ck + b],
-                                            v[None, ck:ck + b], **kwargs)[0][0])
-    elif a:
-      outs.append(jnp.zeros((a,) + q.shape[1:-1] + v.shape[-1:], q.dtype))
+    a_cut, b_cut = min(a, max_q), min(b, max_k)
+    if a_cut and b_cut:
+      o = flash_attention_reference(q[None, cq:cq + a_cut], k[None, ck:ck + b_cut],
+                                    v[None, ck:ck + b_cut], **kwargs)[0][0]
+      out = out.at[cq:cq + a_cut].set(o)
     cq, ck = cq + a, ck + b
-  rest = jnp.zeros((q.shape[0] - cq,) + q.shape[1:-1] + v.shape[-1:], q.dtype)
-  return jnp.concatenate(outs + [rest])
+  return out
 
 
-# (query lengths, key lengths, causal, window, softcap, sinks)
-VARLEN_CASES = [([5, 0, 33, 1, 17], [5, 0, 33, 1, 17], True, None, None, False),
-                ([4, 19, 2, 0], [30, 19, 9, 6], True, (6, None), 3.0, True),
-                ([12, 7, 1], [3, 40, 1], False, (2, 4), None, False)]
+# (query lengths, key lengths, causal, window, softcap, sinks, max_seqlen (q, k): None for
+# the longest, else a cut)
+VARLEN_CASES = [([5, 0, 33, 1, 17], [5, 0, 33, 1, 17], True, None, None, False, None),
+                ([4, 19, 2, 0], [30, 19, 9, 6], True, (6, None), 3.0, True, None),
+                ([12, 7, 1], [3, 40, 1], False, (2, 4), None, False, None),
+                ([20, 3, 9], [20, 3, 9], True, None, None, True, (8, 16))]
 
 
 @pytest.mark.parametrize("backend,dtype", list(_flash_backends())[::2])
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross", "cut"])
 def test_varlen_forward_and_gradients_match_a_loop_over_sequences(backend, dtype, case):
-  lq, lk, causal, window, softcap, with_sinks = case
+  lq, lk, causal, window, softcap, with_sinks, cut = case
+  max_q, max_k = cut or (max(lq), max(lk))
   cu = lambda lengths: jnp.array(np.cumsum([0] + lengths), jnp.int32)
   q, k, v, do = _normal(jax.random.PRNGKey(len(lq)), [
       (sum(lq) + 3, 4, 32), (sum(lk), 2, 32), (sum(lk), 2, 32), (sum(lq) + 3, 4, 32)], dtype)
-  sinks = jax.random.normal(jax.random.PRNGKey(1), (4,)) if with_sinks else None
-  kwargs = dict(causal=causal, local_window=window, softcap=softcap, sinks=sinks, scale=0.2)
-  ours = lambda q, k, v: jattn.flash_attention_varlen(
-      q, k, v, cu(lq), cu(lk), max_seqlen_q=max(lq), max_seqlen_k=max(lk), backend=backend,
-      **kwargs)
-  o, pull = jax.vjp(ours, q, k, v)
-  o_ref, pull_ref = jax.vjp(lambda *a: _per_sequence(*a, lq, lk, **kwargs), q, k, v)
+  sinks = jax.random.normal(jax.random.PRNGKey(1), (4,)) if with_sinks else jnp.zeros(0)
+  kwargs = lambda sinks: dict(causal=causal, local_window=window, softcap=softcap,
+                              sinks=sinks if with_sinks else None, scale=0.2)
+  ours = lambda q, k, v, sinks: jattn.flash_attention_varlen(
+      q, k, v, cu(lq), cu(lk), max_seqlen_q=max_q, max_seqlen_k=max_k, backend=backend,
+      **kwargs(sinks))
+  o, pull = jax.vjp(ours, q, k, v, sinks)
+  o_ref, pull_ref = jax.vjp(
+      lambda q, k, v, sinks: _per_sequence(q, k, v, lq, lk, max_q, max_k, **kwargs(sinks)),
+      q, k, v, sinks)
   tol = 1e-4 if dtype == jnp.float32 else 3e-2
   assert rel_err(o, o_ref) < tol
   for g, g_ref in zip(pull(do), pull_ref(do)):

@@ -115,9 +115,10 @@ class KVCache(nnx.Module):
     self.v[...] = self.v[...].at[rows, positions].set(v.astype(dtype), mode="drop")
     lengths = jnp.minimum(old + counts, capacity)
     self.lengths[...] = lengths
-    # Bottom-right alignment on each row's own lengths puts query i at old + i.
+    # Bottom-right alignment on each row's own lengths puts query i at old + i; the
+    # tokens that found room are the queries (the rest are padding, dropped).
     return flash_attention(q.astype(dtype), self.k[...], self.v[...], causal=True,
-                           q_lengths=counts, kv_lengths=lengths, **options)
+                           q_lengths=lengths - old, kv_lengths=lengths, **options)
 
 
 def contiguous_block_tables(batch: int, pages_per_seq: int):
@@ -175,4 +176,4 @@ class PagedKVCache(nnx.Module):
     lengths = jnp.minimum(old + counts, self.capacity)
     self.lengths[...] = lengths
     return paged_attention(q.astype(dtype), k_pages, v_pages, tables, lengths,
-                           q_lengths=counts, causal=True, **options)
+                           q_lengths=lengths - old, causal=True, **options)

@@ -40,7 +40,7 @@ class MaskSpec:
       which tiles it allows wholly.
   """
 
-  q_len: int
+  q_len: int  # or, bound to per-row lengths (``with_lengths``), int32 values
   kv_len: int
   left: int | None = None
   right: int | None = None

@@ -167,6 +167,11 @@ def _packed_spec(max_q: int, max_k: int, causal: bool, local_window) -> MaskSpec
                         segments=False, lengths=True)
 
 
+def _clipped(cu, total: int):
+  """Cumulative lengths (traced: unchecked) kept within the ``total`` packed rows."""
+  return jnp.clip(cu.astype(jnp.int32), 0, total)
+
+
 def _pad_packed(x, rows: int, width: int):
   return jnp.pad(x, [(0, rows - x.shape[0]), (0, 0), (0, width - x.shape[-1])])
 
@@ -187,9 +192,11 @@ def flash_triton_varlen_forward(q, k, v, cu_q, cu_k, *, max_q: int, max_k: int, 
 
   Returns:
     ``(o [total_q, q_heads, head_dim_v], lse [q_heads, total_q] float32)``; rows no
-    sequence holds give zeros and ``EMPTY_ROW_LSE``.
+    sequence holds give zeros and the lse of a row that sees no key (``EMPTY_ROW_LSE``,
+    the sink's logit with sinks).
   """
   total_q, dv = q.shape[0], v.shape[-1]
+  cu_q, cu_k = _clipped(cu_q, total_q), _clipped(cu_k, k.shape[0])
   bq, bk, _, _ = kernel_tiles(config, max_q, max_k)
   d_p = padded_head_dim(q.shape[-1])
   o, lse = flash_forward(
@@ -201,8 +208,9 @@ def flash_triton_varlen_forward(q, k, v, cu_q, cu_k, *, max_q: int, max_k: int, 
       lengths=jnp.stack([cu_q, cu_k], axis=1).astype(jnp.int32),
       layout=PackedRows(max_q, max_k))
   valid = packed_positions(cu_q, total_q, max_q)[2]
+  empty = EMPTY_ROW_LSE if sinks is None else floor_sinks(sinks)[:, None]
   return (jnp.where(valid[:, None, None], o[:total_q, :, :dv], 0).astype(q.dtype),
-          jnp.where(valid[None], lse[:, :total_q], EMPTY_ROW_LSE))
+          jnp.where(valid[None], lse[:, :total_q], empty))
 
 
 def flash_triton_varlen_backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, *, max_q: int,
@@ -212,6 +220,7 @@ def flash_triton_varlen_backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, *, max_q
   (``[q_heads, total_q]``) and the cotangents ``do``, ``dlse``; shapes as
   ``flash_triton_varlen_forward``'s."""
   total_q, total_k = q.shape[0], k.shape[0]
+  cu_q, cu_k = _clipped(cu_q, total_q), _clipped(cu_k, total_k)
   bq, bk, _, _ = kernel_tiles(config, max_q, max_k)
   rows_q, rows_k = total_q + max(bq), total_k + max(bk)
   d_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])

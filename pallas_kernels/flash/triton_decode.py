@@ -183,7 +183,8 @@ def decode_forward(q, k, v, lengths, tables=(), *, cache, spec: MaskSpec, scale:
   batch, kv_heads, rows_p, d = q.shape
   dv = v.shape[-1]
   row_tiles = rows_p // block_m
-  split_blocks = -(-(-(-spec.kv_len // block_k)) // splits)
+  n_blocks = -(-spec.kv_len // block_k)
+  split_blocks = -(-n_blocks // splits)
   kernel = functools.partial(_decode_kernel, cache=cache, spec=spec, scale=scale, score=score,
                              group=group, q_len=q_len, block_m=block_m, block_k=block_k,
                              split_blocks=split_blocks, row_tiles=row_tiles)

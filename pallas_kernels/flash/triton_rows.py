@@ -29,15 +29,22 @@ from jax.experimental.pallas import triton as plgpu
 from jattn.kernels.common.masking import MaskSpec, bind_lengths
 
 
-def _shifted(rows, first):
-  """The slice ``rows`` (a ``pl.ds``) moved by ``first`` rows."""
-  return pl.ds(first + rows.start, rows.size)
+def _within(row, size: int, rows: int):
+  """``pl.ds(row, size)`` kept inside ``rows``: only a tile past its sequence's end (no
+  row of it real: its loads unused, its stores all masked) can reach past the padded
+  arrays, whose loads are not bounds-checked on a GPU."""
+  return pl.ds(jnp.minimum(row, rows - size), size)
 
 
-def _at(first, start, size: int):
-  """Rows ``[first + start, ... + size)`` (``start`` a program id's multiple: int64 in
-  interpret mode with x64, where the slice's indices must share one dtype)."""
-  return pl.ds(first + start.astype(jnp.int32), size)
+def _shifted(rows, first, extent: int):
+  """The slice ``rows`` (a ``pl.ds``) moved by ``first`` rows, within ``extent``."""
+  return _within(first + rows.start, rows.size, extent)
+
+
+def _at(first, start, size: int, extent: int):
+  """Rows ``[first + start, ... + size)`` within ``extent`` (``start`` a program id's
+  multiple: int64 in interpret mode with x64, where a slice's indices share one dtype)."""
+  return _within(first + start.astype(jnp.int32), size, extent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +108,13 @@ class _BoundPacked:
   kv_len: Any
 
   def q_tile(self, ref, start, size: int):
-    return ref[_at(self.q0, start, size), :]
+    return ref[_at(self.q0, start, size, ref.shape[0]), :]
 
   def q_stat(self, ref, start, size: int):
-    return ref[_at(self.q0, start, size)]
+    return ref[_at(self.q0, start, size, ref.shape[0])]
 
   def kv_tile(self, ref, rows):
-    return ref[_shifted(rows, self.k0), :]
+    return ref[_shifted(rows, self.k0, ref.shape[0]), :]
 
   def _store(self, ref, first, start, length, x):
     """Stores rows ``[start, start + rows)`` of a sequence, those below ``length``."""
@@ -116,20 +123,20 @@ class _BoundPacked:
     # (the other axes' slices spelled out in int32: left implicit, interpret mode takes
     # them as int64 with x64 and fails)
     whole = tuple(pl.ds(jnp.int32(0), n) for n in ref.shape[1:])
-    at = ref.at[(_at(first, start, rows),) + whole]
+    at = ref.at[(_at(first, start, rows, ref.shape[0]),) + whole]
     plgpu.store(at, x, mask=valid[:, None] if x.ndim == 2 else valid)
 
   def store(self, ref, start, x):
     self._store(ref, self.q0, start, self.q_len, x)
 
   def q_rows(self, ref, rows, head):
-    return ref[_shifted(rows, self.q0), jnp.int32(head), :]
+    return ref[_shifted(rows, self.q0, ref.shape[0]), jnp.int32(head), :]
 
   def stat_rows(self, ref, head, rows):
-    return ref[jnp.int32(head), _shifted(rows, self.q0)]
+    return ref[jnp.int32(head), _shifted(rows, self.q0, ref.shape[-1])]
 
   def key_tile(self, ref, start, size: int):
-    return ref[_at(self.k0, start, size), :]
+    return ref[_at(self.k0, start, size, ref.shape[0]), :]
 
   def store_keys(self, ref, start, x):
     self._store(ref, self.k0, start, self.kv_len, x)

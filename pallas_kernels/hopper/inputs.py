@@ -17,8 +17,9 @@ The inputs, in this order:
 
 Segment ids are the first row and col arrays; then the mask's parts, then the score's,
 then dropout's hashes (``dropout.hash_arrays``: its row array is per head, ``[B, H,
-q_len_p]``). Per-row lengths come with ranges (``length_ranges``): the kernels' own
-block ranges do not know them.
+q_len_p]``). Per-row lengths come with ranges (``length_ranges``): the backward
+kernels' own block ranges do not know them (the forward binds the lengths itself,
+``forward._Forward.spec_of``, so for it they only confirm).
 """
 
 from __future__ import annotations
