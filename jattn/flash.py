@@ -25,7 +25,7 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
 from jattn.kernels.common.softmax import backward_delta
-from jattn.kernels.flash.decode_config import (DECODE_MAX_Q_LEN, DecodeConfig, decode_config,
+from jattn.kernels.flash.decode_config import (DECODE_MAX_Q_LEN, decode_config,
                                                mosaic_decode_config)
 from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
                                                mosaic_decode_runs)
@@ -197,20 +197,34 @@ def runs_decode(p: FlashProblem) -> bool:
           and not p.dropout_rate)
 
 
-def problem_decode_config(p: FlashProblem, info: GPUInfo) -> DecodeConfig:
-  """The decode kernels' config of ``p`` on ``info``'s device (its SM count sets the
-  split)."""
-  return decode_config(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len, p.head_dim,
-                       p.value_head_dim, p.dtype.itemsize, info.sm_count)
+def hopper_decodes(p, page_size: int | None = None) -> bool:
+  """Whether ``p``'s decoding runs the Hopper decode kernel (it takes the problem and is
+  the faster of the two there) rather than the Triton one."""
+  return (mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims, page_size)
+          and mosaic_decode_preferred(p.q_len, p.q_heads // p.kv_heads, p.head_dims))
 
 
-def _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
-  """The forward by the split-KV decode kernel, with the residuals either backward takes."""
-  p = call.problem
-  o, lse = flash_triton_decode(q, k, v, lengths, causal=p.causal, scale=p.scale,
-                               local_window=p.local_window, softcap=p.softcap,
-                               config=problem_decode_config(p, current_device()),
-                               interpret=call.interpret, sinks=sinks)
+def decode_forward(p, q, k, v, lengths, sinks, *, hopper: bool, interpret: bool,
+                   block_tables=None):
+  """``(o, lse)`` of a problem with flash's shape, mask and score fields (flash
+  attention's, paged attention's) by a split-KV decode kernel: the Hopper one
+  (``hopper``) or the Triton one, with its config for this device's SMs; K/V contiguous
+  or paged through ``block_tables``."""
+  sizes = (p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len, p.head_dim, p.value_head_dim,
+           p.dtype.itemsize, current_device().sm_count)
+  options = dict(causal=p.causal, scale=p.scale, local_window=p.local_window,
+                 softcap=p.softcap, sinks=sinks, block_tables=block_tables)
+  if hopper:
+    return flash_mosaic_decode(q, k, v, lengths, config=mosaic_decode_config(*sizes),
+                               **options)
+  return flash_triton_decode(q, k, v, lengths, config=decode_config(*sizes),
+                             interpret=interpret, **options)
+
+
+def _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths, hopper: bool = False):
+  """The forward by a split-KV decode kernel, with the residuals either backward takes."""
+  o, lse = decode_forward(call.problem, q, k, v, lengths, sinks, hopper=hopper,
+                          interpret=call.interpret)
   return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
 
 
@@ -288,16 +302,8 @@ class MosaicFlash(MosaicImpl):
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem
     if runs_decode(p):
-      if not (mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims) and
-              mosaic_decode_preferred(p.q_len, p.q_heads // p.kv_heads, p.head_dims)):
-        return _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths)
-      config = mosaic_decode_config(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len,
-                                    p.head_dim, p.value_head_dim, p.dtype.itemsize,
-                                    current_device().sm_count)
-      o, lse = flash_mosaic_decode(q, k, v, lengths, causal=p.causal, scale=p.scale,
-                                   local_window=p.local_window, softcap=p.softcap,
-                                   config=config, sinks=sinks)
-      return (o, lse), ((q, k, v, q_seg, kv_seg, sinks, seed, lengths), o, lse)
+      return _decode(call, q, k, v, q_seg, kv_seg, sinks, seed, lengths,
+                     hopper=hopper_decodes(p))
     o, lse = flash_mosaic_forward(q, k, v, q_seg, kv_seg, causal=p.causal, scale=p.scale,
                                   local_window=p.local_window, softcap=p.softcap,
                                   config=call.config, sinks=sinks,

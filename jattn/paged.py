@@ -18,15 +18,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jattn.core.device import current_device
 from jattn.core.op import Impl, MosaicImpl, Op, TritonImpl, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_integer_array,
                                    check_same_dtype, check_shape, positive_number, scale_of)
-from jattn.flash import ServingProblem, row_lengths, sink_arg, window_arg
-from jattn.kernels.flash.decode_config import decode_config, mosaic_decode_config
-from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
-                                               mosaic_decode_runs)
-from jattn.kernels.flash.triton_decode import flash_triton_decode
+from jattn.flash import (ServingProblem, decode_forward, hopper_decodes, row_lengths, sink_arg,
+                         window_arg)
+from jattn.kernels.flash.mosaic_decode import mosaic_decode_runs
 from jattn.reference import flash_attention_reference
 
 NO_GRADIENT = ("paged_attention has no gradient (it serves a cache); train with "
@@ -55,15 +52,10 @@ class _ForwardOnly(Impl):
     raise NotImplementedError(NO_GRADIENT)
 
 
-def _config(p: PagedProblem, choose):
-  return choose(p.batch, p.q_len, p.q_heads, p.kv_heads, p.kv_len, p.head_dim,
-                p.value_head_dim, p.dtype.itemsize, current_device().sm_count)
-
-
 class MosaicPaged(_ForwardOnly, MosaicImpl):
   """The Hopper decode kernel reading K/V by TMA through the block table: pages a
   multiple of its 64-key tiles; where the Triton kernel is the faster
-  (``mosaic_decode_preferred``), that one."""
+  (``flash.hopper_decodes``), that one."""
 
   def gaps(self, p):
     runs = mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims, p.page_size)
@@ -73,23 +65,15 @@ class MosaicPaged(_ForwardOnly, MosaicImpl):
 
   def forward(self, call, q, k_pages, v_pages, tables, lengths, sinks):
     p = call.problem
-    if not mosaic_decode_preferred(p.q_len, p.q_heads // p.kv_heads, p.head_dims):
-      return TritonPaged().forward(call, q, k_pages, v_pages, tables, lengths, sinks)
-    out = flash_mosaic_decode(q, k_pages, v_pages, lengths, causal=p.causal, scale=p.scale,
-                              local_window=p.local_window, softcap=p.softcap,
-                              config=_config(p, mosaic_decode_config), sinks=sinks,
-                              block_tables=tables)
-    return out, None
+    return decode_forward(p, q, k_pages, v_pages, lengths, sinks,
+                          hopper=hopper_decodes(p, p.page_size), interpret=call.interpret,
+                          block_tables=tables), None
 
 
 class TritonPaged(_ForwardOnly, TritonImpl):
   def forward(self, call, q, k_pages, v_pages, tables, lengths, sinks):
-    p = call.problem
-    out = flash_triton_decode(q, k_pages, v_pages, lengths, causal=p.causal, scale=p.scale,
-                              local_window=p.local_window, softcap=p.softcap,
-                              config=_config(p, decode_config), interpret=call.interpret,
-                              sinks=sinks, block_tables=tables)
-    return out, None
+    return decode_forward(call.problem, q, k_pages, v_pages, lengths, sinks, hopper=False,
+                          interpret=call.interpret, block_tables=tables), None
 
 
 def gather_pages(pages, block_tables):
