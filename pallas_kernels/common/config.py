@@ -69,10 +69,8 @@ class BlockConfig:
   bwd_num_stages: int = 2
 
   def __post_init__(self):
-    for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
-      value = getattr(self, field)
-      if value < MIN_BLOCK or value & (value - 1):
-        raise ValueError(f"BlockConfig.{field} must be a power of two >= {MIN_BLOCK}, got {value}")
+    check_powers_of_two(self, ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
+                               "block_k_dq"), MIN_BLOCK)
     for field in ("num_warps", "bwd_num_warps"):
       value = getattr(self, field)
       if value not in (1, 2, 4, 8, 16):
@@ -80,6 +78,16 @@ class BlockConfig:
     for field in ("num_stages", "bwd_num_stages"):
       if getattr(self, field) < 1:
         raise ValueError(f"BlockConfig.{field} must be >= 1, got {getattr(self, field)}")
+
+
+def check_powers_of_two(config, fields: tuple[str, ...], minimum: int) -> None:
+  """Raises, naming the config class and the field, unless each of ``fields`` is a power
+  of two >= ``minimum``."""
+  for field in fields:
+    value = getattr(config, field)
+    if value < minimum or value & (value - 1):
+      raise ValueError(f"{type(config).__name__}.{field} must be a power of two >= "
+                       f"{minimum}, got {value}")
 
 
 def next_power_of_two(n: int) -> int:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jattn.kernels.common.config import clamp_block
+
 # Programs that stream together on one SM: with 64-key tiles in 3 stages, shared memory
 # holds 2 to 4 (head dims 128 to 64), and more programs than slots still help (an H100,
 # GQA 32/8, head dim 128: splits filling 4 per SM ran fastest).
@@ -46,10 +48,6 @@ class DecodeConfig:
   num_stages: int = 3
 
 
-def _next_power_of_two(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
 def split_time(splits: int, items: int, blocks: int, slots: int, merge_blocks: float) -> float:
   """The model's time of ``splits`` (see the module docstring): ``slots`` programs
   stream at once; ``merge_blocks``: one split's partials in key-block reads."""
@@ -69,12 +67,12 @@ def decode_config(batch: int, q_len: int, q_heads: int, kv_heads: int, kv_len: i
   """The decode config for a problem on a device with ``sm_count`` SMs (None: a
   CPU, where interpret mode runs a small made-up device of 4 SMs)."""
   group = q_heads // kv_heads
-  block_m = min(MAX_BLOCK_M, max(16, _next_power_of_two(q_len * group)))
+  block_m = clamp_block(MAX_BLOCK_M, q_len * group)
   row_tiles = -(-q_len * group // block_m)
   # 64-key tiles: on an H100 (bf16, head dim 128) the fastest configuration of three of
   # the four caches measured had them; at head dim 64, 128 keys move the same bytes.
   block_k = 64 if max(head_dim, value_head_dim) > 64 else 128
-  block_k = min(block_k, max(16, _next_power_of_two(kv_len)))
+  block_k = clamp_block(block_k, kv_len)
   blocks = -(-kv_len // block_k)
   items = batch * kv_heads * row_tiles
   block_bytes = block_k * (head_dim + value_head_dim) * itemsize

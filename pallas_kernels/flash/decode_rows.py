@@ -9,6 +9,14 @@ import jax.numpy as jnp
 from jattn.kernels.common.softmax import combine_partials, floor_sinks
 
 
+def full_lengths(lengths, batch: int, q_len: int, kv_len: int):
+  """``lengths`` (``[batch, 2]`` int32 per-row ``(q_len, kv_len)``), or where None, every
+  row's full ``(q_len, kv_len)``: the decode kernels always bind per-row lengths."""
+  if lengths is not None:
+    return lengths
+  return jnp.tile(jnp.array([[q_len, kv_len]], jnp.int32), (batch, 1))
+
+
 def pack_rows(q, kv_heads: int, rows_p: int, d_p: int):
   """``[batch, q_len, q_heads, d]`` -> ``[batch, kv_heads, rows_p, d_p]``: each KV head's
   ``q_len * group`` query rows, position-major, zero-padded to ``rows_p`` rows and

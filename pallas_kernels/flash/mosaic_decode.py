@@ -8,12 +8,10 @@ the kernel (``MaskSpec.with_lengths``); K and V come contiguous or paged
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.tiling import pad_to, round_up
 from jattn.kernels.flash.decode_config import DecodeConfig
-from jattn.kernels.flash.decode_rows import merge_splits, pack_rows
+from jattn.kernels.flash.decode_rows import full_lengths, merge_splits, pack_rows
 from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV, PagedKV
@@ -66,8 +64,7 @@ def flash_mosaic_decode(q, k, v, lengths, *, causal: bool, scale: float, local_w
     page_size, per_seq = k.shape[1], block_tables.shape[1]
     kv_len = kv_len_p = page_size * per_seq
     addressing, extra = PagedKV(page_size, per_seq, k.shape[0]), (block_tables,)
-  if lengths is None:
-    lengths = jnp.tile(jnp.array([[q_len, kv_len]], jnp.int32), (batch, 1))
+  lengths = full_lengths(lengths, batch, q_len, kv_len)
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
                         kv_padded=True, segments=False, lengths=True)
   positions = PositionInputs(lengths=True)

@@ -167,9 +167,11 @@ def _packed_spec(max_q: int, max_k: int, causal: bool, local_window) -> MaskSpec
                         segments=False, lengths=True)
 
 
-def _clipped(cu, total: int):
-  """Cumulative lengths (traced: unchecked) kept within the ``total`` packed rows."""
-  return jnp.clip(cu.astype(jnp.int32), 0, total)
+def _packed_lengths(cu_q, cu_k, total_q: int, total_k: int):
+  """``PackedRows``' ``[seqs + 1, 2]`` int32 cumulative lengths of queries and keys, each
+  kept within its packed rows (traced values are unchecked)."""
+  return jnp.stack([jnp.clip(cu_q.astype(jnp.int32), 0, total_q),
+                    jnp.clip(cu_k.astype(jnp.int32), 0, total_k)], axis=1)
 
 
 def _pad_packed(x, rows: int, width: int):
@@ -196,7 +198,7 @@ def flash_triton_varlen_forward(q, k, v, cu_q, cu_k, *, max_q: int, max_k: int, 
     the sink's logit with sinks).
   """
   total_q, dv = q.shape[0], v.shape[-1]
-  cu_q, cu_k = _clipped(cu_q, total_q), _clipped(cu_k, k.shape[0])
+  cu = _packed_lengths(cu_q, cu_k, total_q, k.shape[0])
   bq, bk, _, _ = kernel_tiles(config, max_q, max_k)
   d_p = padded_head_dim(q.shape[-1])
   o, lse = flash_forward(
@@ -205,9 +207,8 @@ def flash_triton_varlen_forward(q, k, v, cu_q, cu_k, *, max_q: int, max_k: int, 
       spec=_packed_spec(max_q, max_k, causal, local_window), scale=scale,
       score=Softcap.of(softcap), config=config, block_q=bq[0], block_k=bk[0],
       interpret=interpret, sinks=None if sinks is None else kernel_array(floor_sinks(sinks)),
-      lengths=jnp.stack([cu_q, cu_k], axis=1).astype(jnp.int32),
-      layout=PackedRows(max_q, max_k))
-  valid = packed_positions(cu_q, total_q, max_q)[2]
+      lengths=cu, layout=PackedRows(max_q, max_k))
+  valid = packed_positions(cu[:, 0], total_q, max_q)[2]
   empty = EMPTY_ROW_LSE if sinks is None else floor_sinks(sinks)[:, None]
   return (jnp.where(valid[:, None, None], o[:total_q, :, :dv], 0).astype(q.dtype),
           jnp.where(valid[None], lse[:, :total_q], empty))
@@ -220,7 +221,7 @@ def flash_triton_varlen_backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, *, max_q
   (``[q_heads, total_q]``) and the cotangents ``do``, ``dlse``; shapes as
   ``flash_triton_varlen_forward``'s."""
   total_q, total_k = q.shape[0], k.shape[0]
-  cu_q, cu_k = _clipped(cu_q, total_q), _clipped(cu_k, total_k)
+  cu = _packed_lengths(cu_q, cu_k, total_q, total_k)
   bq, bk, _, _ = kernel_tiles(config, max_q, max_k)
   rows_q, rows_k = total_q + max(bq), total_k + max(bk)
   d_p, dv_p = padded_head_dim(q.shape[-1]), padded_head_dim(v.shape[-1])
@@ -231,10 +232,9 @@ def flash_triton_varlen_backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, *, max_q
       pad_rows(delta, rows_q), None, None,
       spec=_packed_spec(max_q, max_k, causal, local_window), scale=scale,
       score=Softcap.of(softcap), config=config, blocks=(bq[1], bk[1], bq[2], bk[2]),
-      interpret=interpret, lengths=jnp.stack([cu_q, cu_k], axis=1).astype(jnp.int32),
-      layout=PackedRows(max_q, max_k))
-  valid_q = packed_positions(cu_q, total_q, max_q)[2][:, None, None]
-  valid_k = packed_positions(cu_k, total_k, max_k)[2][:, None, None]
+      interpret=interpret, lengths=cu, layout=PackedRows(max_q, max_k))
+  valid_q = packed_positions(cu[:, 0], total_q, max_q)[2][:, None, None]
+  valid_k = packed_positions(cu[:, 1], total_k, max_k)[2][:, None, None]
   return (jnp.where(valid_q, dq[:total_q, :, :q.shape[-1]], 0),
           jnp.where(valid_k, dk[:total_k, :, :k.shape[-1]], 0),
           jnp.where(valid_k, dv[:total_k, :, :v.shape[-1]], 0))

@@ -41,7 +41,7 @@ from jattn.kernels.common.softmax import (Softcap, dot, log2_logits, log2_units,
 from jattn.kernels.common.element_functions import kernel_array
 from jattn.kernels.common.tiling import pad_last, pad_to, round_up
 from jattn.kernels.flash.decode_config import DecodeConfig
-from jattn.kernels.flash.decode_rows import merge_splits, pack_rows
+from jattn.kernels.flash.decode_rows import full_lengths, merge_splits, pack_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +242,7 @@ def flash_triton_decode(q, k, v, lengths, *, causal: bool, scale: float, local_w
     cache = PagedCache(page_size=k.shape[1], num_pages=k.shape[0])
     tables = (kernel_array(block_tables.astype(jnp.int32)),)
     k, v = pad_last(k, d_p), pad_last(v, dv_p)
-  if lengths is None:
-    lengths = jnp.tile(jnp.array([[q_len, kv_len]], jnp.int32), (batch, 1))
+  lengths = full_lengths(lengths, batch, q_len, kv_len)
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
                         kv_padded=True, segments=False, lengths=True)
   packed = pack_rows(q, kv_heads, rows_p, d_p)

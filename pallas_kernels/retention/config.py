@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jattn.kernels.common.config import (BlockConfig, SearchGrid, default_block_config,
-                                         padded_head_dim)
+from jattn.kernels.common.config import (BlockConfig, SearchGrid, check_powers_of_two,
+                                         default_block_config, padded_head_dim)
 
 
 def default_parallel_config(head_dim: int, dtype_bytes: int) -> BlockConfig:
@@ -66,11 +66,7 @@ class ChunkwiseConfig:
   grad_warps: int = 8
 
   def __post_init__(self):
-    for field in ("chunk", "state_block"):
-      value = getattr(self, field)
-      if value < MIN_CHUNK or value & (value - 1):
-        raise ValueError(f"ChunkwiseConfig.{field} must be a power of two >= {MIN_CHUNK}, "
-                         f"got {value}")
+    check_powers_of_two(self, ("chunk", "state_block"), MIN_CHUNK)
 
 
 def default_chunkwise_config(batch: int, heads: int, dk: int, dv: int, sm_count: int | None,
