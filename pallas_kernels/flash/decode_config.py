@@ -23,8 +23,8 @@ import dataclasses
 from jattn.kernels.common.config import clamp_block
 
 # Programs that stream together on one SM: with 64-key tiles in 3 stages, shared memory
-# holds 2 to 4 (head dims 128 to 64), and more programs than slots still help (an H100,
-# GQA 32/8, head dim 128: splits filling 4 per SM ran fastest).
+# holds 2 to 4 (head dims 128 to 64), and programs beyond the slots still help hide the
+# memory latency (measured: docs/backends.md).
 RESIDENT = 4
 # A program's fixed cost (launch, query tile, partial written), in key-block reads.
 FIXED_BLOCKS = 2
@@ -69,8 +69,8 @@ def decode_config(batch: int, q_len: int, q_heads: int, kv_heads: int, kv_len: i
   group = q_heads // kv_heads
   block_m = clamp_block(MAX_BLOCK_M, q_len * group)
   row_tiles = -(-q_len * group // block_m)
-  # 64-key tiles: on an H100 (bf16, head dim 128) the fastest configuration of three of
-  # the four caches measured had them; at head dim 64, 128 keys move the same bytes.
+  # 64-key tiles (the measured best: docs/backends.md); at head dim 64, 128 keys move the
+  # same bytes a step.
   block_k = 64 if max(head_dim, value_head_dim) > 64 else 128
   block_k = clamp_block(block_k, kv_len)
   blocks = -(-kv_len // block_k)

@@ -36,10 +36,9 @@ def mosaic_decode_runs(q_heads: int, kv_heads: int, head_dims: tuple[int, ...],
 
 def mosaic_decode_preferred(q_len: int, group: int, head_dims: tuple[int, ...]) -> bool:
   """Whether the Hopper decode kernel is the faster of the two: where a KV head packs
-  16 rows or more (its 64-row matmuls then carry work: at q_len 64, GQA 32/8, it ran
-  1.4x-1.7x the Triton kernel on an H100), or head dims of 64 (0.7x-0.96x the Triton
-  kernel's time at q_len 1). With fewer rows at head dim 128 both stream at the
-  bandwidth, the Triton kernel up to 7% faster."""
+  16 rows or more (its 64-row matmuls then carry work), or at head dim 64. With fewer
+  rows at wider heads both stream at the memory bandwidth and the Triton kernel is the
+  faster (the measurements: docs/backends.md)."""
   return q_len * group >= 16 or max(head_dims) <= 64
 
 
