@@ -1,7 +1,9 @@
 """``jattn.flash_attention_varlen``: flash attention over packed sequences of different
 lengths, addressed by cumulative lengths (FlashAttention's ``varlen`` API).
 
-Implementations: ``pallas_triton`` (the flash kernels on ``PackedRows``: one program
+Implementations: ``pallas_mosaic`` (Hopper: the flash kernels on one batch row, the
+sequences as segment ids with exact block ranges, for queries and keys packed alike),
+``pallas_triton`` (the flash kernels on ``PackedRows``: one program
 per (sequence, query tile, head), its rows sliced from the packed arrays, its stores
 masked to its sequence; tiles past a sequence's length do nothing, so the cost follows
 the real lengths) and ``xla`` (``reference.flash_attention_varlen_reference``).
@@ -15,13 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.core.op import Op, XlaImpl
+from jattn.core.op import MosaicImpl, Op, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_positive_int,
                                    check_same_dtype, check_shape, positive_number, scale_of)
-from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, sink_arg,
-                         sink_grad, window_arg)
+from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, mosaic_budget,
+                         sink_arg, sink_grad, window_arg)
 from jattn.kernels.common.config import default_block_config
-from jattn.kernels.common.softmax import backward_delta
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta
+from jattn.kernels.common.tiling import packed_positions
+from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config, flash_mosaic_backward,
+                                 flash_mosaic_forward)
+from jattn.kernels.flash.config import mosaic_backward_runs
 from jattn.kernels.flash.triton import flash_triton_varlen_backward, flash_triton_varlen_forward
 from jattn.reference import flash_attention_varlen_reference
 
@@ -33,6 +39,7 @@ class VarlenProblem(ServingProblem):
 
   total_q: int = 1
   total_k: int | None = None  # default total_q
+  same_packing: bool = False  # queries and keys packed alike (self-attention)
 
   def __post_init__(self):
     super().__post_init__()
@@ -54,6 +61,16 @@ def _check_cu(name: str, cu, total: int) -> None:
   if values[0] != 0 or np.any(np.diff(values) < 0) or values[-1] > total:
     raise ValueError(f"{name} must run from 0, never decreasing, to at most the "
                      f"{total} packed rows, got {values.tolist()}")
+
+
+def _same(a, b) -> bool:
+  """Whether two cumulative-length arrays are known to be equal: one array, or equal
+  values where they are concrete."""
+  if a is b:
+    return True
+  if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+    return False
+  return a.shape == b.shape and bool(np.all(np.asarray(a) == np.asarray(b)))
 
 
 class TritonVarlen(AttentionTritonImpl):
@@ -78,11 +95,70 @@ class TritonVarlen(AttentionTritonImpl):
         q, k, v, cu_q, cu_k, o, lse, *cotangents, max_q=p.q_len, max_k=p.kv_len,
         causal=p.causal, scale=p.scale, local_window=p.local_window, softcap=p.softcap,
         config=call.config, interpret=call.interpret)
-    dsinks = None
-    if sinks is not None:
-      delta = backward_delta(o[None], cotangents[0][None], cotangents[1][None])
-      dsinks = sink_grad(sinks, lse[None], delta)
-    return dq, dk, dv, None, None, dsinks
+    return dq, dk, dv, None, None, _sink_grad(sinks, o, lse, cotangents)
+
+
+def packed_ids(cu, total: int, max_len: int, missing: int):
+  """``[1, total]`` int32: each row's sequence, ``missing`` for rows no sequence holds
+  (or past ``max_len`` in its sequence): the segment ids of packed sequences."""
+  seq, _, valid = packed_positions(cu, total, max_len)
+  return jnp.where(valid, seq, missing)[None]
+
+
+class MosaicVarlen(MosaicImpl):
+  """The Hopper flash kernels on one batch row of packed sequences: the sequences as
+  segment ids, with exact block ranges (``hopper.inputs.packed_ranges``) so the tiles
+  inside one sequence run unmasked. Queries and keys packed alike (self-attention)."""
+
+  config_cls = MosaicBlockConfig
+
+  def gaps(self, p):
+    return super().gaps(p) + tuple(name for name, used in (
+        ("queries and keys packed differently (pass one cu_seqlens array as both)",
+         not p.same_packing),
+        ("max_seqlen_q != max_seqlen_k", p.q_len != p.kv_len),
+        ("head dims its backward does not take", not mosaic_backward_runs(*p.head_dims)),
+    ) if used)
+
+  def heuristic_config(self, p, info):
+    return default_mosaic_config(*p.head_dims)
+
+  def fits(self, config, p, info, kernels=()):
+    return mosaic_budget(config, p.head_dims, p.dtype.itemsize,
+                         kernels or ("forward", "dQ", "dK/dV"), info)
+
+  def _segments(self, p, cu):
+    return packed_ids(cu, p.total_q, p.q_len, -1), packed_ids(cu, p.total_k, p.kv_len, -2)
+
+  def forward(self, call, q, k, v, cu_q, cu_k, sinks):
+    p = call.problem
+    o, lse = flash_mosaic_forward(
+        q[None], k[None], v[None], *self._segments(p, cu_q), causal=p.causal, scale=p.scale,
+        local_window=p.local_window, softcap=p.softcap, config=call.config, sinks=sinks,
+        packed=(cu_q, p.q_len))
+    valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
+    o, lse = o[0], jnp.where(valid[None], lse[0], EMPTY_ROW_LSE)
+    return (o, lse), ((q, k, v, cu_q, cu_k, sinks), o, lse)
+
+  def backward(self, call, residuals, cotangents):
+    p = call.problem
+    (q, k, v, cu_q, cu_k, sinks), o, lse = residuals
+    config = dataclasses.replace(call.config, fused_dq=False)
+    dq, dk, dv = flash_mosaic_backward(
+        q[None], k[None], v[None], *self._segments(p, cu_q), o[None], lse[None],
+        cotangents[0][None], cotangents[1][None], causal=p.causal, scale=p.scale,
+        local_window=p.local_window, softcap=p.softcap, config=config,
+        packed=(cu_q, p.q_len))
+    return (dq[0], dk[0], dv[0], None, None, _sink_grad(sinks, o, lse, cotangents))
+
+
+def _sink_grad(sinks, o, lse, cotangents):
+  """The sinks' gradient from packed rows' ``o [total, heads, dv]``, ``lse [heads,
+  total]`` (None without sinks)."""
+  if sinks is None:
+    return None
+  delta = backward_delta(o[None], cotangents[0][None], cotangents[1][None])
+  return sink_grad(sinks, lse[None], delta)
 
 
 class XlaVarlen(XlaImpl):
@@ -123,7 +199,8 @@ class FlashVarlen(Op):
         local_window=None if local_window is None else window_arg(local_window),
         softcap=None if softcap is None else positive_number("softcap", softcap),
         sinks=sinks is not None, value_head_dim=v.shape[-1],
-        return_lse=check_flag("return_lse", return_lse))
+        return_lse=check_flag("return_lse", return_lse),
+        same_packing=_same(cu_seqlens_q, cu_seqlens_k))
     return problem, (q, k, v, cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32),
                      sink_arg(sinks, q_heads))
 
@@ -142,7 +219,7 @@ class FlashVarlen(Op):
     return q, k, v, cu, cu if p.total_k == p.total_q else cu * p.total_k // p.total_q, None
 
 
-VARLEN = FlashVarlen(TritonVarlen(), XlaVarlen())
+VARLEN = FlashVarlen(MosaicVarlen(), TritonVarlen(), XlaVarlen())
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
@@ -166,8 +243,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q:
       sits at key position ``i + len_k - len_q``.
     scale, local_window, softcap, sinks: as ``flash_attention``'s.
     return_lse: also return ``lse: [q_heads, total_q]`` float32.
-    backend: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
-    config: a ``BlockConfig`` for ``pallas_triton``.
+    backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit; queries and keys packed
+      alike: one array passed as both ``cu_seqlens``, and equal ``max_seqlen``s),
+      ``"pallas_triton"`` or ``"xla"``.
+    config: a ``BlockConfig`` for ``pallas_triton``, a ``MosaicBlockConfig`` for
+      ``pallas_mosaic``.
 
   Returns:
     ``o: [total_q, q_heads, head_dim_v]`` in q's dtype (and ``lse``). Gradients flow to

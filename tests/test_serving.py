@@ -317,3 +317,69 @@ def test_varlen_errors_name_the_argument(change, error, match):
   args.update(change)
   with pytest.raises(error, match=match):
     jattn.flash_attention_varlen(**args, backend="xla")
+
+
+def _allowed(cu, total_p, max_len, left, right):
+  """Dense ``[rows, keys]`` mask of sequences packed alike in queries and keys."""
+  cu, r = np.asarray(cu), np.arange(total_p)
+  seq = np.minimum(np.searchsorted(cu[1:], r, side="right"), len(cu) - 2)
+  real = (r >= cu[0]) & (r < np.minimum(cu[seq + 1], cu[seq] + max_len))
+  m = (seq[:, None] == seq[None]) & real[:, None] & real[None]
+  if right is not None:
+    m &= r[None] <= r[:, None] + right
+  if left is not None:
+    m &= r[None] >= r[:, None] - left
+  return m
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_ranges_visit_every_allowed_block_and_call_full_only_full_ones(seed):
+  """The Hopper varlen kernels' block ranges (``inputs.packed_ranges``) against the dense
+  mask: no block with an allowed pair left out, no block called unmasked that is not
+  wholly allowed, and (causal, sequences inside the rows) every wholly allowed one."""
+  from jattn.kernels.common.masking import MaskSpec
+  from jattn.kernels.hopper.inputs import packed_ranges
+  rng = np.random.default_rng(seed)
+  for causal, window, max_len in [(True, None, 1000), (False, (5, None), 30), (True, (3, 4), 25)]:
+    lens = rng.integers(0, 60, 5)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    total_p = -(-(int(cu[-1]) + 3) // 16) * 16
+    spec = MaskSpec.build(total_p, total_p, causal=causal, local_window=window, kv_padded=False,
+                          segments=True)
+    allowed = _allowed(cu, total_p, max_len, spec.left, spec.right)
+    for tiles, transpose in [((8, 16), False), ((16, 8), True)]:
+      ranges = np.asarray(packed_ranges(jnp.asarray(cu), max_len, spec, tiles,
+                                        (total_p, total_p), transpose))[0, 0]
+      m = allowed.T if transpose else allowed
+      rows, cols = (tiles[1], tiles[0]) if transpose else tiles
+      for i, (lo, full_lo, full_hi, hi) in enumerate(ranges):
+        for j in range(total_p // cols):
+          block = m[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+          full = full_lo <= j < full_hi
+          assert not block.any() or lo <= j < hi
+          assert block.all() or not full
+          if causal and window is None and not transpose:
+            assert full or not block.all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_hopper_varlen_matches_a_loop_over_sequences(causal):
+  if jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("needs a Hopper GPU")
+  lengths = [300, 0, 65, 1, 700, 128]
+  cu = jnp.array(np.cumsum([0] + lengths), jnp.int32)
+  q, k, v, do = _normal(jax.random.PRNGKey(3), [(sum(lengths) + 7, 8, 128),
+                                                (sum(lengths) + 7, 4, 128),
+                                                (sum(lengths) + 7, 4, 128),
+                                                (sum(lengths) + 7, 8, 128)], jnp.bfloat16)
+  ours = lambda q, k, v: jattn.flash_attention_varlen(
+      q, k, v, cu, cu, max_seqlen_q=700, max_seqlen_k=700, causal=causal,
+      backend="pallas_mosaic")
+  o, pull = jax.vjp(ours, q, k, v)
+  o_ref, pull_ref = jax.vjp(lambda *a: _per_sequence(*a, lengths, lengths, causal=causal),
+                            q, k, v)
+  assert rel_err(o, o_ref) < 2e-2
+  for g, g_ref in zip(pull(do), pull_ref(do)):
+    assert rel_err(g, g_ref, floor=1e-2) < 3e-2
+  assert np.all(np.asarray(o, np.float32)[sum(lengths):] == 0)

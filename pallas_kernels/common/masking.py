@@ -34,6 +34,9 @@ class MaskSpec:
       ``[a - left, a + right]``. ``None`` means unbounded on that side.
     kv_padded: whether keys past ``kv_len`` exist in the padded buffers.
     segments: whether segment ids restrict attention further.
+    segment_tiles: with ``segments``, the block ranges the kernel is given say which
+      tiles lie wholly inside one segment (packed sequences: ``packed_ranges``), and
+      only the others need the element mask; without, every tile is masked.
     element_fn: a user mask ``(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
       ``mask_mod``) evaluated on each tile, reading ``element_arrays`` (refs inside
       a kernel); every tile is then masked, unless a block-sparse schedule says
@@ -50,10 +53,11 @@ class MaskSpec:
   element_arrays: tuple = ()
   lengths: bool = False
   lengths_bound: bool = False
+  segment_tiles: bool = False
 
   @property
   def every_tile_masked(self) -> bool:
-    return self.segments or self.element_fn is not None
+    return (self.segments and not self.segment_tiles) or self.element_fn is not None
 
   @property
   def unbound_lengths(self) -> bool:

@@ -11,6 +11,8 @@ block mask becomes each kernel's block ranges (``hopper.inputs``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import backward_delta, backward_lse, floor_sinks
@@ -22,12 +24,14 @@ from jattn.kernels.flash.mosaic_fwd import mosaic_forward
 from jattn.kernels.flash.triton import FlexMods
 from jattn.kernels.hopper.budget import mosaic_head_dim
 from jattn.kernels.hopper.inputs import (PositionInputs, joint_ranges, length_ranges,
-                                         mask_ranges, position_arrays, segment_ranges)
+                                         mask_ranges, packed_ranges, position_arrays,
+                                         segment_ranges)
 from jattn.kernels.hopper.pipeline import CONSUMERS
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
-                  causal: bool, local_window, segments: bool = False, lengths: bool = False):
+                  causal: bool, local_window, segments: bool = False, lengths: bool = False,
+                  packed: bool = False):
   """``(q_len_p, kv_len_p, d_p, spec)``: padded lengths every tile divides (a CTA
   covers ``CONSUMERS`` per-warpgroup blocks; blocks are multiples of 64 but not
   always powers of two, hence the lcm), the padded head dim and the mask."""
@@ -38,6 +42,8 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
                           clamp=False)
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
                         kv_padded=kv_len_p != kv_len, segments=segments, lengths=lengths)
+  if packed:  # packed sequences: their ranges say which tiles need no mask
+    spec = dataclasses.replace(spec, segment_tiles=True)
   return q_len_p, kv_len_p, mosaic_head_dim(head_dim), spec
 
 
@@ -49,17 +55,22 @@ def _positions(q_seg, mods: FlexMods, dropout_rate: float, lengths) -> PositionI
 
 
 def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, tiles, spec,
-                   padded, transpose: bool = False, hashes=None, lengths=None) -> tuple:
+                   padded, transpose: bool = False, hashes=None, lengths=None,
+                   packed=None) -> tuple:
   """One kernel's per-position arrays: segment ids or the functions' parts, dropout's
   ``hashes``, per-row ``lengths``, and the block ranges of its ``tiles = (tile_q,
-  tile_kv)`` (``transpose``: per key tile) those give."""
+  tile_kv)`` (``transpose``: per key tile) those give; ``packed``: ``(cu_seqlens,
+  max_len)`` of the sequences the segment ids number (``packed_ranges``)."""
   true = (spec.q_len, spec.kv_len)
   segments = ranges = None
   if q_seg is not None:
     segments = (pad_to(q_seg, padded[0]), pad_to(kv_seg, padded[1]))
     rows, cols = segments[::-1] if transpose else segments
-    ranges = segment_ranges(rows, cols, *(true[::-1] if transpose else true),
-                            *(tiles[::-1] if transpose else tiles))
+    if packed is not None:
+      ranges = packed_ranges(*packed, spec, tiles, padded, transpose)
+    else:
+      ranges = segment_ranges(rows, cols, *(true[::-1] if transpose else true),
+                              *(tiles[::-1] if transpose else tiles))
   elif mods.block_kinds is not None:
     ranges = mask_ranges(mods.block_kinds, mods.block, tiles, padded, true, transpose)
   if lengths is not None:
@@ -80,7 +91,7 @@ def _hashes(q, dropout_rate: float, dropout_seed, padded):
 def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, local_window,
                          softcap: float | None, config: MosaicBlockConfig,
                          mods: FlexMods = FlexMods(), sinks=None, dropout_rate: float = 0.0,
-                         dropout_seed=None, lengths=None):
+                         dropout_seed=None, lengths=None, packed=None):
   """Flash attention forward on Hopper.
 
   Args:
@@ -96,6 +107,9 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
       int32 seed (``dropout.seed_of``).
     lengths: ``[batch, 2]`` int32 per-row ``(q_len, kv_len)``, or None (as
       ``flash_triton_forward``'s).
+    packed: ``(cu_seqlens, max_len)`` where the segment ids number sequences packed in
+      one batch row (the same for queries and keys): tiles inside one sequence run
+      unmasked (``inputs.packed_ranges``).
 
   Returns:
     ``(o, lse)``: ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; ``lse:
@@ -105,12 +119,13 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None,
-                                               lengths=lengths is not None)
+                                               lengths=lengths is not None,
+                                               packed=packed is not None)
   positions = _positions(q_seg, mods, dropout_rate, lengths)
   padded = (q_len_p, kv_len_p)
   inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (config.block_q, config.block_kv),
                           spec, padded, hashes=_hashes(q, dropout_rate, dropout_seed, padded),
-                          lengths=lengths)
+                          lengths=lengths, packed=packed)
   dv = v.shape[-1]
   o, lse = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p),
                           pad_to(v, kv_len_p, mosaic_head_dim(dv)), inputs, spec=spec,
@@ -124,10 +139,11 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,
                           scale: float, local_window, softcap: float | None,
                           config: MosaicBlockConfig, mods: FlexMods = FlexMods(),
-                          dropout_rate: float = 0.0, dropout_seed=None, lengths=None):
+                          dropout_rate: float = 0.0, dropout_seed=None, lengths=None,
+                          packed=None):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
-  ``do``, ``dlse``. Shapes, dropout and lengths as ``flash_mosaic_forward``, head dims that
-  ``mosaic_backward_runs`` takes. ``config.fused_dq`` computes dQ inside the dK/dV
+  ``do``, ``dlse``. Shapes, dropout, lengths and packing as ``flash_mosaic_forward``,
+  head dims that ``mosaic_backward_runs`` takes. ``config.fused_dq`` computes dQ inside the dK/dV
   kernel (atomic adds: not bitwise repeatable; not with ``mods``)."""
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   if not mosaic_backward_runs(head_dim, dv):
@@ -137,15 +153,17 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None,
-                                               lengths=lengths is not None)
+                                               lengths=lengths is not None,
+                                               packed=packed is not None)
   c = config
   positions = _positions(q_seg, mods, dropout_rate, lengths)
   padded = (q_len_p, kv_len_p)
   hashes = _hashes(q, dropout_rate, dropout_seed, padded)
   dq_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dq, c.block_kv_dq),
-                             spec, padded, hashes=hashes, lengths=lengths)
+                             spec, padded, hashes=hashes, lengths=lengths, packed=packed)
   dkv_inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (c.block_q_dkv, c.block_kv_dkv),
-                              spec, padded, transpose=True, hashes=hashes, lengths=lengths)
+                              spec, padded, transpose=True, hashes=hashes, lengths=lengths,
+                              packed=packed)
   lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
   lse2 = backward_lse(lse, q_len_p, mods.score is not None)
   dv_p = mosaic_head_dim(dv)

@@ -251,6 +251,40 @@ def joint_ranges(a, b, n: int):
                                          tuple(b[..., i] for i in range(4))), axis=-1), n)
 
 
+def packed_ranges(cu_seqlens, max_len: int, spec: MaskSpec, tiles: tuple[int, int],
+                  padded: tuple[int, int], transpose: bool = False):
+  """``ranges`` ``[1, 1, row_tiles, 4]`` of sequences packed in one batch row (the same
+  packing for queries and keys: ``cu_seqlens`` ``[seqs + 1]``, each sequence cut to
+  ``max_len`` positions), under ``spec``'s window (offset 0). A tile visits the key
+  blocks some real row of it sees; a block is unmasked only where every row of the
+  tile is real and sees all of it (``MaskSpec.segment_tiles``: tiles inside one
+  sequence and below its diagonal run without the element mask). ``transpose``: per
+  key tile, the query blocks that see it."""
+  cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+  axis = 1 if transpose else 0
+  rows, other = padded[axis], padded[1 - axis]
+  tile, block = tiles[axis], tiles[1 - axis]
+  r = jnp.arange(rows, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(cu[1:], r, side="right"), cu.shape[0] - 2)
+  first, end = cu[seq], jnp.minimum(cu[seq + 1], cu[seq] + max_len)
+  real = (r >= cu[0]) & (r < end)
+  # Rows see keys [start, stop) of their sequence; per key tile, the rows that see a key.
+  before, after = (spec.right, spec.left) if transpose else (spec.left, spec.right)
+  start = first if before is None else jnp.maximum(first, r - before)
+  stop = end if after is None else jnp.minimum(end, r + after + 1)
+  by_tile = lambda x: x.reshape(rows // tile, tile)
+  big = jnp.iinfo(jnp.int32).max
+  lo = jnp.min(by_tile(jnp.where(real, start, big)), axis=1) // block
+  hi = -(-jnp.max(by_tile(jnp.where(real, stop, 0)), axis=1) // block)
+  full_lo = -(-jnp.max(by_tile(jnp.where(real, start, big)), axis=1) // block)
+  full_hi = jnp.min(by_tile(jnp.where(real, stop, 0)), axis=1) // block
+  lo = jnp.minimum(lo, hi)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  full_hi = jnp.clip(full_hi, full_lo, hi)
+  ranges = jnp.stack([lo, full_lo, full_hi, hi], axis=-1)[None, None]
+  return _empty_as_none(ranges, other // block)
+
+
 def mask_ranges(kinds, block: tuple[int, int], tiles: tuple[int, int],
                 padded: tuple[int, int], lengths: tuple[int, int], transpose: bool = False):
   """``ranges`` ``[B', H', row_tiles, 4]`` of a block mask's classification ``kinds``
