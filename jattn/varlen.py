@@ -23,7 +23,7 @@ from jattn.core.validation import (check_array, check_flag, check_heads, check_p
 from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, mosaic_budget,
                          sink_arg, sink_grad, window_arg)
 from jattn.kernels.common.config import default_block_config
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, floor_sinks
 from jattn.kernels.common.tiling import packed_positions
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config, flash_mosaic_backward,
                                  flash_mosaic_forward)
@@ -137,7 +137,8 @@ class MosaicVarlen(MosaicImpl):
         local_window=p.local_window, softcap=p.softcap, config=call.config, sinks=sinks,
         packed=(cu_q, p.q_len))
     valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
-    o, lse = o[0], jnp.where(valid[None], lse[0], EMPTY_ROW_LSE)
+    empty = EMPTY_ROW_LSE if sinks is None else floor_sinks(sinks)[:, None]
+    o, lse = o[0], jnp.where(valid[None], lse[0], empty)
     return (o, lse), ((q, k, v, cu_q, cu_k, sinks), o, lse)
 
   def backward(self, call, residuals, cotangents):
