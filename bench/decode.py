@@ -22,14 +22,15 @@ one-line message while the others still run:
           with ``kv_lengths``) on the same keys, and JAX's Pallas ``paged_attention``
           (K/V pages transposed to its ``[kv_heads, pages, page_size, dim]`` layout
           outside the timed region).
-  varlen  64 packed causal sequences, lengths drawn uniformly from 128-8192 (seed 0)
-          and scaled to 131072 tokens in all (73-3946 after scaling), 16 q / 16 kv
-          heads, head dim 128:
-          forward and forward+backward (gradients of sum(o) for q, k, v) of
-          ``flash_attention_varlen``, of ``flash_attention`` on 16 x 8192 (the same
-          tokens, equal lengths) and of ``flash_attention`` with segment ids on the
-          same packing. Real-FLOP TFLOP/s: causal forward 2 * sum(L_i^2) * H * D,
-          forward+backward 3.5x.
+  varlen  64 packed causal sequences, lengths drawn log-uniformly from 128-8192 (seed 0;
+          document lengths: many short, a few long; 64 such draws average ~124k
+          tokens) and scaled to 131072 tokens in all, kept within 128-8192; 16 q / 16
+          kv heads, head dim 128: forward and forward+backward (gradients of sum(o)
+          for q, k, v) of ``flash_attention_varlen``, of ``flash_attention`` on 64 x
+          2048 (the same sequences count and tokens, equal lengths: the bar's peer)
+          and on 16 x 8192 (longer equal sequences, for context), and of
+          ``flash_attention`` with segment ids on the same packing. Real-FLOP
+          TFLOP/s: causal forward 2 * sum(L_i^2) * H * D, forward+backward 3.5x.
 
 Timing (``bench/programs.py``): ``bench.common.time_jax`` (median of ``--reps``
 samples of ``--inner`` queued calls, after ``--warmup`` calls, each sample ended by
@@ -99,15 +100,16 @@ BARS = {
 
 @dataclasses.dataclass(frozen=True)
 class Varlen:
-  """The packed batch: ``num_seqs`` lengths drawn from [min_len, max_len], rescaled to
-  ``total`` tokens; the equal-length peer is ``equal_batch`` x (total / equal_batch)."""
+  """The packed batch: ``num_seqs`` lengths drawn log-uniformly from [min_len, max_len],
+  rescaled to ``total`` tokens; the equal-length peers are ``b x (total / b)`` for ``b``
+  in ``equal_batches`` (the first, the bar's: ``num_seqs`` sequences)."""
   num_seqs: int
   min_len: int
   max_len: int
   total: int
   heads: int
   head_dim: int
-  equal_batch: int
+  equal_batches: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +129,11 @@ class Grid:
 FULL = Grid(q_lens=(1, 16, 64), caches=((8, 32768), (32, 8192), (1, 131072), (64, 4096)),
             heads=((32, 8), (8, 8)), head_dims=(64, 128), copy_min_tokens=256 * 1024,
             paged_heads=(32, 8), paged_head_dim=128, page_sizes=(16, 64, 256),
-            copy_bytes=2 * GiB, varlen=Varlen(64, 128, 8192, 131072, 16, 128, 16))
+            copy_bytes=2 * GiB, varlen=Varlen(64, 128, 8192, 131072, 16, 128, (64, 16)))
 QUICK = dataclasses.replace(FULL, q_lens=(1,), heads=((32, 8),), head_dims=(128,))
 SMOKE = Grid(q_lens=(1, 4), caches=((2, 256), (1, 512)), heads=((4, 2), (2, 2)),
              head_dims=(64,), copy_min_tokens=512, paged_heads=(4, 2), paged_head_dim=64,
-             page_sizes=(16, 64), copy_bytes=4 * 2**20, varlen=Varlen(4, 16, 128, 256, 2, 64, 2))
+             page_sizes=(16, 64), copy_bytes=4 * 2**20, varlen=Varlen(4, 16, 128, 256, 2, 64, (4, 2)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,11 +497,18 @@ def _paged_case(programs, s: Settings, copy, rows, batch, tokens, page_size):
 # ---------------------------------------------------------------- varlen
 
 def varlen_lengths(spec: Varlen, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """(drawn, used): lengths drawn uniformly from [min_len, max_len], and the same
-  rescaled to sum to exactly ``spec.total`` (the rounding remainder spread by one)."""
-  drawn = np.random.default_rng(seed).integers(spec.min_len, spec.max_len + 1, spec.num_seqs)
-  used = np.floor(drawn * spec.total / drawn.sum()).astype(np.int64)
-  used[: spec.total - used.sum()] += 1
+  """(drawn, used): lengths drawn log-uniformly from [min_len, max_len], and the same
+  rescaled to sum to exactly ``spec.total`` within those bounds (the rounding
+  remainder spread by one over the sequences that have room)."""
+  rng = np.random.default_rng(seed)
+  drawn = np.rint(np.exp(rng.uniform(np.log(spec.min_len), np.log(spec.max_len),
+                                     spec.num_seqs))).astype(np.int64)
+  used = np.clip(np.floor(drawn * spec.total / drawn.sum()), spec.min_len,
+                 spec.max_len).astype(np.int64)
+  while used.sum() != spec.total:
+    step = 1 if used.sum() < spec.total else -1
+    room = np.flatnonzero((used + step >= spec.min_len) & (used + step <= spec.max_len))
+    used[room[:abs(spec.total - used.sum())]] += step
   return drawn, used
 
 
@@ -526,7 +535,6 @@ def varlen_builds(lengths, spec: Varlen) -> dict:
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
   ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths), jnp.int32)
   longest = int(np.max(lengths))
-  equal_len = total // spec.equal_batch
 
   def varlen(q, k, v, cu):
     return jattn.flash_attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest,
@@ -539,10 +547,12 @@ def varlen_builds(lengths, spec: Varlen) -> dict:
     return jattn.flash_attention(q[None], k[None], v[None], causal=True,
                                  q_segment_ids=ids[None], kv_segment_ids=ids[None])[0]
 
-  as_equal = lambda x: x.reshape(spec.equal_batch, equal_len, h, d)
-  return {"jattn_varlen": (varlen, (q, k, v, cu), lengths),
-          "jattn_equal": (equal, tuple(map(as_equal, (q, k, v))), [equal_len] * spec.equal_batch),
-          "jattn_segments": (segments, (q, k, v, ids), lengths)}
+  impls = {"jattn_varlen": (varlen, (q, k, v, cu), lengths)}
+  for name, batch in zip(("jattn_equal", "jattn_equal_long"), spec.equal_batches):
+    as_equal = lambda x, batch=batch: x.reshape(batch, total // batch, h, d)
+    impls[name] = (equal, tuple(map(as_equal, (q, k, v))), [total // batch] * batch)
+  impls["jattn_segments"] = (segments, (q, k, v, ids), lengths)
+  return impls
 
 
 def _add_tflops(row, impls, spec: Varlen, mode):
@@ -715,11 +725,12 @@ def paged_markdown(rows) -> str:
 
 
 def varlen_markdown(rows) -> str:
-  def tflops_ratio(by):
-    both = "jattn_varlen" in by and "jattn_equal" in by
-    return _x(by["jattn_varlen"]["tflops"] / by["jattn_equal"]["tflops"]) if both else ""
+  def tflops_ratio(by, peer):
+    both = "jattn_varlen" in by and peer in by
+    return _x(by["jattn_varlen"]["tflops"] / by[peer]["tflops"]) if both else ""
 
-  extras = [("varlen / equal (TFLOP/s)", tflops_ratio),
+  extras = [("varlen / equal (TFLOP/s)", lambda by: tflops_ratio(by, "jattn_equal")),
+            ("varlen / equal long (TFLOP/s)", lambda by: tflops_ratio(by, "jattn_equal_long")),
             ("segments / varlen (ms)",
              lambda by: _x(_speedup(by, "jattn_segments", "jattn_varlen")))]
   return pivot(rows, [("mode", lambda r: r["mode"])],
@@ -745,7 +756,8 @@ SECTION_NOTES = {
               "timed call; its k_splits and pages_per_compute_block in the JSON)."],
     "varlen": ["Median ms (real-FLOP TFLOP/s: causal forward 2 * sum(L_i^2) * H * D, "
                "forward+backward 3.5x). jattn_varlen: `flash_attention_varlen`; jattn_equal: "
-               "`flash_attention` on equal sequences with the same token count; "
+               "`flash_attention` on as many equal sequences with the same token count "
+               "(the bar's peer); jattn_equal_long: on fewer, longer equal sequences (the same tokens); "
                "jattn_segments: `flash_attention` with segment ids on the same packing. "
                "Backward: gradients of sum(o) for q, k, v."],
 }

@@ -117,11 +117,14 @@ class MosaicVarlen(MosaicImpl):
         ("queries and keys packed differently (pass one cu_seqlens array as both)",
          not p.same_packing),
         ("max_seqlen_q != max_seqlen_k", p.q_len != p.kv_len),
+        ("q and k/v with different numbers of packed rows", p.total_q != p.total_k),
         ("head dims its backward does not take", not mosaic_backward_runs(*p.head_dims)),
     ) if used)
 
   def heuristic_config(self, p, info):
-    return default_mosaic_config(*p.head_dims)
+    # Sequence starts fall inside key tiles, which then run masked: the dQ kernel's
+    # narrower key tiles waste less on them (docs/backends.md, measured).
+    return dataclasses.replace(default_mosaic_config(*p.head_dims), block_kv_dq=64)
 
   def fits(self, config, p, info, kernels=()):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize,

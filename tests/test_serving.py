@@ -362,23 +362,31 @@ def test_packed_ranges_visit_every_allowed_block_and_call_full_only_full_ones(se
             assert full or not block.all()
 
 
+# (causal, window, softcap, sinks, max_seqlen: the longest or a cut)
+HOPPER_VARLEN_CASES = [(True, None, None, False, 700), (False, None, None, False, 700),
+                       (False, (96, 40), 20.0, True, 256)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False])
-def test_hopper_varlen_matches_a_loop_over_sequences(causal):
+@pytest.mark.parametrize("case", HOPPER_VARLEN_CASES, ids=["causal", "full", "window-cut"])
+def test_hopper_varlen_matches_a_loop_over_sequences(case):
   if jax.devices()[0].compute_capability != "9.0":
     pytest.skip("needs a Hopper GPU")
+  causal, window, softcap, with_sinks, max_len = case
   lengths = [300, 0, 65, 1, 700, 128]
   cu = jnp.array(np.cumsum([0] + lengths), jnp.int32)
-  q, k, v, do = _normal(jax.random.PRNGKey(3), [(sum(lengths) + 7, 8, 128),
-                                                (sum(lengths) + 7, 4, 128),
-                                                (sum(lengths) + 7, 4, 128),
-                                                (sum(lengths) + 7, 8, 128)], jnp.bfloat16)
-  ours = lambda q, k, v: jattn.flash_attention_varlen(
-      q, k, v, cu, cu, max_seqlen_q=700, max_seqlen_k=700, causal=causal,
-      backend="pallas_mosaic")
-  o, pull = jax.vjp(ours, q, k, v)
-  o_ref, pull_ref = jax.vjp(lambda *a: _per_sequence(*a, lengths, lengths, causal=causal),
-                            q, k, v)
+  rows = sum(lengths) + 7
+  q, k, v, do = _normal(jax.random.PRNGKey(3), [(rows, 8, 128), (rows, 4, 128), (rows, 4, 128),
+                                                (rows, 8, 128)], jnp.bfloat16)
+  sinks = jax.random.normal(jax.random.PRNGKey(1), (8,)) if with_sinks else jnp.zeros(0)
+  kwargs = lambda sinks: dict(causal=causal, local_window=window, softcap=softcap,
+                              sinks=sinks if with_sinks else None)
+  ours = lambda q, k, v, sinks: jattn.flash_attention_varlen(
+      q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len, backend="pallas_mosaic",
+      **kwargs(sinks))
+  o, pull = jax.vjp(ours, q, k, v, sinks)
+  o_ref, pull_ref = jax.vjp(lambda q, k, v, sinks: _per_sequence(
+      q, k, v, lengths, lengths, max_len, max_len, **kwargs(sinks)), q, k, v, sinks)
   assert rel_err(o, o_ref) < 2e-2
   for g, g_ref in zip(pull(do), pull_ref(do)):
     assert rel_err(g, g_ref, floor=1e-2) < 3e-2
