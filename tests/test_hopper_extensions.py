@@ -78,7 +78,7 @@ def test_paged_addressing_reads_the_tiles_of_contiguous_keys():
     QueryTiles(3, 2, 2, 4, 2, tiles_fastest=False, heavy_first=True),
     BatchFastestTiles(3, 2, 2, 4, 2, tiles_fastest=False, heavy_first=False),
     DecodeItems(n_tiles=2, n_heads=3, n_batch=2, n_splits=3, split_blocks=2, block_q=4,
-                consumers=2, group=2),
+                consumers=2, group=2, q_len=3),
 ], ids=["tiles-fastest", "heads-fastest-heavy-first", "batch-fastest", "decode-splits"])
 def test_work_items_cover_every_output_row_once(items):
   """Each consumer of each item copies its rows of Q to its output rows: a kind of work

@@ -391,3 +391,53 @@ def test_hopper_varlen_matches_a_loop_over_sequences(case):
   for g, g_ref in zip(pull(do), pull_ref(do)):
     assert rel_err(g, g_ref, floor=1e-2) < 3e-2
   assert np.all(np.asarray(o, np.float32)[sum(lengths):] == 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_block_ranges_visit_every_allowed_block_and_unmask_only_full_ones(seed):
+  """Both decode kernels' key ranges (``masking.packed_rows_block_range`` split by
+  ``split_block_range``) against the dense mask of packed rows: every block a real row
+  needs is visited by exactly one split, no block left unmasked where a real row (one
+  below its row's query length) does not see all of it, and a tile of one real
+  position with no window runs its whole blocks unmasked."""
+  from jattn.kernels.common.masking import (MaskSpec, packed_rows_block_range,
+                                            split_block_range)
+  rng = np.random.default_rng(seed)
+  block_k, split_blocks = 8, 3
+  for causal, window, q_len, group, rows in [(True, None, 1, 1, 16), (True, None, 3, 4, 8),
+                                             (False, (20, 5), 4, 2, 16), (True, (9, 0), 2, 8, 8)]:
+    kv_cap = 80
+    spec = MaskSpec.build(q_len, kv_cap, causal=causal, local_window=window, kv_padded=True,
+                          segments=False, lengths=True)
+    for _ in range(4):
+      lq, lk = int(rng.integers(0, q_len + 1)), int(rng.integers(0, kv_cap + 1))
+      bound = spec.with_lengths(jnp.int32(lq), jnp.int32(lk))
+      rows_p = -(-q_len * group // rows) * rows
+      pos = np.arange(rows_p) // group
+      keys = np.arange(kv_cap)
+      real = pos < q_len  # rows that are not packing
+      needed = (pos < lq)[:, None] & (keys < lk)[None]
+      at = pos[:, None] + lk - lq  # bottom-right alignment
+      if bound.right is not None:
+        needed &= keys[None] <= at + bound.right
+      if bound.left is not None:
+        needed &= keys[None] >= at - bound.left
+      n_blocks = kv_cap // block_k
+      for start in range(0, rows_p, rows):
+        whole = packed_rows_block_range(bound, jnp.int32(start), rows, group=group,
+                                        q_len=q_len, block_k=block_k)
+        visits = np.zeros(n_blocks, int)
+        for split in range(-(-n_blocks // split_blocks)):
+          lo, full_lo, full_hi, hi = map(int, split_block_range(whole, jnp.int32(split),
+                                                                split_blocks))
+          assert lo <= full_lo <= full_hi <= hi
+          visits[lo:hi] += 1
+          tile_real = real[start:start + rows]
+          for j in range(full_lo, full_hi):
+            block = needed[start:start + rows, j * block_k:(j + 1) * block_k]
+            assert block[tile_real].all(), (lq, lk, start, j)
+        need = needed[start:start + rows].reshape(rows, n_blocks, block_k).any(axis=(0, 2))
+        assert np.all(visits[need] == 1) and visits.max() <= 1
+        if q_len == 1 and window is None and lq == 1 and lk >= block_k:
+          lo, full_lo, full_hi, hi = map(int, whole)
+          assert (full_lo, full_hi) == (0, lk // block_k)

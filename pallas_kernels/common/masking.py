@@ -183,6 +183,42 @@ def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_k: int):
   return lo, full_lo, full_hi, hi
 
 
+def packed_rows_block_range(spec: MaskSpec, row_start, rows: int, *, group: int, q_len: int,
+                            block_k: int):
+  """Key blocks ``(lo, full_lo, full_hi, hi)`` a tile of ``rows`` packed decode rows
+  from ``row_start`` visits: row ``r`` holds query position ``r // group`` (the query
+  heads of one KV head side by side), ``q_len`` positions in all.
+
+  The rows past ``q_len * group`` only pad the packing: their outputs are dropped, so
+  they need no mask and the tile's blocks run unmasked wherever every real position
+  sees all of them (a per-row ``q_len`` of ``spec`` below the tile's last real
+  position, whose rows must come out empty, masks every block).
+  """
+  first_q = lax.div(row_start, jnp.int32(group))
+  last_q = jnp.minimum(lax.div(row_start + rows - 1, jnp.int32(group)), q_len - 1)
+  # Key ranges grow with the position: the union of the first and last position's,
+  # unmasked where both are.
+  lo, full_lo, full_hi, _ = kv_block_range(spec, first_q, 1, block_k)
+  last = jnp.minimum(last_q, spec.q_len - 1) if spec.lengths else last_q
+  _, last_full_lo, last_full_hi, hi = kv_block_range(spec, last, 1, block_k)
+  full_lo, full_hi = jnp.maximum(full_lo, last_full_lo), jnp.minimum(full_hi, last_full_hi)
+  if spec.lengths:
+    hi = jnp.where(first_q < spec.q_len, hi, lo)
+    full_hi = jnp.where(last_q < spec.q_len, full_hi, full_lo)
+  full_lo = _clamp(full_lo, lo, hi)
+  return lo, full_lo, _clamp(full_hi, full_lo, hi), hi
+
+
+def split_block_range(block_range, split, split_blocks: int):
+  """``block_range`` restricted to split ``split`` of the key blocks: blocks
+  ``[split * split_blocks, (split + 1) * split_blocks)``."""
+  lo, full_lo, full_hi, hi = block_range
+  lo = jnp.maximum(lo, split * split_blocks)
+  hi = jnp.maximum(jnp.minimum(hi, (split + 1) * split_blocks), lo)
+  full_lo = _clamp(full_lo, lo, hi)
+  return lo, full_lo, _clamp(full_hi, full_lo, hi), hi
+
+
 def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
   """Query blocks a key tile starting at key ``k_start`` is seen by (dK/dV pass).
 

@@ -72,7 +72,8 @@ def flash_mosaic_decode(q, k, v, lengths, *, causal: bool, scale: float, local_w
   split_blocks = -(-n_blocks // c.splits)
   items = DecodeItems(n_tiles=rows_p // rows, n_heads=kv_heads, n_batch=batch,
                       n_splits=-(-n_blocks // split_blocks), split_blocks=split_blocks,
-                      block_q=DECODE_BLOCK_Q, consumers=mp.CONSUMERS, group=group)
+                      block_q=DECODE_BLOCK_Q, consumers=mp.CONSUMERS, group=group,
+                      q_len=q_len)
   packed = pack_rows(q, kv_heads, rows_p, mosaic_head_dim(head_dim)).transpose(0, 2, 1, 3)
   o, lse = rows_forward(packed, k, v, (*inputs, *extra), rule=SoftmaxRows(spec, scale, softcap,
                                                                           positions),

@@ -32,8 +32,9 @@ from jax.experimental import pallas as pl
 
 from jattn.kernels.common.config import padded_head_dim
 from jattn.kernels.common.launch import LENGTHS, triton_call
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, bind_lengths, kv_block_range,
-                                          range_tiles, run_tiles)
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, bind_lengths,
+                                          packed_rows_block_range, range_tiles, run_tiles,
+                                          split_block_range)
 from jattn.kernels.common.nonfinite import guard_values
 from jattn.kernels.common.softmax import (Softcap, dot, log2_logits, log2_units,
                                           online_softmax_finish, online_softmax_init,
@@ -105,29 +106,6 @@ class PagedCache:
     return ref[self._page(t), lax.rem(t, jnp.int32(self.page_size)), cols]
 
 
-def _tile_range(spec: MaskSpec, row_start, *, group: int, q_len: int, block_m: int,
-                block_k: int, split, split_blocks: int):
-  """The key blocks ``(lo, full_lo, full_hi, hi)`` a row tile's split visits."""
-  first_q = lax.div(row_start, jnp.int32(group))
-  # The tile's last real position (rows past q_len * group pad the packing only).
-  last_q = jnp.minimum(lax.div(row_start + block_m - 1, jnp.int32(group)), q_len - 1)
-  # Positions span [first_q, last_q]: the union of their key ranges, unmasked where
-  # both ends' are (ranges grow with the position), and only if all are real rows.
-  lo, full_lo, full_hi, _ = kv_block_range(spec, first_q, 1, block_k)
-  last = jnp.minimum(last_q, spec.q_len - 1) if spec.lengths else last_q
-  _, last_full_lo, last_full_hi, hi = kv_block_range(spec, last, 1, block_k)
-  full_lo, full_hi = jnp.maximum(full_lo, last_full_lo), jnp.minimum(full_hi, last_full_hi)
-  if spec.lengths:
-    hi = jnp.where(first_q < spec.q_len, hi, lo)
-    full_hi = jnp.where(last_q < spec.q_len, full_hi, full_lo)
-  # This split's share of the key blocks.
-  lo = jnp.maximum(lo, split * split_blocks)
-  hi = jnp.maximum(jnp.minimum(hi, (split + 1) * split_blocks), lo)
-  full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
-  full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
-  return lo, full_lo, full_hi, hi
-
-
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, cache, spec: MaskSpec,
                    scale: float, score, group: int, q_len: int, block_m: int, block_k: int,
                    split_blocks: int, row_tiles: int):
@@ -150,8 +128,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, cache, spec: MaskSpe
     return online_softmax_step(carry, s, c, v)
 
   c = log2_units(scale, score is not None)
-  blocks = _tile_range(spec, row_start, group=group, q_len=q_len, block_m=block_m,
-                       block_k=block_k, split=pl.program_id(0), split_blocks=split_blocks)
+  blocks = split_block_range(packed_rows_block_range(spec, row_start, block_m, group=group,
+                                                     q_len=q_len, block_k=block_k),
+                             pl.program_id(0), split_blocks)
   carry = run_tiles(range_tiles(*blocks), body,
                     online_softmax_init(block_m, v_ref.shape[-1], None, c))
   o, lse = online_softmax_finish(carry, c)

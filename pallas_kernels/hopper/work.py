@@ -34,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from jattn.kernels.common.masking import kv_block_range
+from jattn.kernels.common.masking import (kv_block_range, packed_rows_block_range,
+                                          split_block_range)
 
 
 class QueryTile(NamedTuple):
@@ -153,6 +154,7 @@ class DecodeItems:
   block_q: int
   consumers: int
   group: int  # query heads per KV head: rows per position
+  q_len: int  # query positions: rows past q_len * group pad the packing
 
   @property
   def count(self) -> int:
@@ -199,18 +201,15 @@ class BoundDecodeItems(NamedTuple):
   def stat_rows(self, item: DecodeItem, q_start):
     return item.batch, item.split, item.head, pl.ds(q_start, self.kind.block_q)
 
-  def _positions(self, row_start, rows: int):
-    return lax.div(row_start, jnp.int32(self.kind.group)), rows // self.kind.group
+  def _range(self, spec, row_start, rows: int, block_kv: int):
+    k = self.kind
+    return packed_rows_block_range(spec, row_start, rows, group=k.group, q_len=k.q_len,
+                                   block_k=block_kv)
 
   def block_range(self, spec, item: DecodeItem, block_kv: int):
     rows = self.kind.rows
-    lo, full_lo, full_hi, hi = kv_block_range(spec, *self._positions(item.tile * rows, rows),
-                                              block_kv)
-    first = item.split * self.kind.split_blocks
-    lo = jnp.maximum(lo, first)
-    hi = jnp.maximum(jnp.minimum(hi, first + self.kind.split_blocks), lo)
-    full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
-    return lo, full_lo, jnp.minimum(jnp.maximum(full_hi, full_lo), hi), hi
+    return split_block_range(self._range(spec, item.tile * rows, rows, block_kv), item.split,
+                             self.kind.split_blocks)
 
   def own_range(self, spec, q_start, block_kv: int):
-    return kv_block_range(spec, *self._positions(q_start, self.kind.block_q), block_kv)
+    return self._range(spec, q_start, self.kind.block_q, block_kv)
