@@ -294,10 +294,14 @@ def torch_info(device: str) -> dict:
 
 
 def git_commit():
+  """The checkout's short commit, ``+changes`` where tracked files differ from it (the
+  device's copy of a working tree, say); None outside a git checkout."""
+  git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True,
+                                     cwd=os.path.dirname(os.path.abspath(__file__)),
+                                     check=True).stdout.strip()
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                          check=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
   except Exception:  # not a git checkout
     return None
 
