@@ -56,6 +56,17 @@ def pad_last(x, width: int):
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
+def sequence_of_rows(cu_seqlens, rows: int):
+  """``[rows]`` int32: for each row ``r``, how many of ``cu_seqlens[1:]`` are ``<= r``
+  (``searchsorted(cu_seqlens[1:], r, side="right")`` of sorted lengths): the index of
+  the sequence holding it. A scatter of ones and a running sum: no loop, which on a GPU
+  would wait on the host once per step of a binary search."""
+  ends = jnp.asarray(cu_seqlens).astype(jnp.int32)[1:]
+  ends = jnp.where(ends >= 0, ends, rows)  # (negative ends would wrap around)
+  marks = jnp.zeros((rows,), jnp.int32).at[ends].add(1, mode="drop")
+  return jnp.cumsum(marks, dtype=jnp.int32)
+
+
 def packed_positions(cu_seqlens, total: int, max_len: int | None = None):
   """Each of ``total`` packed rows' ``(sequence, position in it, valid)`` (``[total]``
   each) from the cumulative lengths ``[seqs + 1]``: a row is valid when a sequence holds
@@ -63,7 +74,7 @@ def packed_positions(cu_seqlens, total: int, max_len: int | None = None):
   ``max_len``."""
   cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
   t = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+  seq = sequence_of_rows(cu, total)
   inside = (seq < cu.shape[0] - 1) & (t >= cu[0])
   seq = jnp.minimum(seq, cu.shape[0] - 2)
   local = t - cu[seq]

@@ -37,6 +37,7 @@ from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFu
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
                                           segment_block_ranges)
 from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
+from jattn.kernels.common.tiling import sequence_of_rows
 from jattn.kernels.hopper import pipeline as mp
 
 
@@ -265,7 +266,7 @@ def packed_ranges(cu_seqlens, max_len: int, spec: MaskSpec, tiles: tuple[int, in
   rows, other = padded[axis], padded[1 - axis]
   tile, block = tiles[axis], tiles[1 - axis]
   r = jnp.arange(rows, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(cu[1:], r, side="right"), cu.shape[0] - 2)
+  seq = jnp.minimum(sequence_of_rows(cu, rows), cu.shape[0] - 2)
   first, end = cu[seq], jnp.minimum(cu[seq + 1], cu[seq] + max_len)
   real = (r >= cu[0]) & (r < end)
   # Rows see keys [start, stop) of their sequence; per key tile, the rows that see a key.
