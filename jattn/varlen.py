@@ -2,7 +2,8 @@
 lengths, addressed by cumulative lengths (FlashAttention's ``varlen`` API).
 
 Implementations: ``pallas_mosaic`` (Hopper: the flash kernels on one batch row, the
-sequences as segment ids with exact block ranges, for queries and keys packed alike),
+sequences as segment ids with exact block ranges, where queries and keys are packed
+alike; else on the sequences gathered into a batch with per-row lengths),
 ``pallas_triton`` (the flash kernels on ``PackedRows``: one program
 per (sequence, query tile, head), its rows sliced from the packed arrays, its stores
 masked to its sequence; tiles past a sequence's length do nothing, so the cost follows
@@ -105,26 +106,73 @@ def packed_ids(cu, total: int, max_len: int, missing: int):
   return jnp.where(valid, seq, missing)[None]
 
 
+def _row_lengths(cu, max_len: int):
+  """``[num_seqs]`` int32: each sequence's length, cut to ``max_len``."""
+  return jnp.minimum(jnp.diff(cu), max_len)
+
+
+def to_batch(x, cu, max_len: int):
+  """Packed rows ``[total, ...]`` -> ``[num_seqs, max_len, ...]``: sequence ``s``'s first
+  ``max_len`` rows, zeros past its length."""
+  rows = cu[:-1, None] + jnp.arange(max_len, dtype=jnp.int32)[None]
+  inside = jnp.arange(max_len)[None] < _row_lengths(cu, max_len)[:, None]
+  gathered = x[jnp.clip(rows, 0, x.shape[0] - 1)]
+  return jnp.where(inside.reshape(inside.shape + (1,) * (x.ndim - 1)), gathered, 0)
+
+
+def to_packed(x, cu, total: int, max_len: int):
+  """``[num_seqs, max_len, ...]`` -> packed rows ``[total, ...]`` (``to_batch``'s
+  inverse): rows no sequence holds within ``max_len`` are zeros."""
+  seq, local, valid = packed_positions(cu, total, max_len)
+  gathered = x[seq, jnp.minimum(local, max_len - 1)]
+  return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), gathered, 0)
+
+
+# The most padding (gathered rows / packed rows) at which "auto" gathers packings that
+# differ into a batch for the Hopper kernels.
+GATHER_MAX_PADDING = 2
+
+
 class MosaicVarlen(MosaicImpl):
-  """The Hopper flash kernels on one batch row of packed sequences: the sequences as
-  segment ids, with exact block ranges (``hopper.inputs.packed_ranges``) so the tiles
-  inside one sequence run unmasked. Queries and keys packed alike (self-attention)."""
+  """The Hopper flash kernels on packed sequences, two ways:
+
+  - queries and keys packed alike (self-attention: one ``cu_seqlens``, equal
+    ``max_seqlen``s and row counts): the packing as one batch row, the sequences as
+    segment ids with exact block ranges (``hopper.inputs.packed_ranges``), so the
+    tiles inside one sequence run unmasked and nothing is copied;
+  - otherwise: the sequences gathered into a ``[num_seqs, max_seqlen, ...]`` batch
+    with per-row lengths (causal bottom-right on each), whose tiles past a row's
+    length are skipped; the copies cost ``num_seqs * max_seqlen`` rows of memory.
+  """
 
   config_cls = MosaicBlockConfig
 
   def gaps(self, p):
     return super().gaps(p) + tuple(name for name, used in (
-        ("queries and keys packed differently (pass one cu_seqlens array as both)",
-         not p.same_packing),
-        ("max_seqlen_q != max_seqlen_k", p.q_len != p.kv_len),
-        ("q and k/v with different numbers of packed rows", p.total_q != p.total_k),
         ("head dims its backward does not take", not mosaic_backward_runs(*p.head_dims)),
     ) if used)
 
+  def auto_passes_over(self, p):
+    # The gathered batch holds num_seqs * max_seqlen rows, however short the others.
+    # Where that stays within twice the packed rows it ran faster than the Triton
+    # kernels on packed rows; with more padding, no faster, on more memory
+    # (docs/backends.md, measured).
+    padded = max(p.batch * p.q_len / max(p.total_q, 1), p.batch * p.kv_len / max(p.total_k, 1))
+    if not self.one_row(p) and padded > GATHER_MAX_PADDING:
+      return (f"queries and keys packed differently, and gathering them would hold "
+              f"{padded:.1f}x the packed rows (more than {GATHER_MAX_PADDING}x)")
+    return None
+
+  @staticmethod
+  def one_row(p) -> bool:
+    """Whether the packing runs as one batch row (queries and keys packed alike)."""
+    return p.same_packing and p.q_len == p.kv_len and p.total_q == p.total_k
+
   def heuristic_config(self, p, info):
+    config = default_mosaic_config(*p.head_dims)
     # Sequence starts fall inside key tiles, which then run masked: the dQ kernel's
     # narrower key tiles waste less on them (docs/backends.md, measured).
-    return dataclasses.replace(default_mosaic_config(*p.head_dims), block_kv_dq=64)
+    return dataclasses.replace(config, block_kv_dq=64) if self.one_row(p) else config
 
   def fits(self, config, p, info, kernels=()):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize,
@@ -133,27 +181,51 @@ class MosaicVarlen(MosaicImpl):
   def _segments(self, p, cu):
     return packed_ids(cu, p.total_q, p.q_len, -1), packed_ids(cu, p.total_k, p.kv_len, -2)
 
+  def _batch(self, p, q, k, v, cu_q, cu_k):
+    """The padded batch's ``q, k, v`` and per-row lengths ``[num_seqs, 2]``."""
+    lengths = jnp.stack([_row_lengths(cu_q, p.q_len), _row_lengths(cu_k, p.kv_len)], axis=1)
+    return (to_batch(q, cu_q, p.q_len), to_batch(k, cu_k, p.kv_len),
+            to_batch(v, cu_k, p.kv_len), lengths)
+
   def forward(self, call, q, k, v, cu_q, cu_k, sinks):
     p = call.problem
-    o, lse = flash_mosaic_forward(
-        q[None], k[None], v[None], *self._segments(p, cu_q), causal=p.causal, scale=p.scale,
-        local_window=p.local_window, softcap=p.softcap, config=call.config, sinks=sinks,
-        packed=(cu_q, p.q_len))
-    valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
+    options = dict(causal=p.causal, scale=p.scale, local_window=p.local_window,
+                   softcap=p.softcap, config=call.config, sinks=sinks)
     empty = EMPTY_ROW_LSE if sinks is None else floor_sinks(sinks)[:, None]
-    o, lse = o[0], jnp.where(valid[None], lse[0], empty)
+    if self.one_row(p):
+      o, lse = flash_mosaic_forward(q[None], k[None], v[None], *self._segments(p, cu_q),
+                                    packed=(cu_q, p.q_len), **options)
+      valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
+      o, lse = o[0], jnp.where(valid[None], lse[0], empty)
+    else:
+      qb, kb, vb, lengths = self._batch(p, q, k, v, cu_q, cu_k)
+      o, lse = flash_mosaic_forward(qb, kb, vb, None, None, lengths=lengths, **options)
+      valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
+      o = to_packed(o, cu_q, p.total_q, p.q_len)
+      lse = jnp.where(valid[None], to_packed(jnp.swapaxes(lse, 1, 2), cu_q, p.total_q,
+                                             p.q_len).T, empty)
     return (o, lse), ((q, k, v, cu_q, cu_k, sinks), o, lse)
 
   def backward(self, call, residuals, cotangents):
     p = call.problem
     (q, k, v, cu_q, cu_k, sinks), o, lse = residuals
-    config = dataclasses.replace(call.config, fused_dq=False)
-    dq, dk, dv = flash_mosaic_backward(
-        q[None], k[None], v[None], *self._segments(p, cu_q), o[None], lse[None],
-        cotangents[0][None], cotangents[1][None], causal=p.causal, scale=p.scale,
-        local_window=p.local_window, softcap=p.softcap, config=config,
-        packed=(cu_q, p.q_len))
-    return (dq[0], dk[0], dv[0], None, None, _sink_grad(sinks, o, lse, cotangents))
+    options = dict(causal=p.causal, scale=p.scale, local_window=p.local_window,
+                   softcap=p.softcap, config=dataclasses.replace(call.config, fused_dq=False))
+    do, dlse = cotangents
+    if self.one_row(p):
+      dq, dk, dv = flash_mosaic_backward(q[None], k[None], v[None], *self._segments(p, cu_q),
+                                         o[None], lse[None], do[None], dlse[None],
+                                         packed=(cu_q, p.q_len), **options)
+      dq, dk, dv = dq[0], dk[0], dv[0]
+    else:
+      qb, kb, vb, lengths = self._batch(p, q, k, v, cu_q, cu_k)
+      rows = lambda x: to_batch(x, cu_q, p.q_len)
+      stat_rows = lambda x: jnp.swapaxes(rows(x.T), 1, 2)  # [heads, total] -> [seqs, heads, len]
+      dq, dk, dv = flash_mosaic_backward(qb, kb, vb, None, None, rows(o), stat_rows(lse),
+                                         rows(do), stat_rows(dlse), lengths=lengths, **options)
+      dq = to_packed(dq, cu_q, p.total_q, p.q_len)
+      dk, dv = (to_packed(x, cu_k, p.total_k, p.kv_len) for x in (dk, dv))
+    return (dq, dk, dv, None, None, _sink_grad(sinks, o, lse, cotangents))
 
 
 def _sink_grad(sinks, o, lse, cotangents):
@@ -247,8 +319,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q:
       sits at key position ``i + len_k - len_q``.
     scale, local_window, softcap, sinks: as ``flash_attention``'s.
     return_lse: also return ``lse: [q_heads, total_q]`` float32.
-    backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit; queries and keys packed
-      alike: one array passed as both ``cu_seqlens``, and equal ``max_seqlen``s),
+    backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit; fastest with queries and
+      keys packed alike: one array passed as both ``cu_seqlens``, equal ``max_seqlen``s
+      and row counts; other packings are gathered into a ``[num_seqs, max_seqlen]``
+      batch, which ``"auto"`` does while it holds at most twice the packed rows),
       ``"pallas_triton"`` or ``"xla"``.
     config: a ``BlockConfig`` for ``pallas_triton``, a ``MosaicBlockConfig`` for
       ``pallas_mosaic``.

@@ -350,3 +350,26 @@ def test_problems_from_keywords_check_their_fields(op, fields, match):
   like arrays would be: sizes positive ints, flags bools, a dtype the kernels take."""
   with pytest.raises(ValueError, match=match):
     OPS[op].problem(**fields)
+
+
+def test_auto_passes_over_an_implementation_only_while_another_can_run_it():
+  """``Impl.auto_passes_over``: Hopper varlen gathers packings that differ into a batch
+  only while that holds at most twice the packed rows; past it ``"auto"`` goes to the
+  next backend and says why, unless nothing else can run the call (a Hopper config
+  given). The packed-alike call runs as one row."""
+  from jattn.varlen import VARLEN, VarlenProblem
+  h100 = FAKES[("H100", False)]
+  base = dict(batch=3, q_len=64, kv_len=64, q_heads=4, kv_heads=4, head_dim=64,
+              dtype=jnp.bfloat16, total_q=100, total_k=100, causal=True)
+  skewed = dict(base, total_q=90, total_k=90)  # 3 x 64 rows gathered: 2.1x
+  for fields, packed_alike, backend in ((base, True, "pallas_mosaic"),
+                                        (base, False, "pallas_mosaic"),
+                                        (skewed, True, "pallas_mosaic"),
+                                        (skewed, False, "pallas_triton")):
+    problem = VarlenProblem(**fields, same_packing=packed_alike)
+    assert VARLEN.prepare(problem, info=h100).impl.backend.name == backend, fields
+  problem = VarlenProblem(**skewed, same_packing=False)
+  assert "pallas_mosaic passed over: queries and keys packed differently, and gathering " \
+         "them would hold 2.1x" in VARLEN.explain(problem, info=h100)
+  given = VARLEN.prepare(problem, info=h100, config=jattn.MosaicBlockConfig())
+  assert given.impl.backend.name == "pallas_mosaic"

@@ -393,6 +393,36 @@ def test_hopper_varlen_matches_a_loop_over_sequences(case):
   assert np.all(np.asarray(o, np.float32)[sum(lengths):] == 0)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross", "cut"])
+def test_hopper_varlen_of_any_packing_matches_a_loop_over_sequences(case):
+  """The Hopper varlen kernels where queries and keys are packed differently (the
+  gathered batch with per-row lengths), on VARLEN_CASES' packings scaled up."""
+  if jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("needs a Hopper GPU")
+  lq, lk, causal, window, softcap, with_sinks, cut = case
+  lq, lk = [9 * n for n in lq], [9 * n for n in lk]
+  window = None if window is None else tuple(None if w is None else 9 * w for w in window)
+  max_q, max_k = (9 * cut[0], 9 * cut[1]) if cut else (max(lq), max(lk))
+  cu_q, cu_k = (jnp.array(np.cumsum([0] + lengths), jnp.int32) for lengths in (lq, lk))
+  q, k, v, do = _normal(jax.random.PRNGKey(7), [(sum(lq) + 5, 8, 64), (sum(lk), 4, 64),
+                                                (sum(lk), 4, 64), (sum(lq) + 5, 8, 64)],
+                        jnp.bfloat16)
+  sinks = jax.random.normal(jax.random.PRNGKey(1), (8,)) if with_sinks else jnp.zeros(0)
+  kwargs = lambda sinks: dict(causal=causal, local_window=window, softcap=softcap,
+                              sinks=sinks if with_sinks else None)
+  ours = lambda q, k, v, sinks: jattn.flash_attention_varlen(
+      q, k, v, cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, backend="pallas_mosaic",
+      **kwargs(sinks))
+  o, pull = jax.vjp(ours, q, k, v, sinks)
+  o_ref, pull_ref = jax.vjp(lambda q, k, v, sinks: _per_sequence(
+      q, k, v, lq, lk, max_q, max_k, **kwargs(sinks)), q, k, v, sinks)
+  assert rel_err(o, o_ref) < 2e-2
+  for g, g_ref in zip(pull(do), pull_ref(do)):
+    assert rel_err(g, g_ref, floor=1e-2) < 3e-2
+  assert np.all(np.asarray(o, np.float32)[sum(lq):] == 0)
+
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_block_ranges_visit_every_allowed_block_and_unmask_only_full_ones(seed):
   """Both decode kernels' key ranges (``masking.packed_rows_block_range`` split by
@@ -441,3 +471,32 @@ def test_decode_block_ranges_visit_every_allowed_block_and_unmask_only_full_ones
         if q_len == 1 and window is None and lq == 1 and lk >= block_k:
           lo, full_lo, full_hi, hi = map(int, whole)
           assert (full_lo, full_hi) == (0, lk // block_k)
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross", "cut"])
+def test_varlen_as_a_batch_with_lengths_is_the_varlen_result(case):
+  """The Hopper varlen route for packings that differ (``varlen.to_batch`` into a batch
+  with per-row lengths, ``to_packed`` back) checked through the dense reference with
+  lengths: the same outputs and lse as the varlen reference, rows past every sequence
+  zero."""
+  from jattn.kernels.common.tiling import packed_positions
+  from jattn.reference import flash_attention_reference, flash_attention_varlen_reference
+  from jattn.varlen import to_batch, to_packed
+  lq, lk, causal, window, softcap, with_sinks, cut = case
+  max_q, max_k = cut or (max(lq), max(lk))
+  cu_q, cu_k = (jnp.array(np.cumsum([0] + lengths), jnp.int32) for lengths in (lq, lk))
+  q, k, v = _normal(jax.random.PRNGKey(5), [(sum(lq) + 3, 4, 16), (sum(lk), 2, 16),
+                                            (sum(lk), 2, 16)], jnp.float32)
+  sinks = jax.random.normal(jax.random.PRNGKey(1), (4,)) if with_sinks else None
+  kwargs = dict(causal=causal, local_window=window, softcap=softcap, sinks=sinks, scale=0.3)
+  lengths = jnp.stack([jnp.minimum(jnp.diff(cu_q), max_q), jnp.minimum(jnp.diff(cu_k), max_k)], 1)
+  o_b, lse_b = flash_attention_reference(to_batch(q, cu_q, max_q), to_batch(k, cu_k, max_k),
+                                         to_batch(v, cu_k, max_k), lengths=lengths, **kwargs)
+  o, lse = flash_attention_varlen_reference(
+      q, k, v, cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **kwargs)
+  valid = packed_positions(cu_q, q.shape[0], max_q)[2]
+  np.testing.assert_allclose(to_packed(o_b, cu_q, q.shape[0], max_q), o, atol=1e-5)
+  lse_p = to_packed(jnp.swapaxes(lse_b, 1, 2), cu_q, q.shape[0], max_q).T
+  np.testing.assert_allclose(jnp.where(valid[None], lse_p, 0), jnp.where(valid[None], lse, 0),
+                             atol=1e-5)
+  assert np.all(np.asarray(to_packed(o_b, cu_q, q.shape[0], max_q))[sum(lq):] == 0)

@@ -185,6 +185,12 @@ class Impl:
     """The features of ``problem`` this implementation lacks (empty: it runs it)."""
     return ()
 
+  def auto_passes_over(self, problem) -> str | None:
+    """Why ``"auto"`` takes a later implementation for ``problem`` although this one
+    runs it when named (None: no reason). For costs the order cannot see, e.g. memory
+    that grows with the inputs' layout."""
+    return None
+
   def heuristic_config(self, problem, info: GPUInfo):
     """The config used when none is given or tuned (None for config-less backends)."""
     return None
@@ -445,15 +451,24 @@ class Op:
     """``(impl, config, why)`` of the ``"auto"`` choice: of the implementations that
     can run ``problem`` here, the measured fastest when the user's cache or the shipped
     table has times for the first of them and another, else that first one."""
-    runnable = []
+    runnable, passed_over = [], []
     for impl in self.impls:
       reason, chosen = self._reason(impl, problem, info, config)
       if reason is None:
-        runnable.append((impl, chosen))
-        if not info.is_gpu:  # times are kept for GPUs only
+        (passed_over if impl.auto_passes_over(problem) else runnable).append((impl, chosen))
+        if runnable and not info.is_gpu:  # times are kept for GPUs only
           break
-    if not runnable:
+    if not runnable and not passed_over:
       raise self._error("auto", "finds no backend that can", problem, info, config)
+    if not runnable:  # only those can run it (say, for the config given)
+      return self._first_of(passed_over, problem, info)
+    impl, chosen, why = self._first_of(runnable, problem, info)
+    for skipped, _ in passed_over:
+      why += f"; {skipped.backend.name} passed over: {skipped.auto_passes_over(problem)}"
+    return impl, chosen, why
+
+  def _first_of(self, runnable, problem, info: GPUInfo):
+    """``_auto``'s choice among ``runnable`` ``(impl, config)`` pairs, in order."""
     first = runnable[0]
     if not info.is_gpu:  # the search stopped at the first
       return first + ("the first in the op's order that can run it (times are kept for GPUs "
