@@ -362,52 +362,34 @@ def test_packed_ranges_visit_every_allowed_block_and_call_full_only_full_ones(se
             assert full or not block.all()
 
 
-# (causal, window, softcap, sinks, max_seqlen: the longest or a cut)
-HOPPER_VARLEN_CASES = [(True, None, None, False, 700), (False, None, None, False, 700),
-                       (False, (96, 40), 20.0, True, 256)]
+# (query lengths, key lengths, causal, window, softcap, sinks, max_seqlen (q, k), head dim,
+# extra query rows): queries and keys packed alike (one cu_seqlens array, as many rows:
+# one batch row) first, then VARLEN_CASES' packings scaled up (the gathered batch)
+_SAME = [300, 0, 65, 1, 700, 128]
+HOPPER_VARLEN_CASES = [
+    (_SAME, _SAME, True, None, None, False, (700, 700), 128, 0),
+    (_SAME, _SAME, False, None, None, False, (700, 700), 128, 0),
+    (_SAME, _SAME, False, (96, 40), 20.0, True, (256, 256), 128, 0),
+] + [([9 * n for n in lq], [9 * n for n in lk], causal,
+      None if window is None else tuple(None if w is None else 9 * w for w in window),
+      softcap, sinks, (9 * cut[0], 9 * cut[1]) if cut else (9 * max(lq), 9 * max(lk)), 64, 5)
+     for lq, lk, causal, window, softcap, sinks, cut in VARLEN_CASES]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", HOPPER_VARLEN_CASES, ids=["causal", "full", "window-cut"])
+@pytest.mark.parametrize("case", HOPPER_VARLEN_CASES, ids=[
+    "one-row-causal", "one-row-full", "one-row-window-cut", "gathered-self",
+    "gathered-prefill-chunks", "gathered-cross", "gathered-cut"])
 def test_hopper_varlen_matches_a_loop_over_sequences(case):
   if jax.devices()[0].compute_capability != "9.0":
     pytest.skip("needs a Hopper GPU")
-  causal, window, softcap, with_sinks, max_len = case
-  lengths = [300, 0, 65, 1, 700, 128]
-  cu = jnp.array(np.cumsum([0] + lengths), jnp.int32)
-  rows = sum(lengths) + 7
-  q, k, v, do = _normal(jax.random.PRNGKey(3), [(rows, 8, 128), (rows, 4, 128), (rows, 4, 128),
-                                                (rows, 8, 128)], jnp.bfloat16)
-  sinks = jax.random.normal(jax.random.PRNGKey(1), (8,)) if with_sinks else jnp.zeros(0)
-  kwargs = lambda sinks: dict(causal=causal, local_window=window, softcap=softcap,
-                              sinks=sinks if with_sinks else None)
-  ours = lambda q, k, v, sinks: jattn.flash_attention_varlen(
-      q, k, v, cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len, backend="pallas_mosaic",
-      **kwargs(sinks))
-  o, pull = jax.vjp(ours, q, k, v, sinks)
-  o_ref, pull_ref = jax.vjp(lambda q, k, v, sinks: _per_sequence(
-      q, k, v, lengths, lengths, max_len, max_len, **kwargs(sinks)), q, k, v, sinks)
-  assert rel_err(o, o_ref) < 2e-2
-  for g, g_ref in zip(pull(do), pull_ref(do)):
-    assert rel_err(g, g_ref, floor=1e-2) < 3e-2
-  assert np.all(np.asarray(o, np.float32)[sum(lengths):] == 0)
-
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross", "cut"])
-def test_hopper_varlen_of_any_packing_matches_a_loop_over_sequences(case):
-  """The Hopper varlen kernels where queries and keys are packed differently (the
-  gathered batch with per-row lengths), on VARLEN_CASES' packings scaled up."""
-  if jax.devices()[0].compute_capability != "9.0":
-    pytest.skip("needs a Hopper GPU")
-  lq, lk, causal, window, softcap, with_sinks, cut = case
-  lq, lk = [9 * n for n in lq], [9 * n for n in lk]
-  window = None if window is None else tuple(None if w is None else 9 * w for w in window)
-  max_q, max_k = (9 * cut[0], 9 * cut[1]) if cut else (max(lq), max(lk))
-  cu_q, cu_k = (jnp.array(np.cumsum([0] + lengths), jnp.int32) for lengths in (lq, lk))
-  q, k, v, do = _normal(jax.random.PRNGKey(7), [(sum(lq) + 5, 8, 64), (sum(lk), 4, 64),
-                                                (sum(lk), 4, 64), (sum(lq) + 5, 8, 64)],
+  lq, lk, causal, window, softcap, with_sinks, (max_q, max_k), d, extra = case
+  cu_q = jnp.array(np.cumsum([0] + lq), jnp.int32)
+  cu_k = cu_q if lq is lk else jnp.array(np.cumsum([0] + lk), jnp.int32)
+  rows_k = sum(lk) + (7 if lq is lk else 0)
+  rows_q = rows_k if lq is lk else sum(lq) + extra
+  q, k, v, do = _normal(jax.random.PRNGKey(3 if lq is lk else 7),
+                        [(rows_q, 8, d), (rows_k, 4, d), (rows_k, 4, d), (rows_q, 8, d)],
                         jnp.bfloat16)
   sinks = jax.random.normal(jax.random.PRNGKey(1), (8,)) if with_sinks else jnp.zeros(0)
   kwargs = lambda sinks: dict(causal=causal, local_window=window, softcap=softcap,
@@ -422,6 +404,7 @@ def test_hopper_varlen_of_any_packing_matches_a_loop_over_sequences(case):
   for g, g_ref in zip(pull(do), pull_ref(do)):
     assert rel_err(g, g_ref, floor=1e-2) < 3e-2
   assert np.all(np.asarray(o, np.float32)[sum(lq):] == 0)
+
 
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_block_ranges_visit_every_allowed_block_and_unmask_only_full_ones(seed):
