@@ -1,7 +1,7 @@
 """Varlen with queries and keys packed differently, on one GPU (bf16, 16 heads, d128,
 causal bottom-right): the Hopper kernels on the gathered ``[num_seqs, max_seqlen]``
 batch (``backend="pallas_mosaic"``) against the Triton kernels on packed rows
-(``pallas_triton``, what ``"auto"`` takes there), forward and forward+backward
+(``pallas_triton``), forward and forward+backward
 (gradients of sum(o) for q, k, v). Two packings (seed 0): 16 prefill chunks of
 256-1024 queries against 1024-8192 keys, and 64 sequences of 128-4096 queries and
 keys drawn apart (log-uniform; keys at least the queries). Real-FLOP TFLOP/s:

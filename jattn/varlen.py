@@ -25,10 +25,11 @@ from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, m
                          sink_arg, sink_grad, window_arg)
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, floor_sinks
-from jattn.kernels.common.tiling import packed_positions
+from jattn.kernels.common.tiling import packed_positions, round_up
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config, flash_mosaic_backward,
                                  flash_mosaic_forward)
 from jattn.kernels.flash.config import mosaic_backward_runs
+from jattn.kernels.hopper.budget import MOSAIC_BLOCK
 from jattn.kernels.flash.triton import flash_triton_varlen_backward, flash_triton_varlen_forward
 from jattn.reference import flash_attention_varlen_reference
 
@@ -153,14 +154,17 @@ class MosaicVarlen(MosaicImpl):
     ) if used)
 
   def auto_passes_over(self, p):
-    # The gathered batch holds num_seqs * max_seqlen rows, however short the others.
-    # Where that stays within twice the packed rows it ran faster than the Triton
-    # kernels on packed rows; with more padding, no faster, on more memory
-    # (docs/backends.md, measured).
-    padded = max(p.batch * p.q_len / max(p.total_q, 1), p.batch * p.kv_len / max(p.total_k, 1))
-    if not self.one_row(p) and padded > GATHER_MAX_PADDING:
-      return (f"queries and keys packed differently, and gathering them would hold "
-              f"{padded:.1f}x the packed rows (more than {GATHER_MAX_PADDING}x)")
+    # The gathered batch holds num_seqs * max_seqlen rows, however short the others,
+    # and its query rows run in tiles of at least 2 x 64. Where that stays within twice
+    # the packed rows it ran faster than the Triton kernels on packed rows; with more
+    # padding, no faster, on more memory (docs/backends.md, measured).
+    if self.one_row(p):
+      return None
+    padded = max(p.batch * round_up(p.q_len, 2 * MOSAIC_BLOCK) / max(p.total_q, 1),
+                 p.batch * p.kv_len / max(p.total_k, 1))
+    if padded > GATHER_MAX_PADDING:
+      return (f"not one packing of queries and keys, and gathering the sequences would "
+              f"hold {padded:.1f}x the packed rows (more than {GATHER_MAX_PADDING}x)")
     return None
 
   @staticmethod
@@ -321,8 +325,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q:
     return_lse: also return ``lse: [q_heads, total_q]`` float32.
     backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit; fastest with queries and
       keys packed alike: one array passed as both ``cu_seqlens``, equal ``max_seqlen``s
-      and row counts; other packings are gathered into a ``[num_seqs, max_seqlen]``
-      batch, which ``"auto"`` does while it holds at most twice the packed rows),
+      and row counts, where a non-finite value in one sequence's keys or values can
+      reach the others that share its tiles, as with ``flash_attention``'s segment ids
+      on Hopper; other packings are gathered into a ``[num_seqs, max_seqlen]`` batch,
+      which ``"auto"`` does while it holds at most twice the packed rows),
       ``"pallas_triton"`` or ``"xla"``.
     config: a ``BlockConfig`` for ``pallas_triton``, a ``MosaicBlockConfig`` for
       ``pallas_mosaic``.

@@ -359,9 +359,9 @@ def test_auto_passes_over_an_implementation_only_while_another_can_run_it():
   given). The packed-alike call runs as one row."""
   from jattn.varlen import VARLEN, VarlenProblem
   h100 = FAKES[("H100", False)]
-  base = dict(batch=3, q_len=64, kv_len=64, q_heads=4, kv_heads=4, head_dim=64,
-              dtype=jnp.bfloat16, total_q=100, total_k=100, causal=True)
-  skewed = dict(base, total_q=90, total_k=90)  # 3 x 64 rows gathered: 2.1x
+  base = dict(batch=3, q_len=128, kv_len=128, q_heads=4, kv_heads=4, head_dim=64,
+              dtype=jnp.bfloat16, total_q=200, total_k=200, causal=True)
+  skewed = dict(base, total_q=180, total_k=180)  # 3 x 128 rows gathered: 2.1x
   for fields, packed_alike, backend in ((base, True, "pallas_mosaic"),
                                         (base, False, "pallas_mosaic"),
                                         (skewed, True, "pallas_mosaic"),
@@ -369,7 +369,15 @@ def test_auto_passes_over_an_implementation_only_while_another_can_run_it():
     problem = VarlenProblem(**fields, same_packing=packed_alike)
     assert VARLEN.prepare(problem, info=h100).impl.backend.name == backend, fields
   problem = VarlenProblem(**skewed, same_packing=False)
-  assert "pallas_mosaic passed over: queries and keys packed differently, and gathering " \
-         "them would hold 2.1x" in VARLEN.explain(problem, info=h100)
+  assert "pallas_mosaic passed over: not one packing of queries and keys, and gathering " \
+         "the sequences would hold 2.1x" in VARLEN.explain(problem, info=h100)
+  # Few query positions against long keys: the gathered queries' 128-row tiles count.
+  short = VarlenProblem(**dict(base, q_len=4, total_q=12), same_packing=False)
+  assert VARLEN.prepare(short, info=h100).impl.backend.name == "pallas_triton"
   given = VARLEN.prepare(problem, info=h100, config=jattn.MosaicBlockConfig())
   assert given.impl.backend.name == "pallas_mosaic"
+  choices = dict(VARLEN.choices(problem, info=h100))
+  assert choices["pallas_mosaic"].startswith("auto passes it over while another backend")
+  assert choices["pallas_triton"] is None
+  assert dict(VARLEN.choices(problem, info=h100, config=jattn.MosaicBlockConfig()))[
+      "pallas_mosaic"] is None

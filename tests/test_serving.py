@@ -406,54 +406,90 @@ def test_hopper_varlen_matches_a_loop_over_sequences(case):
   assert np.all(np.asarray(o, np.float32)[sum(lq):] == 0)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alike", [True, False], ids=["one-row", "gathered"])
+def test_hopper_varlen_lse_and_its_cotangent_match_the_reference(alike):
+  """``return_lse=True`` on both Hopper varlen routes: the lse of the rows sequences hold,
+  and the gradients with a cotangent on the lse too, against the xla reference."""
+  if jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("needs a Hopper GPU")
+  lq = [130, 0, 257, 64]
+  lk = lq if alike else [200, 5, 257, 300]
+  cu_q = jnp.array(np.cumsum([0] + lq), jnp.int32)
+  cu_k = cu_q if alike else jnp.array(np.cumsum([0] + lk), jnp.int32)
+  rows_q, rows_k = sum(lq) + 9, sum(lk) + (9 if alike else 0)
+  q, k, v, do = _normal(jax.random.PRNGKey(4), [(rows_q, 4, 64), (rows_k, 2, 64), (rows_k, 2, 64),
+                                                (rows_q, 4, 64)], jnp.bfloat16)
+  dlse = jax.random.normal(jax.random.PRNGKey(5), (4, rows_q))
+  valid = jattn.kernels.common.tiling.packed_positions(cu_q, rows_q, max(lq))[2]
+
+  def attend(backend):
+    return lambda q, k, v: jattn.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk), causal=True,
+        return_lse=True, backend=backend)
+
+  (o, lse), pull = jax.vjp(attend("pallas_mosaic"), q, k, v)
+  (o_ref, lse_ref), pull_ref = jax.vjp(attend("xla"), *(x.astype(jnp.float32) for x in (q, k, v)))
+  assert rel_err(o, o_ref) < 2e-2
+  np.testing.assert_allclose(np.where(valid[None], lse, 0), np.where(valid[None], lse_ref, 0),
+                             atol=2e-2)
+  for g, g_ref in zip(pull((do, dlse)), pull_ref((do.astype(jnp.float32), dlse))):
+    assert rel_err(g, g_ref, floor=1e-2) < 3e-2
+
 @pytest.mark.parametrize("seed", range(3))
 def test_decode_block_ranges_visit_every_allowed_block_and_unmask_only_full_ones(seed):
   """Both decode kernels' key ranges (``masking.packed_rows_block_range`` split by
-  ``split_block_range``) against the dense mask of packed rows: every block a real row
-  needs is visited by exactly one split, no block left unmasked where a real row (one
-  below its row's query length) does not see all of it, and a tile of one real
-  position with no window runs its whole blocks unmasked."""
+  ``split_block_range``) against the dense mask of packed rows, for the Triton kernel's
+  row tiles and the Hopper consumers' half tiles (some of packing rows only), with and
+  without per-row lengths: ranges ordered, every block a real row needs visited by
+  exactly one split, no block left unmasked where a real row (one below its row's
+  query length) does not see all of it, and a tile of one real position with no
+  window runs its whole blocks unmasked."""
   from jattn.kernels.common.masking import (MaskSpec, packed_rows_block_range,
                                             split_block_range)
   rng = np.random.default_rng(seed)
-  block_k, split_blocks = 8, 3
+  block_k, split_blocks, kv_cap = 8, 3, 80
+  n_blocks = kv_cap // block_k
   for causal, window, q_len, group, rows in [(True, None, 1, 1, 16), (True, None, 3, 4, 8),
-                                             (False, (20, 5), 4, 2, 16), (True, (9, 0), 2, 8, 8)]:
-    kv_cap = 80
-    spec = MaskSpec.build(q_len, kv_cap, causal=causal, local_window=window, kv_padded=True,
-                          segments=False, lengths=True)
+                                             (False, (20, 5), 4, 2, 16), (True, (9, 0), 2, 8, 8),
+                                             (True, (0, None), 1, 1, 16)]:
+    rows_p = -(-q_len * group // rows) * rows + rows  # a tile of packing rows only, too
+    pos = np.arange(rows_p) // group
+    real, keys = pos < q_len, np.arange(kv_cap)
+    specs = [(MaskSpec.build(q_len, kv_cap, causal=causal, local_window=window, kv_padded=False,
+                             segments=False), q_len, kv_cap)]
+    per_row = MaskSpec.build(q_len, kv_cap, causal=causal, local_window=window, kv_padded=True,
+                             segments=False, lengths=True)
     for _ in range(4):
       lq, lk = int(rng.integers(0, q_len + 1)), int(rng.integers(0, kv_cap + 1))
-      bound = spec.with_lengths(jnp.int32(lq), jnp.int32(lk))
-      rows_p = -(-q_len * group // rows) * rows
-      pos = np.arange(rows_p) // group
-      keys = np.arange(kv_cap)
-      real = pos < q_len  # rows that are not packing
+      specs.append((per_row.with_lengths(jnp.int32(lq), jnp.int32(lk)), lq, lk))
+    for spec, lq, lk in specs:
       needed = (pos < lq)[:, None] & (keys < lk)[None]
       at = pos[:, None] + lk - lq  # bottom-right alignment
-      if bound.right is not None:
-        needed &= keys[None] <= at + bound.right
-      if bound.left is not None:
-        needed &= keys[None] >= at - bound.left
-      n_blocks = kv_cap // block_k
-      for start in range(0, rows_p, rows):
-        whole = packed_rows_block_range(bound, jnp.int32(start), rows, group=group,
-                                        q_len=q_len, block_k=block_k)
-        visits = np.zeros(n_blocks, int)
-        for split in range(-(-n_blocks // split_blocks)):
-          lo, full_lo, full_hi, hi = map(int, split_block_range(whole, jnp.int32(split),
-                                                                split_blocks))
-          assert lo <= full_lo <= full_hi <= hi
-          visits[lo:hi] += 1
-          tile_real = real[start:start + rows]
-          for j in range(full_lo, full_hi):
-            block = needed[start:start + rows, j * block_k:(j + 1) * block_k]
-            assert block[tile_real].all(), (lq, lk, start, j)
-        need = needed[start:start + rows].reshape(rows, n_blocks, block_k).any(axis=(0, 2))
-        assert np.all(visits[need] == 1) and visits.max() <= 1
-        if q_len == 1 and window is None and lq == 1 and lk >= block_k:
+      if spec.right is not None:
+        needed &= keys[None] <= at + spec.right
+      if spec.left is not None:
+        needed &= keys[None] >= at - spec.left
+      for tile in (rows, rows // 2):
+        for start in range(0, rows_p, tile):
+          whole = packed_rows_block_range(spec, jnp.int32(start), tile, group=group,
+                                          q_len=q_len, block_k=block_k)
+          visits = np.zeros(n_blocks, int)
+          for split in range(-(-n_blocks // split_blocks)):
+            lo, full_lo, full_hi, hi = map(int, split_block_range(whole, jnp.int32(split),
+                                                                  split_blocks))
+            assert lo <= full_lo <= full_hi <= hi
+            visits[lo:hi] += 1
+            for j in range(full_lo, full_hi):
+              block = needed[start:start + tile, j * block_k:(j + 1) * block_k]
+              assert block[real[start:start + tile]].all(), (lq, lk, start, j)
+          need = needed[start:start + tile].reshape(tile, n_blocks, block_k).any(axis=(0, 2))
+          assert np.all(visits[need] == 1) and visits.max() <= 1
           lo, full_lo, full_hi, hi = map(int, whole)
-          assert (full_lo, full_hi) == (0, lk // block_k)
+          assert lo <= full_lo <= full_hi <= hi
+          if q_len == 1 and window is None and lq == 1 and lk >= block_k and start == 0:
+            assert (full_lo, full_hi) == (0, lk // block_k)
 
 
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=["self", "prefill-chunks", "cross", "cut"])

@@ -409,10 +409,17 @@ class Op:
 
   def choices(self, problem, info: GPUInfo | None = None, config=None) -> list[tuple[str, str | None]]:
     """Every backend of the op in ``"auto"`` order, with why it cannot run ``problem``
-    on ``info``'s device (default: this machine), or None where it can."""
+    on ``info``'s device (default: this machine), or why ``"auto"`` passes it over
+    while another can (``Impl.auto_passes_over``), or None: ``"auto"`` takes the
+    first None."""
     info = current_device() if info is None else info
-    return [(impl.backend.name, self._reason(impl, problem, info, config)[0])
-            for impl in self.impls]
+    reasons = [self._reason(impl, problem, info, config)[0] for impl in self.impls]
+    passed = [None if why is not None else impl.auto_passes_over(problem)
+              for impl, why in zip(self.impls, reasons)]
+    if any(why is None and not over for why, over in zip(reasons, passed)):
+      reasons = [why or (over and f"auto passes it over while another backend can run it: "
+                                  f"{over}") for why, over in zip(reasons, passed)]
+    return [(impl.backend.name, why) for impl, why in zip(self.impls, reasons)]
 
   def _error(self, backend: str, reason: str, problem, info: GPUInfo, config) -> ValueError:
     listed = "; ".join(f"{name}: {why or 'can run it'}"

@@ -202,6 +202,7 @@ def packed_rows_block_range(spec: MaskSpec, row_start, rows: int, *, group: int,
   last = jnp.minimum(last_q, spec.q_len - 1) if spec.lengths else last_q
   _, last_full_lo, last_full_hi, hi = kv_block_range(spec, last, 1, block_k)
   full_lo, full_hi = jnp.maximum(full_lo, last_full_lo), jnp.minimum(full_hi, last_full_hi)
+  hi = jnp.where(first_q < q_len, jnp.maximum(hi, lo), lo)  # packing rows only: nothing
   if spec.lengths:
     hi = jnp.where(first_q < spec.q_len, hi, lo)
     full_hi = jnp.where(last_q < spec.q_len, full_hi, full_lo)
