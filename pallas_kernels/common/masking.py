@@ -210,14 +210,23 @@ def packed_rows_block_range(spec: MaskSpec, row_start, rows: int, *, group: int,
   return lo, full_lo, _clamp(full_hi, full_lo, hi), hi
 
 
+def narrow(block_range, given):
+  """A ``kv_block_range``-style range restricted to a ``given`` one: blocks in both,
+  unmasked only where both say so."""
+  lo, full_lo, full_hi, hi = block_range
+  g_lo, g_full_lo, g_full_hi, g_hi = given
+  lo = jnp.maximum(lo, g_lo)
+  hi = jnp.maximum(jnp.minimum(hi, g_hi), lo)
+  full_lo = jnp.minimum(jnp.maximum(jnp.maximum(full_lo, g_full_lo), lo), hi)
+  full_hi = jnp.minimum(jnp.maximum(jnp.minimum(full_hi, g_full_hi), full_lo), hi)
+  return lo, full_lo, full_hi, hi
+
+
 def split_block_range(block_range, split, split_blocks: int):
   """``block_range`` restricted to split ``split`` of the key blocks: blocks
   ``[split * split_blocks, (split + 1) * split_blocks)``."""
-  lo, full_lo, full_hi, hi = block_range
-  lo = jnp.maximum(lo, split * split_blocks)
-  hi = jnp.maximum(jnp.minimum(hi, (split + 1) * split_blocks), lo)
-  full_lo = _clamp(full_lo, lo, hi)
-  return lo, full_lo, _clamp(full_hi, full_lo, hi), hi
+  first, end = split * split_blocks, (split + 1) * split_blocks
+  return narrow(block_range, (first, first, end, end))
 
 
 def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):

@@ -40,11 +40,11 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.factored_functions import COL, ROW
-from jattn.kernels.common.masking import MaskSpec, kv_block_range, q_block_range
+from jattn.kernels.common.masking import MaskSpec, kv_block_range, narrow, q_block_range
 from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
 from jattn.kernels.flash.config import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
 from jattn.kernels.hopper import pipeline as mp
-from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range, narrow
+from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):

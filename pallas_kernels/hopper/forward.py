@@ -34,12 +34,12 @@ from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from jattn.kernels.common.factored_functions import COL, ROW
-from jattn.kernels.common.masking import MaskSpec
+from jattn.kernels.common.masking import MaskSpec, narrow
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV
 from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_SMEM_OVERHEAD,
                                          THREADS_PER_WARPGROUP)
-from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range, narrow
+from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
 from jattn.kernels.hopper.work import QueryTiles
 
 

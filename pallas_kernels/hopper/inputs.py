@@ -34,8 +34,8 @@ from jax import lax
 from jattn.kernels.common.block_sparsity import EMPTY, FULL, retile
 from jattn.kernels.common.dropout import keep
 from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFunction
-from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, q_block_range,
-                                          segment_block_ranges)
+from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, narrow,
+                                          q_block_range, segment_block_ranges)
 from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
 from jattn.kernels.common.tiling import sequence_of_rows
 from jattn.kernels.hopper import pipeline as mp
@@ -195,18 +195,6 @@ def given_range(ranges_ref, b, heads, first_block, n_blocks: int):
   for h, i in pairs[1:]:
     lo, hi = jnp.minimum(lo, at(h, i, 0)), jnp.maximum(hi, at(h, i, 3))
   return lo, lo, lo, jnp.maximum(hi, lo)
-
-
-def narrow(block_range, given):
-  """A ``kv_block_range``-style range restricted to a ``given`` one: blocks in both,
-  unmasked only where both say so."""
-  lo, full_lo, full_hi, hi = block_range
-  g_lo, g_full_lo, g_full_hi, g_hi = given
-  lo = jnp.maximum(lo, g_lo)
-  hi = jnp.maximum(jnp.minimum(hi, g_hi), lo)
-  full_lo = jnp.minimum(jnp.maximum(jnp.maximum(full_lo, g_full_lo), lo), hi)
-  full_hi = jnp.minimum(jnp.maximum(jnp.minimum(full_hi, g_full_hi), full_lo), hi)
-  return lo, full_lo, full_hi, hi
 
 
 # --- host side -------------------------------------------------------------------------------
