@@ -195,19 +195,19 @@ class MosaicVarlen(MosaicImpl):
     p = call.problem
     options = dict(causal=p.causal, scale=p.scale, local_window=p.local_window,
                    softcap=p.softcap, config=call.config, sinks=sinks)
-    empty = EMPTY_ROW_LSE if sinks is None else floor_sinks(sinks)[:, None]
     if self.one_row(p):
       o, lse = flash_mosaic_forward(q[None], k[None], v[None], *self._segments(p, cu_q),
                                     packed=(cu_q, p.q_len), **options)
-      valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
-      o, lse = o[0], jnp.where(valid[None], lse[0], empty)
+      o, lse = o[0], lse[0]
     else:
       qb, kb, vb, lengths = self._batch(p, q, k, v, cu_q, cu_k)
       o, lse = flash_mosaic_forward(qb, kb, vb, None, None, lengths=lengths, **options)
-      valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
       o = to_packed(o, cu_q, p.total_q, p.q_len)
-      lse = jnp.where(valid[None], to_packed(jnp.swapaxes(lse, 1, 2), cu_q, p.total_q,
-                                             p.q_len).T, empty)
+      lse = to_packed(jnp.swapaxes(lse, 1, 2), cu_q, p.total_q, p.q_len).T
+    # Rows no sequence holds see no key (with sinks, only the sink).
+    valid = packed_positions(cu_q, p.total_q, p.q_len)[2]
+    empty = EMPTY_ROW_LSE if sinks is None else floor_sinks(sinks)[:, None]
+    lse = jnp.where(valid[None], lse, empty)
     return (o, lse), ((q, k, v, cu_q, cu_k, sinks), o, lse)
 
   def backward(self, call, residuals, cotangents):
