@@ -8,6 +8,7 @@ core (``jattn.core.op.OPS``); this module only lists the cases.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 import jax
@@ -86,7 +87,10 @@ class CheckRow:
     return all(e <= self.tolerance for e in errs)
 
 
-CHECK_OPS = tuple(sorted({op for op, _, _ in CASES}))  # the ops the cases cover
+# The model checked against transformers' own (where torch and transformers are
+# installed): a row per family and backend.
+MODEL_CHECK = "LlamaForCausalLM"
+CHECK_OPS = tuple(sorted({op for op, _, _ in CASES} | {MODEL_CHECK}))  # what --ops names
 
 
 def _torch_errors():
@@ -144,6 +148,18 @@ def run_check(backends=None, dtypes=None, torch_reference: bool = True, reps: in
         rows.append(row)
         if progress:
           progress(row)
+  if (torch_errors and "float32" in dtypes and (not ops or MODEL_CHECK in ops)
+      and importlib.util.find_spec("transformers") is not None):
+    from jattn.interop.llama_check import llama_check_rows
+
+    def model_row(case, backend, err_jax, err_torch, ms):
+      row = CheckRow(MODEL_CHECK, case, backend, "float32", err_jax, err_torch,
+                     TOLERANCE["float32"], ms)
+      if progress:
+        progress(row)
+      return row
+
+    rows += llama_check_rows(backends, reps, model_row)
   return rows
 
 
@@ -175,6 +191,9 @@ def main_check(args) -> int:
                    ops=args.ops or None)
   if interpret:
     print("* Pallas kernel in interpret mode (no GPU here): timings are not kernel speed")
+  if any(r.op == MODEL_CHECK for r in rows):
+    print(f"{MODEL_CHECK}: float32 logits of a tiny random model of each family; err jax "
+          "against jattn's model on xla, err torch against transformers; ms: the forward")
   failed = [r for r in rows if not r.ok]
   print(f"{len(rows) - len(failed)}/{len(rows)} checks within tolerance")
   return 1 if failed else 0

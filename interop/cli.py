@@ -20,7 +20,7 @@ from jattn.interop.converted import CONVERTED_FILES, save_converted
 from jattn.interop.upscale_cli import DESCRIPTION as UPSCALE_DESCRIPTION
 from jattn.interop.upscale_cli import add_upscale_arguments, run_upscale
 
-MODEL_TYPES = ("dat", "retnet")
+MODEL_TYPES = ("dat", "retnet", "llama")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("model_type", choices=MODEL_TYPES,
-                      help="the architecture: DAT, or torchscale's RetNetDecoder")
+                      help="the architecture: DAT, torchscale's RetNetDecoder, or a "
+                      "Hugging Face Llama / Qwen2 / Mistral folder")
   parser.add_argument("checkpoint", help=".pth (as torch.save writes it; no pickled code "
-                      "runs) or .safetensors")
+                      "runs) or .safetensors; for llama, the model's folder (config.json "
+                      "and safetensors weights)")
   parser.add_argument("out_dir", help="writes params.safetensors and config.json here (a new "
                       "or empty folder, unless --overwrite)")
   parser.add_argument("--overwrite", action="store_true",
@@ -73,6 +75,12 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _converted_model(args):
   """The Flax model of ``args.checkpoint`` and a line describing it."""
+  if args.model_type == "llama":
+    from jattn.interop.llama_checkpoints import llama_from_state_dict, read_hf_folder
+
+    config, state = read_hf_folder(args.checkpoint)  # before JAX loads
+    model = llama_from_state_dict(state, config=config)
+    return model, f"{model.config.model_type} {model.config}"
   state = read_checkpoint(args.checkpoint)  # before JAX loads: a corrupt file is said at once
   from jattn.interop.checkpoints import dat_from_state_dict, infer_dat_config
   from jattn.interop.retnet_checkpoints import retnet_from_state_dict
@@ -93,6 +101,9 @@ def _check_out_dir(args) -> None:
   ``--overwrite``), or files there without ``--overwrite``."""
   if not os.path.isdir(args.out_dir):
     return
+  if os.path.isdir(args.checkpoint) and os.path.samefile(args.out_dir, args.checkpoint):
+    raise UsageError(f"out_dir {args.out_dir!r} is the model folder being converted; give "
+                     "another folder")
   for name in CONVERTED_FILES:
     path = os.path.join(args.out_dir, name)
     if os.path.exists(path) and os.path.samefile(path, args.checkpoint):
@@ -119,7 +130,12 @@ def run_convert(args) -> int:
                          f"not {args.model_type}")
   writable_folder("out_dir", args.out_dir, CONVERTED_FILES)
   try:
-    checkpoint_format(args.checkpoint)
+    if args.model_type == "llama":
+      if not os.path.isdir(args.checkpoint):
+        raise ValueError(f"checkpoint {args.checkpoint!r}: a llama conversion reads a model "
+                         "folder (config.json and safetensors weights)")
+    else:
+      checkpoint_format(args.checkpoint)
   except ValueError as e:
     raise UsageError(str(e)) from None
   _check_out_dir(args)
@@ -160,7 +176,7 @@ def main(argv=None) -> int:
 
 
 def convert_main(argv=None) -> int:
-  """``jattn-convert dat|retnet model.pth out_dir``."""
+  """``jattn-convert dat|retnet model.pth out_dir``, ``jattn-convert llama folder out_dir``."""
   parser = Parser(prog="jattn-convert", description="Convert a PyTorch checkpoint into Flax "
                   "params (params.safetensors) and config.json in an output folder.")
   _add_convert_arguments(parser)

@@ -22,7 +22,8 @@ from jattn.lazy_exports import import_attribute
 # The model name config.json gives -> the function that builds it from the params and
 # the config ("module:function", imported when a folder is loaded).
 BUILDERS = {"DAT": "jattn.interop.checkpoints:dat_from_state_dict",
-            "RetNet": "jattn.interop.retnet_checkpoints:retnet_from_state_dict"}
+            "RetNet": "jattn.interop.retnet_checkpoints:retnet_from_state_dict",
+            "LlamaForCausalLM": "jattn.interop.llama_checkpoints:llama_from_state_dict"}
 PARAMS_FILE, CONFIG_FILE = "params.safetensors", "config.json"
 CONVERTED_FILES = (PARAMS_FILE, CONFIG_FILE)
 MAX_CONFIG_BYTES = 1 << 20  # what save_converted writes is under 1 KB

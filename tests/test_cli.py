@@ -283,10 +283,14 @@ def test_upscale_a_file_from_a_pth_checkpoint(files, tmp_path):
   assert os.listdir(tmp_path / "new") == ["x2.webp"]  # no temporary file left
 
 
-def test_jattn_check_runs_one_op():
-  done = run("jattn", "check", "--ops", "retention_step", "--backends", "xla", "--reps", "1")
+def test_jattn_check_runs_the_ops_asked_for_and_the_model_rows():
+  done = run("jattn", "check", "--ops", "retention_step,LlamaForCausalLM", "--backends", "xla",
+             "--reps", "1")
   assert done.returncode == 0, done.stderr
-  assert "1/1 checks within tolerance" in done.stdout
+  assert "4/4 checks within tolerance" in done.stdout  # one op, three model families
+  models = [line.split()[1] for line in done.stdout.splitlines()
+            if line.startswith("LlamaForCausalLM ") and line.endswith("ok")]
+  assert models == ["llama", "qwen2", "mistral"]
   assert "FAIL" not in done.stdout and "flash_attention" not in done.stdout
 
 

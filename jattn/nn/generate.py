@@ -59,3 +59,71 @@ def greedy_generate(model, prompt, new_tokens: int, lengths=None):
     return first[:, None][:, :new_tokens]
   rest = decode_steps(model, first, new_tokens - 1)
   return jnp.concatenate([first[:, None], rest], axis=1)
+
+
+def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
+             key=None, lengths=None):
+  """``max_new_tokens`` new tokens after each row's prompt: ``[batch, max_new_tokens]``
+  int32, by a prefill and one jitted ``lax.while_loop`` of single-token decode steps.
+
+  Args:
+    model: a module with ``init_cache(batch, max_length)`` and ``model(tokens,
+      decode=True, lengths=None) -> logits [batch, seq, vocab]`` (``LlamaForCausalLM``);
+      its caches are made anew for the call (``max(prompt) + max_new_tokens`` tokens).
+    input_ids: ``[batch, prompt_len]`` ints, prompts left-aligned (right-padded).
+    temperature, top_k, top_p: ``jattn.nn.sampling.Sampling`` (0: greedy).
+    eos_token_id: an int or a list of ints; a row that emits one is done, and its
+      later tokens are the first of them. The loop stops when every row is done.
+    key: a ``jax.random`` key, required when sampling (``temperature > 0``).
+    lengths: ``[batch]`` ints, each prompt's length (default ``prompt_len``; at least 1).
+  """
+  from jattn.nn.sampling import Sampling
+
+  sampling = Sampling(temperature, top_k, top_p)
+  if type(max_new_tokens) is not int or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if input_ids.ndim != 2:
+    raise ValueError(f"input_ids must be [batch, prompt_len], got shape {input_ids.shape}")
+  if not sampling.greedy and key is None:
+    raise ValueError("sampling (temperature > 0) needs key=jax.random.key(...)")
+  eos = () if eos_token_id is None else tuple(
+      int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple))
+                       else [eos_token_id]))
+  batch, prompt_len = input_ids.shape
+  lengths = (jnp.full((batch,), prompt_len, jnp.int32) if lengths is None
+             else jnp.asarray(lengths, jnp.int32))
+  model.init_cache(batch, prompt_len + max_new_tokens)
+  key = jax.random.key(0) if key is None else key
+  return _sample(model, jnp.asarray(input_ids, jnp.int32), lengths, key,
+                 steps=max_new_tokens, sampling=sampling, eos=eos)
+
+
+@nnx.jit(static_argnames=("steps", "sampling", "eos"))
+def _sample(model, prompt, lengths, key, *, steps, sampling, eos):
+  logits = model(prompt, decode=True, lengths=lengths)
+  batch, n = prompt.shape
+  last = jnp.clip(lengths - 1, 0, n - 1)
+  key, now = jax.random.split(key)
+  token = sampling(logits[jnp.arange(batch), last], now)
+  fill = eos[0] if eos else 0
+  is_eos = lambda t: jnp.isin(t, jnp.asarray(eos, jnp.int32)) if eos else jnp.zeros_like(t, bool)
+  out = jnp.full((batch, steps), fill, jnp.int32).at[:, 0].set(token)
+  graphdef, caches, rest = nnx.split(model, nnx.Cache, ...)
+
+  def more(carry):
+    i, done = carry[0], carry[-1]
+    return (i < steps) & ~jnp.all(done)
+
+  def step(carry):
+    i, caches, token, key, out, done = carry
+    model = nnx.merge(graphdef, caches, rest)
+    key, now = jax.random.split(key)
+    token = jnp.where(done, fill, sampling(model(token[:, None], decode=True)[:, -1], now))
+    return (i + 1, nnx.state(model, nnx.Cache), token, key, out.at[:, i].set(token),
+            done | is_eos(token))
+
+  carry = (jnp.int32(1), caches, token, key, out, is_eos(token))
+  _, caches, _, _, out, _ = jax.lax.while_loop(more, step, carry)
+  nnx.update(model, caches)
+  return out

@@ -26,28 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.nn.loaders import checkpoint_loader
+from jattn.nn.norms import RMSNorm, rms_normalize
 from jattn.reference import default_decay
 from jattn.retention import retention, retention_step
 
 
 ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "swish": jax.nn.silu}
-
-
-def rms_normalize(x, eps: float):
-  """``x * rsqrt(mean(x²) + eps)`` over the last axis, in float32, back in x's dtype."""
-  y = x.astype(jnp.float32)
-  return (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-  """torchscale's ``RMSNorm`` with its ``weight``: ``[..., dim] -> [..., dim]``."""
-
-  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
-    self.eps = eps
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-
-  def __call__(self, x):
-    return rms_normalize(x, self.eps) * self.weight[...].astype(x.dtype)
 
 
 class GLU(nnx.Module):
