@@ -109,7 +109,9 @@ def test_converter_writes_a_folder_from_pretrained_reads(tmp_path):
 
   hf = hf_model("mistral")
   hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
-  done = run("jattn-convert", "llama", str(tmp_path / "hf"), str(tmp_path / "out"))
+  # converted by an install without torch or the safetensors package: numpy reads it
+  done = run("jattn-convert", "llama", str(tmp_path / "hf"), str(tmp_path / "out"),
+             without=("torch", "safetensors", "transformers"))
   assert done.returncode == 0, done.stderr
   assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "params.safetensors"]
   ours = LlamaForCausalLM.from_pretrained(str(tmp_path / "out"))
@@ -203,6 +205,16 @@ def test_top_p_keeps_the_token_that_crosses_the_mass():
   keys = jax.random.split(jax.random.key(0), 400)
   draw = jax.vmap(lambda k: Sampling(1.0, top_p=0.7)(logits, k))(keys)
   assert set(np.unique(draw).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
+
+
+def test_x64_mode_gives_the_same_logits():
+  model = tiny(seed=2)
+  ids = prompts(7, batch=2)
+  expected = np.asarray(model(jnp.asarray(ids)))
+  with jax.enable_x64(True):
+    got = model(jnp.asarray(ids, jnp.int64))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_training_step_under_jit_gives_finite_gradients():
