@@ -38,7 +38,7 @@ LAYERS = {
     0: ("jattn.kernels",),
     1: ("jattn.core", "jattn.lazy_exports"),
     2: ("jattn.tuning", "jattn.reference", "jattn.flash", "jattn.window", "jattn.dilated",
-        "jattn.retention", "jattn.paged", "jattn.varlen", "jattn.gpu"),
+        "jattn.retention", "jattn.paged", "jattn.varlen", "jattn.gpu", "jattn.fp8"),
     3: ("jattn.nn", "jattn.parallel", "jattn.flex"),
     4: ("jattn.autotune", "jattn.command_line", "jattn.upscale", "jattn"),
     5: ("jattn.interop",),

@@ -1,0 +1,121 @@
+"""FP8 attention inputs (issue 41, groundwork): quantising q, k, v to ``float8_e4m3fn``
+with float32 descales, the block-wise incoherent processing of FlashAttention-3 (a
+random Hadamard rotation of q and k per head, which leaves ``q kᵀ`` unchanged but
+spreads outliers before they are rounded), and the recipe's numerics as a float32
+reference: ``q kᵀ`` of the FP8 values scaled by the descales, the softmax in float32,
+its probabilities rounded to FP8 for the ``p v`` product (as the FP8 matmul takes
+them), normalised by the float32 row sums.
+
+The FP8 kernels compute what ``fp8_attention_reference`` computes, up to the order of
+their float32 sums.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn.reference import attention_mask
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def hadamard_rotation(head_dim: int, key=None):
+  """``[head_dim, head_dim]`` float32 orthonormal matrix: the Sylvester Hadamard matrix
+  over ``sqrt(head_dim)``, its rows' signs flipped at random by ``key`` (None: no
+  flips). ``head_dim`` must be a power of two."""
+  if type(head_dim) is not int or head_dim < 1 or head_dim & (head_dim - 1):
+    raise ValueError(f"head_dim must be a power of two for a Hadamard rotation, got "
+                     f"{head_dim!r}")
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < head_dim:
+    h = np.block([[h, h], [h, -h]])
+  h = jnp.asarray(h / np.sqrt(head_dim, dtype=np.float32))
+  if key is None:
+    return h
+  signs = jnp.where(jax.random.bernoulli(key, 0.5, (head_dim,)), 1.0, -1.0)
+  return signs[:, None] * h
+
+
+def quantize_fp8(x, *, group: int = 1, per_head: bool = True):
+  """``x: [batch, seq, heads, d]`` -> ``(x8, descale)``: ``x8`` in ``float8_e4m3fn``
+  with ``x ≈ x8 * descale``, each scale taking its block's largest magnitude to the
+  format's largest value. ``per_head``: one descale per ``group`` consecutive heads
+  (``[heads // group]``: for queries, ``group`` = query heads per KV head, so the
+  descale is per KV head); otherwise one for the tensor (``[]``). A block of zeros
+  gets descale 1."""
+  if x.ndim != 4:
+    raise ValueError(f"x must be [batch, seq, heads, head_dim], got shape {x.shape}")
+  batch, seq, heads, d = x.shape
+  if heads % group:
+    raise ValueError(f"group ({group}) must divide the heads ({heads})")
+  x32 = x.astype(jnp.float32)
+  blocks = x32.reshape(batch, seq, heads // group, group, d)
+  amax = jnp.max(jnp.abs(blocks), axis=(0, 1, 3, 4)) if per_head else jnp.max(jnp.abs(x32))
+  descale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+  per = descale[None, None, :, None, None] if per_head else descale
+  x8 = (blocks / per).reshape(x.shape).astype(E4M3)
+  return x8, descale
+
+
+def quantize_attention_inputs(q, k, v, *, per_head: bool = True, rotation=None):
+  """``(q8, k8, v8, q_descale, k_descale, v_descale)`` for FP8 attention, descales per
+  KV head (``[kv_heads]``) or per tensor (``[]``). ``rotation``: an orthonormal
+  ``[head_dim, head_dim]`` (``hadamard_rotation(d, key)``) applied to q and k first,
+  which leaves the attention unchanged and spreads outliers over the head dims."""
+  if rotation is not None:
+    q = jnp.einsum("bshd,de->bshe", q.astype(jnp.float32), rotation)
+    k = jnp.einsum("bshd,de->bshe", k.astype(jnp.float32), rotation)
+  group = q.shape[2] // k.shape[2]
+  q8, qd = quantize_fp8(q, group=group, per_head=per_head)
+  k8, kd = quantize_fp8(k, per_head=per_head)
+  v8, vd = quantize_fp8(v, per_head=per_head)
+  return q8, k8, v8, qd, kd, vd
+
+
+def _per_kv_head(descale, kv_heads: int, name: str):
+  descale = jnp.asarray(descale, jnp.float32)
+  if descale.shape not in ((), (1,), (kv_heads,)):
+    raise ValueError(f"{name} must be a float32 scalar or [kv_heads] = [{kv_heads}], got "
+                     f"shape {descale.shape}")
+  return jnp.broadcast_to(descale.reshape(-1), (kv_heads,))
+
+
+def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=1.0, *,
+                            causal: bool = False, scale: float | None = None,
+                            local_window=None, out_dtype=jnp.bfloat16,
+                            quantize_probs: bool = True):
+  """The FP8 recipe's attention in float32: ``q8 [batch, q_len, q_heads, d]``, ``k8
+  [batch, kv_len, kv_heads, d]``, ``v8 [batch, kv_len, kv_heads, dv]`` in
+  ``float8_e4m3fn``; descales float32 scalars or ``[kv_heads]``; ``causal`` and
+  ``local_window`` as ``flash_attention``'s. ``quantize_probs=False`` keeps the
+  probabilities in float32 (the dequantised inputs' exact attention). Rows that see
+  no key give zeros. Returns ``[batch, q_len, q_heads, dv]`` in ``out_dtype``."""
+  for name, x in (("q", q8), ("k", k8), ("v", v8)):
+    if x.dtype != E4M3 or x.ndim != 4:
+      raise ValueError(f"{name} must be a 4-d float8_e4m3fn array, got {x.dtype} of shape "
+                       f"{x.shape}")
+  batch, q_len, q_heads, d = q8.shape
+  kv_len, kv_heads = k8.shape[1], k8.shape[2]
+  if q_heads % kv_heads or k8.shape[:3] != v8.shape[:3]:
+    raise ValueError(f"q {q8.shape}, k {k8.shape}, v {v8.shape}: q_heads must be a "
+                     "multiple of kv_heads, and k and v agree on batch, length and heads")
+  group = q_heads // kv_heads
+  qd, kd, vd = (_per_kv_head(x, kv_heads, n) for x, n in
+                ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale")))
+  scale = d ** -0.5 if scale is None else float(scale)
+  qf = q8.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, d)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k8.astype(jnp.float32))
+  s = s * (qd * kd * scale)[None, :, None, None, None]
+  mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window)[:, :, None]
+  row_max = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
+  total = p.sum(-1, keepdims=True)
+  if quantize_probs:
+    p = p.astype(E4M3).astype(jnp.float32)
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v8.astype(jnp.float32))
+  o = o * vd[None, None, :, None, None] / jnp.where(total > 0, total, 1.0).transpose(
+      0, 3, 1, 2, 4)
+  return o.reshape(batch, q_len, q_heads, v8.shape[-1]).astype(out_dtype)

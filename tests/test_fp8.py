@@ -1,0 +1,87 @@
+"""FP8 quantisation, the Hadamard rotation and the FP8 recipe's float32 reference
+(``jattn.fp8``) against the float32 attention of the same values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn.fp8 import (E4M3, E4M3_MAX, fp8_attention_reference, hadamard_rotation,
+                       quantize_attention_inputs, quantize_fp8)
+from jattn.reference import flash_attention_reference
+
+
+def attention(q, k, v, **options):
+  return flash_attention_reference(q, k, v, **options)[0]  # the output, not its lse
+
+
+def qkv(seed=0, batch=2, q_len=24, kv_len=40, q_heads=4, kv_heads=2, d=32, dv=16, outliers=0.0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (batch, q_len, q_heads, d))
+  k = jax.random.normal(ks[1], (batch, kv_len, kv_heads, d))
+  v = jax.random.normal(ks[2], (batch, kv_len, kv_heads, dv))
+  if outliers:  # a few entries ten times larger, as FlashAttention-3's error study
+    q, k, v = (jnp.where(jax.random.bernoulli(jax.random.fold_in(ks[3], i), outliers, x.shape),
+                         10 * x, x) for i, x in enumerate((q, k, v)))
+  return q, k, v
+
+
+def test_hadamard_rotation_is_orthonormal_and_checks_its_size():
+  for key in (None, jax.random.key(3)):
+    r = hadamard_rotation(64, key)
+    np.testing.assert_allclose(np.asarray(r @ r.T), np.eye(64), atol=1e-6)
+  with pytest.raises(ValueError, match="head_dim must be a power of two"):
+    hadamard_rotation(96)
+
+
+def test_quantize_fp8_scales_each_kv_head_to_the_format_range():
+  q = qkv()[0] * jnp.array([1.0, 1.0, 5.0, 5.0])[None, None, :, None]
+  q8, descale = quantize_fp8(q, group=2)
+  assert q8.dtype == E4M3 and descale.shape == (2,)
+  np.testing.assert_allclose(np.asarray(descale) * E4M3_MAX,
+                             np.abs(np.asarray(q)).reshape(2, 24, 2, 2, 32).max(axis=(0, 1, 3, 4)),
+                             rtol=1e-6)
+  back = q8.astype(jnp.float32) * jnp.repeat(descale, 2)[None, None, :, None]
+  assert np.abs(np.asarray(back - q)).max() <= 0.07 * np.abs(np.asarray(q)).max()
+  q8, descale = quantize_fp8(jnp.zeros((1, 2, 2, 4)), per_head=False)
+  assert descale.shape == () and float(descale) == 1.0
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (7, 0))])
+def test_the_reference_is_the_dequantised_attention_without_rounding_the_probabilities(
+    causal, window):
+  q, k, v = qkv(1)
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
+  deq = lambda x8, s, group=1: x8.astype(jnp.float32) * jnp.repeat(s, group)[None, None, :, None]
+  expected = attention(deq(q8, qd, 2), deq(k8, kd), deq(v8, vd), causal=causal,
+                                       local_window=window)
+  exact = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=causal, local_window=window,
+                                  out_dtype=jnp.float32, quantize_probs=False)
+  np.testing.assert_allclose(np.asarray(exact), np.asarray(expected), atol=2e-6)
+  rounded = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=causal,
+                                    local_window=window, out_dtype=jnp.float32)
+  error = np.abs(np.asarray(rounded - expected)).max() / np.abs(np.asarray(expected)).max()
+  assert 0 < error < 0.1  # FP8 probabilities: 3 mantissa bits
+
+
+def test_rotation_leaves_attention_unchanged_and_cuts_the_error_of_outliers():
+  q, k, v = qkv(2, q_len=64, kv_len=64, d=64, dv=64, outliers=0.001)
+  exact = attention(q, k, v, causal=True)
+  r = hadamard_rotation(64, jax.random.key(4))
+  rotated = attention(q @ r, k @ r, v, causal=True)
+  np.testing.assert_allclose(np.asarray(rotated), np.asarray(exact), atol=2e-5)
+  rmse = lambda rotation: float(jnp.sqrt(jnp.mean((fp8_attention_reference(
+      *quantize_attention_inputs(q, k, v, rotation=rotation), causal=True,
+      out_dtype=jnp.float32) - exact) ** 2)))
+  assert rmse(r) < rmse(None)
+
+
+def test_fully_masked_rows_give_zeros_and_bad_inputs_are_named():
+  q, k, v = qkv(3, q_len=8, kv_len=4)
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
+  out = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=True)  # rows 0-3 see nothing
+  assert np.all(np.asarray(out[:, :4]) == 0) and np.isfinite(np.asarray(out)).all()
+  with pytest.raises(ValueError, match="q must be a 4-d float8_e4m3fn"):
+    fp8_attention_reference(q, k8, v8)
+  with pytest.raises(ValueError, match=r"k_descale must be a float32 scalar or \[kv_heads\]"):
+    fp8_attention_reference(q8, k8, v8, qd, jnp.ones(3), vd)
