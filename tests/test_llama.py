@@ -142,10 +142,26 @@ def hf_dict(**changes) -> dict:
     (dict(quantization_config={"bits": 4}), "'quantization_config' is not one"),
     (dict(attention_dropout=0.1), "'attention_dropout' is 0.1"),
     (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+    (dict(partial_rotary_factor=0.5), "'partial_rotary_factor' is 0.5"),
 ])
 def test_config_fields_it_cannot_honour_are_named(changes, says):
   with pytest.raises(LlamaConfigError, match=says.replace("(", r"\(")):
     LlamaConfig.from_hf(hf_dict(**changes))
+
+
+def test_a_published_qwen2_config_reads():
+  """A config.json with the fields published Qwen2.5 checkpoints carry (0.5B's sizes),
+  plus use_mrope at false (a field of Qwen2-VL's configs)."""
+  c = LlamaConfig.from_hf(dict(
+      architectures=["Qwen2ForCausalLM"], attention_dropout=0.0, bos_token_id=151643,
+      eos_token_id=151645, hidden_act="silu", hidden_size=896, initializer_range=0.02,
+      intermediate_size=4864, max_position_embeddings=32768, max_window_layers=21,
+      model_type="qwen2", num_attention_heads=14, num_hidden_layers=24, num_key_value_heads=2,
+      rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=32768,
+      tie_word_embeddings=True, torch_dtype="bfloat16", transformers_version="4.43.1",
+      use_cache=True, use_sliding_window=False, use_mrope=False, vocab_size=151936))
+  assert (c.head_dim, c.group, c.sliding_windows) == (64, 7, (None,) * 24)
+  assert c.qkv_bias and not c.o_bias and c.tie_word_embeddings and c.rope_theta == 1e6
 
 
 def test_rope_spellings_agree_and_llama3_bands():

@@ -116,6 +116,9 @@ class LlamaConfig:
     fields.require("attention_dropout", (0, 0.0), 0.0, what="0 (no attention dropout)")
     if model_type != "llama":
       fields.require("mlp_bias", (False,), False)
+      fields.require("attention_bias", (False,), False)
+    fields.require("partial_rotary_factor", (1, 1.0), 1.0, what="1.0 (rotary on every dim)")
+    fields.require("use_mrope", (False,), False)
     fields.finish()
     return cls(**values)
 
