@@ -13,10 +13,10 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """``temperature`` 0 is greedy (the first of equal maxima); above 0 the logits are
-  divided by it, then filtered: ``top_k`` keeps the k largest (ties with the k-th kept),
-  ``top_p`` keeps the smallest set of the most likely tokens whose probability reaches
-  ``top_p`` (the token that crosses it included), as Hugging Face's warpers do, in
-  that order; then one token is drawn."""
+  divided by it, then filtered: ``top_k`` keeps the k largest (ties with the k-th
+  kept; 0 or None: no filter), ``top_p`` keeps the smallest set of the most likely
+  tokens whose probability reaches ``top_p`` (the token that crosses it included), as
+  Hugging Face's warpers do, in that order; then one token is drawn."""
 
   temperature: float = 0.0
   top_k: int | None = None
@@ -25,8 +25,9 @@ class Sampling:
   def __post_init__(self):
     if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
       raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-    if self.top_k is not None and not (type(self.top_k) is int and self.top_k >= 1):
-      raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
+    if self.top_k is not None and not (type(self.top_k) is int and self.top_k >= 0):
+      raise ValueError(f"top_k must be None or an integer >= 0 (0: no filter), got "
+                       f"{self.top_k!r}")
     if self.top_p is not None and not (isinstance(self.top_p, (int, float))
                                        and 0 < self.top_p <= 1):
       raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
@@ -41,7 +42,7 @@ class Sampling:
     if self.greedy:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / self.temperature
-    if self.top_k is not None and self.top_k < logits.shape[-1]:
+    if self.top_k and self.top_k < logits.shape[-1]:
       kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
       logits = jnp.where(logits < kth, -jnp.inf, logits)
     if self.top_p is not None and self.top_p < 1:
