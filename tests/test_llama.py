@@ -214,6 +214,8 @@ def test_sampling_filters_and_eos():
     model.generate(ids, 2, temperature=1.0)
   with pytest.raises(ValueError, match="top_p must be"):
     Sampling(1.0, top_p=1.5)
+  with pytest.raises(ValueError, match=r"lengths must be in \[1, prompt_len = 11\]"):
+    model.generate(ids, 2, lengths=jnp.array([0, 4]))
 
 
 def test_top_p_keeps_the_token_that_crosses_the_mass():

@@ -91,8 +91,21 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
       int(t) for t in (eos_token_id if isinstance(eos_token_id, (list, tuple))
                        else [eos_token_id]))
   batch, prompt_len = input_ids.shape
-  lengths = (jnp.full((batch,), prompt_len, jnp.int32) if lengths is None
-             else jnp.asarray(lengths, jnp.int32))
+  if lengths is None:
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+  else:
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise ValueError(f"lengths must be [batch] = ({batch},) integers, got shape "
+                       f"{lengths.shape} {lengths.dtype}")
+    try:  # known values are checked; traced ones cannot be
+      low, high = int(jnp.min(lengths)), int(jnp.max(lengths))
+    except jax.errors.ConcretizationTypeError:
+      low, high = 1, prompt_len
+    if low < 1 or high > prompt_len:
+      raise ValueError(f"lengths must be in [1, prompt_len = {prompt_len}] (each row's "
+                       f"prompt), got values from {low} to {high}")
+    lengths = lengths.astype(jnp.int32)
   model.init_cache(batch, prompt_len + max_new_tokens)
   key = jax.random.key(0) if key is None else key
   return _sample(model, jnp.asarray(input_ids, jnp.int32), lengths, key,
