@@ -99,6 +99,34 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
   return out.transpose(1, 2)
 
 
+def fp8_attention_torch(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False,
+                        scale=None, local_window=None, out_dtype=torch.bfloat16):
+  """The FP8 recipe (``jattn.fp8``) in torch: ``float8_e4m3fn`` q, k, v with ``[kv_heads]``
+  float32 descales; scores from the FP8 values times the descales, the softmax in
+  float32 with its probabilities rounded to ``float8_e4m3fn`` for ``p v`` and the
+  float32 row sums dividing after. ``[batch, q_len, q_heads, head_dim_v]`` in
+  ``out_dtype``; rows that see no key are zeros."""
+  q_len, q_heads, head_dim = q8.shape[1], q8.shape[2], q8.shape[3]
+  kv_len, kv_heads = k8.shape[1], k8.shape[2]
+  group = q_heads // kv_heads
+  scale = head_dim ** -0.5 if scale is None else scale
+  per_q_head = lambda d: d.float().reshape(-1).expand(kv_heads).repeat_interleave(group)
+  qt, kt, vt = (x.float().transpose(1, 2) for x in (q8, k8, v8))
+  kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+  logits = torch.matmul(qt, kt.transpose(-1, -2))
+  logits = logits * (per_q_head(q_descale) * per_q_head(k_descale) * scale)[None, :, None, None]
+  mask = flash_attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
+                              device=q8.device)
+  row_max = logits.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)
+  row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+  probs = torch.exp(logits - row_max).masked_fill(~mask, 0.0)
+  total = probs.sum(-1, keepdim=True)
+  probs = probs.to(torch.float8_e4m3fn).float()
+  out = torch.matmul(probs, vt) * per_q_head(v_descale)[None, :, None, None]
+  out = out / torch.where(total > 0, total, torch.ones_like(total))
+  return out.to(out_dtype).transpose(1, 2)
+
+
 def retention_torch(q, k, v, *, decay=None, scale=None, normalize=None, mode=None,
                     chunk_size=None):
   """RetNet retention in torch (parallel form, float32), following the paper.

@@ -17,7 +17,9 @@ from jattn.core.cache import bucket
 from jattn.core.device import CUDNN, GPUInfo, current_device, shared_memory_limit
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import (check_attention_inputs, check_flag, check_integer_array,
-                                   check_shape, is_int, is_number, positive_number, scale_of)
+                                   check_shape, is_number, positive_number, scale_of,
+                                   window_arg)
+from jattn.fp8 import FP8_FLASH
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
                                          padded_head_dim)
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
@@ -112,16 +114,6 @@ def _dropout_seed(rate, key):
     return seed_of(key)
   except (TypeError, ValueError) as e:
     raise TypeError(f"dropout_key must be a jax.random key, got {key!r}") from e
-
-
-def window_arg(local_window) -> tuple:
-  """``(left, right)`` as Python ints or None, from ints of any kind (numpy's too)."""
-  ok = isinstance(local_window, (tuple, list)) and len(local_window) == 2 and all(
-      w is None or (is_int(w) and w >= 0) for w in local_window)
-  if not ok:
-    raise ValueError("local_window must be (left, right) with each a non-negative int or "
-                     f"None (unbounded), got {local_window!r}")
-  return tuple(None if w is None else int(w) for w in local_window)
 
 
 def sink_arg(sinks, q_heads: int):
@@ -434,7 +426,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
                     softcap: float | None = None, deterministic: bool = True,
                     return_lse: bool = False, sinks=None, dropout_rate: float = 0.0,
                     dropout_key=None, q_lengths=None, kv_lengths=None, backend: str = "auto",
-                    config: BlockConfig | MosaicBlockConfig | None = None):
+                    config: BlockConfig | MosaicBlockConfig | None = None, q_descale=None,
+                    k_descale=None, v_descale=None, out_dtype=None):
   """Memory-efficient exact attention, differentiable (custom VJP on Pallas backends).
 
   ``softmax(softcap(q kᵀ · scale) + mask) v`` computed tile by tile in fp32,
@@ -492,6 +485,13 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       a ``MosaicBlockConfig`` for ``pallas_mosaic`` (with ``"auto"``, only the
       backend that takes it is considered). Default: the autotuner's cache
       (``jattn.autotune``), else a heuristic by head_dim.
+    q_descale, k_descale, v_descale, out_dtype: FP8 inputs (q, k, v in
+      ``float8_e4m3fn``, ``jattn.fp8.quantize_attention_inputs``): each array's values
+      times its descale (float32, a scalar or ``[kv_heads]``; default 1) are the real
+      ones; the output is ``out_dtype`` (default bfloat16). The FP8 recipe (FP8
+      probabilities in ``p v``; ``jattn.fp8``) with ``causal``, ``scale`` and
+      ``local_window`` only, and no backward; the ``xla`` backend for now (the Hopper
+      FP8 kernel is in progress).
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; with ``return_lse``
@@ -500,6 +500,19 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     ``sinks``), never NaN. Gradients flow to q, k, v and sinks (and through ``lse``
     when it is used); segment ids get none.
   """
+  fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale,
+         "out_dtype": out_dtype}
+  if jnp.dtype(getattr(q, "dtype", jnp.float32)) == jnp.float8_e4m3fn or any(
+      x is not None for x in fp8.values()):
+    extra = {"q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
+             "softcap": softcap, "return_lse": return_lse or None, "sinks": sinks,
+             "dropout_rate": dropout_rate or None, "q_lengths": q_lengths,
+             "kv_lengths": kv_lengths, "config": config}
+    given = [name for name, value in extra.items() if value is not None]
+    if given:
+      raise ValueError(f"FP8 attention takes causal, scale and local_window, not {given[0]}")
+    return FP8_FLASH(q, k, v, causal=causal, scale=scale, local_window=local_window,
+                     backend=backend, **{n: x for n, x in fp8.items() if x is not None})
   return FLASH(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids, local_window=local_window, softcap=softcap,
                deterministic=deterministic, return_lse=return_lse, sinks=sinks,

@@ -1,4 +1,4 @@
-"""FP8 attention inputs (issue 41, groundwork): quantising q, k, v to ``float8_e4m3fn``
+"""FP8 attention (issue 41): quantising q, k, v to ``float8_e4m3fn``
 with float32 descales, the block-wise incoherent processing of FlashAttention-3 (a
 random Hadamard rotation of q and k per head, which leaves ``q kᵀ`` unchanged but
 spreads outliers before they are rounded), and the recipe's numerics as a float32
@@ -6,16 +6,23 @@ reference: ``q kᵀ`` of the FP8 values scaled by the descales, the softmax in f
 its probabilities rounded to FP8 for the ``p v`` product (as the FP8 matmul takes
 them), normalised by the float32 row sums.
 
-The FP8 kernels compute what ``fp8_attention_reference`` computes, up to the order of
-their float32 sums.
+The op ``flash_attention_fp8`` (what ``jattn.flash_attention`` hands FP8 inputs to) runs
+that reference on ``xla``, forward only; an FP8 kernel computes the same values up to
+the order of its float32 sums.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn.core.op import AttentionProblem, Op, XlaImpl
+from jattn.core.validation import (FLOAT_DTYPES, check_flag, check_heads, check_same_dtype,
+                                   check_shape, scale_of, window_arg)
 from jattn.reference import attention_mask
 
 E4M3 = jnp.float8_e4m3fn
@@ -119,3 +126,113 @@ def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=
   o = o * vd[None, None, :, None, None] / jnp.where(total > 0, total, 1.0).transpose(
       0, 3, 1, 2, 4)
   return o.reshape(batch, q_len, q_heads, v8.shape[-1]).astype(out_dtype)
+
+
+# --- the op: flash_attention on FP8 inputs ---------------------------------------------
+
+NO_FP8_GRADIENT = ("FP8 inputs have no backward: differentiate a 16-bit copy (flash_attention "
+                   "on bfloat16 q, k, v) and quantise only for the forward")
+# What flash_attention's FP8 path takes beside q, k, v and their descales.
+FP8_OPTIONS = ("causal", "scale", "local_window", "out_dtype", "backend")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Problem(AttentionProblem):
+  """An FP8 flash-attention call (``dtype`` is the inputs', ``out_dtype`` the
+  output's)."""
+
+  input_dtypes: ClassVar[tuple] = (jnp.dtype(E4M3),)
+
+  dtype: Any = E4M3
+  causal: bool = False
+  local_window: tuple | None = None
+  value_head_dim: int | None = None  # default head_dim
+  out_dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._set(out_dtype=jnp.dtype(self.out_dtype))
+    if self.value_head_dim is None:
+      self._set(value_head_dim=self.head_dim)
+    if self.local_window is not None:
+      self._set(local_window=tuple(self.local_window))
+
+  def check_fields(self) -> None:
+    """As every problem's, and ``out_dtype`` one of the 16- and 32-bit float types."""
+    if self.out_dtype not in FLOAT_DTYPES:
+      raise ValueError(f"out_dtype must be one of {', '.join(d.name for d in FLOAT_DTYPES)}, "
+                       f"got {self.out_dtype.name}")
+    super().check_fields()
+
+  @property
+  def head_dims(self) -> tuple[int, ...]:
+    return (self.head_dim, self.value_head_dim)
+
+
+class XlaFp8(XlaImpl):
+  """``fp8_attention_reference``: the recipe's values, dense, in float32."""
+
+  has_backward = True
+
+  def forward(self, call, q, k, v, q_descale, k_descale, v_descale):
+    p = call.problem
+    out = fp8_attention_reference(q, k, v, q_descale, k_descale, v_descale, causal=p.causal,
+                                  scale=p.scale, local_window=p.local_window,
+                                  out_dtype=p.out_dtype)
+    return out, None
+
+  def backward(self, call, residuals, cotangents):
+    raise NotImplementedError(NO_FP8_GRADIENT)
+
+
+def _descale(name: str, value, kv_heads: int):
+  if value is None:
+    return jnp.ones((kv_heads,), jnp.float32)
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"{name} must be float32, got {value.dtype}")
+  return _per_kv_head(value, kv_heads, name)
+
+
+class Fp8Attention(Op):
+  name = "flash_attention_fp8"
+  problem_cls = Fp8Problem
+  arg_names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
+  diff_argnums = ()  # no backward: NO_FP8_GRADIENT
+
+  def bind(self, q, k, v, *, q_descale=None, k_descale=None, v_descale=None, causal=False,
+           scale=None, local_window=None, out_dtype=jnp.bfloat16):
+    for name, x, layout in (("q", q, "batch, q_len, q_heads, head_dim"),
+                            ("k", k, "batch, kv_len, kv_heads, head_dim"),
+                            ("v", v, "batch, kv_len, kv_heads, head_dim_v")):
+      if not hasattr(x, "ndim") or x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 [{layout}], got shape "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    check_same_dtype(q=q, k=k, v=v)
+    if jnp.dtype(q.dtype) != E4M3:
+      raise TypeError(f"q has dtype {q.dtype}; FP8 attention takes float8_e4m3fn q, k, v "
+                      "(jattn.fp8.quantize_attention_inputs makes them)")
+    batch, _, q_heads, head_dim = q.shape
+    check_shape("k", k, (batch, None, None, head_dim), "batch, kv_len, kv_heads, head_dim")
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    check_shape("v", v, (batch, kv_len, kv_heads, None), "batch, kv_len, kv_heads, head_dim_v")
+    check_heads(q_heads, kv_heads)
+    if 0 in q.shape + k.shape + v.shape:
+      raise ValueError(f"q, k, v have an empty dimension: {q.shape}, {k.shape}, {v.shape}")
+    problem = Fp8Problem.of(
+        q, k, scale=scale_of(scale, head_dim), causal=check_flag("causal", causal),
+        local_window=None if local_window is None else window_arg(local_window),
+        value_head_dim=v.shape[-1], out_dtype=out_dtype)
+    problem.check_fields()
+    return problem, (q, k, v, *(_descale(n, d, kv_heads) for n, d in (
+        ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))))
+
+  def example(self, p: Fp8Problem, key):
+    ks = jax.random.split(key, 3)
+    q = jax.random.normal(ks[0], (p.batch, p.q_len, p.q_heads, p.head_dim))
+    k = jax.random.normal(ks[1], (p.batch, p.kv_len, p.kv_heads, p.head_dim))
+    v = jax.random.normal(ks[2], (p.batch, p.kv_len, p.kv_heads, p.value_head_dim))
+    return quantize_attention_inputs(q, k, v)
+
+
+FP8_FLASH = Fp8Attention(XlaFp8())

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from jattn.core.op import Impl, MosaicImpl, Op, TritonImpl, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_integer_array,
-                                   check_same_dtype, check_shape, positive_number, scale_of)
-from jattn.flash import (ServingProblem, decode_forward, hopper_decodes, row_lengths, sink_arg,
-                         window_arg)
+                                   check_same_dtype, check_shape, positive_number, scale_of,
+                                   window_arg)
+from jattn.flash import ServingProblem, decode_forward, hopper_decodes, row_lengths, sink_arg
 from jattn.kernels.flash.mosaic_decode import mosaic_decode_runs
 from jattn.reference import flash_attention_reference
 

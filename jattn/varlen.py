@@ -20,9 +20,10 @@ import numpy as np
 
 from jattn.core.op import MosaicImpl, Op, XlaImpl
 from jattn.core.validation import (check_array, check_flag, check_heads, check_positive_int,
-                                   check_same_dtype, check_shape, positive_number, scale_of)
+                                   check_same_dtype, check_shape, positive_number, scale_of,
+                                   window_arg)
 from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, mosaic_budget,
-                         sink_arg, sink_grad, window_arg)
+                         sink_arg, sink_grad)
 from jattn.kernels.common.config import default_block_config
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, floor_sinks
 from jattn.kernels.common.tiling import packed_positions, round_up

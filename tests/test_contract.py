@@ -101,6 +101,27 @@ VARLEN_SHAPES = lambda key, dtype, n: _normal(key, [(2 * n, 4, 16), (2 * n, 2, 1
                                                     (2 * n, 2, 16)], dtype)
 
 
+def _fp8(key, shapes):
+  """Normal q, k, v rounded to FP8 (far inside its range: the contract scales them by
+  1.5) and descales per KV head."""
+  arrays = _normal(key, shapes, jnp.float8_e4m3fn)
+  return arrays + (jnp.array([0.5, 2.0]), jnp.array([1.5, 0.25]), jnp.array([2.0, 0.75]))
+
+
+def _fp8_inputs(key, dtype, n):  # (dtype is the other ops')
+  return _fp8(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)])
+
+
+def _fp8_call(q, k, v, q_descale, k_descale, v_descale, backend):
+  return jattn.flash_attention(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                               v_descale=v_descale, causal=True, backend=backend)
+
+
+def _fp8_masked(key, dtype):
+  """Causal with q_len > kv_len: the first two queries see no key."""
+  return _fp8(key, [(1, 6, 4, 16), (1, 4, 2, 16), (1, 4, 2, 16)]), np.s_[:, :2]
+
+
 # decoding: two query positions against a cache of per-row lengths
 DECODE_SHAPES = lambda key, dtype, n: _normal(key, [(2, 2, 4, 16), (2, n, 2, 16),
                                                     (2, n, 2, 16)], dtype)
@@ -123,6 +144,7 @@ SPECS = [
     FLASH_FEATURES,
     FLASH_DECODE,
     Spec("paged_attention", DECODE_SHAPES, _paged_call, DECODE_MASKED, forward_only=True),
+    Spec("flash_attention_fp8", _fp8_inputs, _fp8_call, _fp8_masked, forward_only=True),
     Spec("flash_attention_varlen", VARLEN_SHAPES, _varlen_call,
          lambda key, dtype: (VARLEN_SHAPES(key, dtype, 3), np.s_[:1])),
     Spec("flex_attention",

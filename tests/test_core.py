@@ -75,7 +75,7 @@ def test_every_op_is_known():
                             "dilated_attention",
                             "retention_parallel", "retention_chunkwise", "retention_recurrent",
                             "retention_step", "paged_attention",
-                            "flash_attention_varlen"}
+                            "flash_attention_varlen", "flash_attention_fp8"}
   for op in OPS.values():
     assert op.backends[0] == "auto" and op.backends[-1] == "xla"
     assert op.backends[1:] == tuple(b for b in BACKEND_NAMES if b in op.backends)
@@ -113,7 +113,8 @@ FLASH_PROBLEMS = [dict(dtype=dtype, head_dim=d, q_len=128, kv_len=kv, causal=cau
 def test_auto_takes_the_first_backend_that_can(key):
   info = FAKES[key]
   for op in OPS.values():
-    problems = FLASH_PROBLEMS if op.name == "flash_attention" else [{}, {"dtype": jnp.float32}]
+    problems = (FLASH_PROBLEMS if op.name == "flash_attention" else [{}, {"dtype": jnp.float32}]
+                if jnp.dtype(jnp.float32) in op.problem_cls.input_dtypes else [{}])
     for keywords in problems:
       choices = gpu.backend_choices(op.name, info=info, **keywords)
       chosen = gpu.select_backend(op.name, info=info, **keywords)

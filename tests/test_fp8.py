@@ -85,3 +85,31 @@ def test_fully_masked_rows_give_zeros_and_bad_inputs_are_named():
     fp8_attention_reference(q, k8, v8)
   with pytest.raises(ValueError, match=r"k_descale must be a float32 scalar or \[kv_heads\]"):
     fp8_attention_reference(q8, k8, v8, qd, jnp.ones(3), vd)
+
+
+def test_flash_attention_takes_fp8_inputs_forward_only():
+  import jattn
+
+  q, k, v = qkv(4)
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
+  out = jattn.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                              causal=True, local_window=(9, 0), out_dtype=jnp.float32)
+  expected = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=True, local_window=(9, 0),
+                                     out_dtype=jnp.float32)
+  assert out.dtype == jnp.float32
+  # (compiled apart, exp may differ in its last bit, which moves an FP8 probability by
+  # an eighth: jattn.interop.harness.TOLERANCE)
+  scale = np.abs(np.asarray(expected)).max()
+  assert np.abs(np.asarray(out - expected)).max() <= 3e-2 * scale
+  assert jattn.flash_attention(q8, k8, v8).dtype == jnp.bfloat16  # descales default to 1
+  with pytest.raises(NotImplementedError, match="FP8 inputs have no backward"):
+    jax.grad(lambda q: jattn.flash_attention(q, k8, v8).astype(jnp.float32).sum())(q8)
+  with pytest.raises(ValueError, match="FP8 attention takes causal, scale and local_window, "
+                                       "not sinks"):
+    jattn.flash_attention(q8, k8, v8, sinks=jnp.zeros(4))
+  with pytest.raises(ValueError, match=r"v_descale must be a float32 scalar or \[kv_heads\]"):
+    jattn.flash_attention(q8, k8, v8, v_descale=jnp.ones(3))
+  with pytest.raises(ValueError, match="out_dtype must be one of"):
+    jattn.flash_attention(q8, k8, v8, out_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="q has dtype float32; FP8 attention takes"):
+    jattn.flash_attention(q, k, v, q_descale=qd)

@@ -38,7 +38,7 @@ from jattn.core.cache import RANKING, TuningKey, backend_times, lookup
 
 # The modules that define the public ops (each creates its ``Op`` on import).
 OP_MODULES = ("jattn.flash", "jattn.flex.attention", "jattn.window", "jattn.dilated",
-              "jattn.retention", "jattn.paged", "jattn.varlen")
+              "jattn.retention", "jattn.paged", "jattn.varlen", "jattn.fp8")
 
 
 class OpRegistry(collections.abc.MutableMapping):
@@ -85,7 +85,10 @@ OPS = OpRegistry()  # what lists ops iterates this
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """Base of the ops' problems: frozen dataclasses (hashable: they key the caches and
-  the compiled programs) with a ``dtype`` and a ``scale`` field."""
+  the compiled programs) with a ``dtype`` (one of ``input_dtypes``) and a ``scale``
+  field."""
+
+  input_dtypes: ClassVar[tuple] = FLOAT_DTYPES
 
   def _set(self, **fields) -> None:
     for name, value in fields.items():
@@ -107,8 +110,8 @@ class Problem:
     fields) bools, a dtype the kernels take. A ``ValueError`` naming the field
     otherwise. (Problems bound from arrays are not checked again: their sizes may be
     ``jax.export`` symbolic dimensions.)"""
-    if self.dtype not in FLOAT_DTYPES:
-      raise ValueError(f"dtype must be one of {', '.join(d.name for d in FLOAT_DTYPES)}, "
+    if self.dtype not in self.input_dtypes:
+      raise ValueError(f"dtype must be one of {', '.join(d.name for d in self.input_dtypes)}, "
                        f"got {self.dtype.name}")
     for field in dataclasses.fields(self):
       value, kind = getattr(self, field.name), str(field.type)

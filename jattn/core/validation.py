@@ -128,3 +128,13 @@ def scale_of(scale, head_dim: int) -> float:
   if scale is None:
     return head_dim ** -0.5
   return positive_number("scale", scale)
+
+
+def window_arg(local_window) -> tuple:
+  """``(left, right)`` as Python ints or None, from ints of any kind (numpy's too)."""
+  ok = isinstance(local_window, (tuple, list)) and len(local_window) == 2 and all(
+      w is None or (is_int(w) and w >= 0) for w in local_window)
+  if not ok:
+    raise ValueError("local_window must be (left, right) with each a non-negative int or "
+                     f"None (unbounded), got {local_window!r}")
+  return tuple(None if w is None else int(w) for w in local_window)
