@@ -113,3 +113,36 @@ def test_flash_attention_takes_fp8_inputs_forward_only():
     jattn.flash_attention(q8, k8, v8, out_dtype=jnp.int8)
   with pytest.raises(TypeError, match="q has dtype float32; FP8 attention takes"):
     jattn.flash_attention(q, k, v, q_descale=qd)
+
+
+def test_fp8_forward_with_the_16_bit_backward():
+  import jattn
+  from flax import nnx
+  from jattn.fp8 import fp8_attention
+  from jattn.nn import MultiHeadAttention
+
+  q, k, v = (x.astype(jnp.bfloat16) for x in qkv(5))
+  rotation = hadamard_rotation(32, jax.random.key(6))
+  out = jax.jit(lambda *a: fp8_attention(*a, causal=True, rotation=rotation))(q, k, v)
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v, rotation=rotation)
+  expected = jattn.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                   causal=True)
+  assert out.dtype == jnp.bfloat16
+  assert rel(out, expected) < 3e-2
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+  grads = jax.grad(loss(lambda *a: fp8_attention(*a, causal=True)), argnums=(0, 1, 2))(q, k, v)
+  exact = jax.grad(loss(lambda *a: jattn.flash_attention(*a, causal=True)), argnums=(0, 1, 2))(
+      q, k, v)
+  for g, g_ref in zip(grads, exact):  # the cotangents differ by the FP8 outputs' error only
+    assert g.dtype == jnp.bfloat16 and rel(g, g_ref) < 0.1
+  layer = MultiHeadAttention(32, 4, num_kv_heads=2, causal=True, fp8=True, fp8_rotation=True,
+                             rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(7), (2, 12, 32))
+  assert layer(x).shape == (2, 12, 32)
+  with pytest.raises(ValueError, match="fp8=True runs the attention without softcap"):
+    MultiHeadAttention(32, 4, fp8=True, softcap=5.0, rngs=nnx.Rngs(0))
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return np.abs(a - b).max() / np.abs(b).max()

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.flash import flash_attention
+from jattn.fp8 import fp8_attention, hadamard_rotation
 from jattn.nn.kv_cache import KVCache, PagedKVCache, contiguous_block_tables
 
 
@@ -30,6 +31,13 @@ class MultiHeadAttention(nnx.Module):
       ``"dropout"`` stream of ``rngs``; ``deterministic=True`` (or ``model.eval()``)
       turns it off.
     use_bias: biases on the four projections.
+    fp8: run the attention's forward in FP8 (``jattn.fp8.fp8_attention``: q, k, v
+      quantised per KV head each call, FlashAttention-3's recipe) with the 16-bit
+      backward of the unquantised attention; without softcap, sinks, dropout or segment
+      ids. Decoding through a cache stays 16-bit.
+    fp8_rotation: with ``fp8``, rotate q and k by a random-sign Hadamard matrix (fixed
+      per layer) before quantising, which cuts the error of outliers; head_dim a power
+      of two.
     backend: ``flash_attention`` backend.
     dtype: computation dtype (params stay in ``param_dtype``).
     rngs: ``nnx.Rngs`` for initialisation (and dropout).
@@ -43,8 +51,8 @@ class MultiHeadAttention(nnx.Module):
                head_dim: int | None = None, value_head_dim: int | None = None,
                causal: bool = False, local_window=None, softcap: float | None = None,
                sinks: bool = False, dropout_rate: float = 0.0, deterministic: bool = False,
-               use_bias: bool = True, backend: str = "auto", dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               use_bias: bool = True, fp8: bool = False, fp8_rotation: bool = False,
+               backend: str = "auto", dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
@@ -57,6 +65,14 @@ class MultiHeadAttention(nnx.Module):
     if not (0 <= dropout_rate < 1):
       raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
     dropout_rate = float(dropout_rate)
+    if fp8 and (softcap is not None or sinks or dropout_rate):
+      raise ValueError("fp8=True runs the attention without softcap, sinks or dropout")
+    if fp8_rotation and not fp8:
+      raise ValueError("fp8_rotation applies with fp8=True")
+    # A fixed rotation per layer (data: it rides through jit as an array).
+    self.fp8 = fp8
+    self.fp8_rotation = nnx.data(hadamard_rotation(head_dim, rngs.params())
+                                 if fp8_rotation else None)
     self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
     self.head_dim = head_dim
     self.value_head_dim = head_dim if value_head_dim is None else value_head_dim
@@ -149,10 +165,16 @@ class MultiHeadAttention(nnx.Module):
     dropout = {}
     if self.dropout_rate and not deterministic:
       dropout = dict(dropout_rate=self.dropout_rate, dropout_key=self.dropout_rngs())
-    o = flash_attention(q, k, v, causal=self.causal, local_window=self.local_window,
-                        softcap=self.softcap, q_segment_ids=segment_ids,
-                        kv_segment_ids=context_segment_ids, backend=self.backend,
-                        sinks=None if self.sinks is None else self.sinks[...], **dropout)
+    if self.fp8:
+      if segment_ids is not None:
+        raise ValueError("fp8=True runs the attention without segment ids")
+      o = fp8_attention(q, k, v, causal=self.causal, local_window=self.local_window,
+                        rotation=self.fp8_rotation, backend=self.backend)
+    else:
+      o = flash_attention(q, k, v, causal=self.causal, local_window=self.local_window,
+                          softcap=self.softcap, q_segment_ids=segment_ids,
+                          kv_segment_ids=context_segment_ids, backend=self.backend,
+                          sinks=None if self.sinks is None else self.sinks[...], **dropout)
     return self.out_proj(o.reshape(b, q_len, self.num_heads * self.value_head_dim))
 
   def _decode(self, x, lengths):
