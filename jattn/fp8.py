@@ -248,7 +248,7 @@ def fp8_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
   runs ``flash_attention`` on the FP8 values; the gradients are those of the unquantised
   ``flash_attention`` at the same inputs (the inputs are the 16-bit master copy).
   Returns ``[batch, q_len, q_heads, d_v]`` in q's dtype."""
-  from jattn.flash import flash_attention
+  from jattn.flash import flash_attention  # (jattn.flash imports this module's op)
 
   options = dict(causal=causal, scale=scale, local_window=local_window)
 
