@@ -237,33 +237,3 @@ class Fp8Attention(Op):
 
 FP8_FLASH = Fp8Attention(XlaFp8())
 
-
-# --- FP8 forward with a 16-bit backward ----------------------------------------------
-
-def fp8_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
-                  local_window=None, rotation=None, backend: str = "auto"):
-  """Attention of 16/32-bit ``q [batch, q_len, q_heads, d]``, ``k, v [batch, kv_len,
-  kv_heads, d(_v)]`` with an FP8 forward and a 16-bit backward: the forward quantises
-  them (``quantize_attention_inputs``, descales per KV head, ``rotation`` if given) and
-  runs ``flash_attention`` on the FP8 values; the gradients are those of the unquantised
-  ``flash_attention`` at the same inputs (the inputs are the 16-bit master copy).
-  Returns ``[batch, q_len, q_heads, d_v]`` in q's dtype."""
-  from jattn.flash import flash_attention  # (jattn.flash imports this module's op)
-
-  options = dict(causal=causal, scale=scale, local_window=local_window)
-
-  @jax.custom_vjp
-  def attend(q, k, v):
-    q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v, rotation=rotation)
-    return flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                           out_dtype=q.dtype, backend=backend, **options)
-
-  def forward(q, k, v):
-    return attend(q, k, v), (q, k, v)
-
-  def backward(residuals, cotangent):
-    _, pull = jax.vjp(lambda *x: flash_attention(*x, **options), *residuals)
-    return pull(cotangent.astype(residuals[0].dtype))
-
-  attend.defvjp(forward, backward)
-  return attend(q, k, v)

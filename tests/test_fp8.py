@@ -118,7 +118,7 @@ def test_flash_attention_takes_fp8_inputs_forward_only():
 def test_fp8_forward_with_the_16_bit_backward():
   import jattn
   from flax import nnx
-  from jattn.fp8 import fp8_attention
+  from jattn.fp8_training import fp8_attention
   from jattn.nn import MultiHeadAttention
 
   q, k, v = (x.astype(jnp.bfloat16) for x in qkv(5))

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.flash import flash_attention
-from jattn.fp8 import fp8_attention, hadamard_rotation
+from jattn.fp8 import hadamard_rotation
+from jattn.fp8_training import fp8_attention
 from jattn.nn.kv_cache import KVCache, PagedKVCache, contiguous_block_tables
 
 
@@ -31,7 +32,7 @@ class MultiHeadAttention(nnx.Module):
       ``"dropout"`` stream of ``rngs``; ``deterministic=True`` (or ``model.eval()``)
       turns it off.
     use_bias: biases on the four projections.
-    fp8: run the attention's forward in FP8 (``jattn.fp8.fp8_attention``: q, k, v
+    fp8: run the attention's forward in FP8 (``jattn.fp8_training.fp8_attention``: q, k, v
       quantised per KV head each call, FlashAttention-3's recipe) with the 16-bit
       backward of the unquantised attention; without softcap, sinks, dropout or segment
       ids. Decoding through a cache stays 16-bit.
