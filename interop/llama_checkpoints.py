@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jattn.command_line import about
 from jattn.interop.convert import load_torch_state_dict
 from jattn.interop.safetensors_files import safetensors_index
 from jattn.interop.stored_tensors import DTYPES, CheckpointError, StoredTensor
@@ -137,8 +138,8 @@ def load_llama(folder, *, dtype=None, param_dtype=None, backend: str = "auto"):
                                  backend=backend)
   except LlamaConfigError:
     raise
-  except (TypeError, ValueError) as e:
-    raise CheckpointError(f"{folder!r}: {str(e)[:400]}") from None
+  except (TypeError, ValueError) as e:  # led by the folder, once (read_hf_folder names it)
+    raise CheckpointError(about(folder, e)) from None
 
 
 def _is_converted(folder) -> bool:

@@ -102,6 +102,11 @@ def test_checkpoint_dtype_is_kept_and_mismatches_name_the_key(tmp_path):
   del state["model.norm.weight"]
   with pytest.raises(ValueError, match=r"missing keys \['model.norm.weight'\]"):
     LlamaForCausalLM.from_torch(state, hf.config)
+  os.remove(tmp_path / "model.safetensors")
+  with pytest.raises(ValueError) as error:  # the folder named once, at the start
+    LlamaForCausalLM.from_pretrained(str(tmp_path))
+  assert str(error.value) == (f"{str(tmp_path)!r} holds neither model.safetensors nor "
+                              "model.safetensors.index.json (only safetensors weights are read)")
 
 
 def test_converter_writes_a_folder_from_pretrained_reads(tmp_path):
