@@ -139,6 +139,8 @@ def test_fp8_forward_with_the_16_bit_backward():
                              rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(7), (2, 12, 32))
   assert layer(x).shape == (2, 12, 32)
+  with pytest.raises(ValueError, match="fp8=True runs the attention without segment ids"):
+    layer(x, x, context_segment_ids=jnp.zeros((2, 12), jnp.int32))
   with pytest.raises(ValueError, match="fp8=True runs the attention without softcap"):
     MultiHeadAttention(32, 4, fp8=True, softcap=5.0, rngs=nnx.Rngs(0))
 

@@ -167,7 +167,7 @@ class MultiHeadAttention(nnx.Module):
     if self.dropout_rate and not deterministic:
       dropout = dict(dropout_rate=self.dropout_rate, dropout_key=self.dropout_rngs())
     if self.fp8:
-      if segment_ids is not None:
+      if segment_ids is not None or context_segment_ids is not None:
         raise ValueError("fp8=True runs the attention without segment ids")
       o = fp8_attention(q, k, v, causal=self.causal, local_window=self.local_window,
                         rotation=self.fp8_rotation, backend=self.backend)
