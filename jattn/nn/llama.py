@@ -26,13 +26,19 @@ from jattn.nn.llama_config import LlamaConfig, rope_frequencies
 from jattn.nn.norms import RMSNorm
 
 
-def rotate(x, positions, inv_freq):
-  """The rotary embedding of ``x: [batch, seq, heads, head_dim]`` at ``positions:
-  [batch, seq]`` ints: angles in float32, cos and sin cast to ``x``'s dtype, the two
-  halves of each head rotated together."""
+def rotary(positions, inv_freq):
+  """``(cos, sin)``, each ``[batch, seq, 1, head_dim]`` float32, of the rotary angles at
+  ``positions: [batch, seq]`` ints for the ``[head_dim // 2]`` ``inv_freq`` (both halves
+  of a head share them). Computed once per forward, shared by every layer."""
   angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x, cos_sin):
+  """The rotary embedding of ``x: [batch, seq, heads, head_dim]`` by ``rotary``'s
+  ``(cos, sin)``, cast to ``x``'s dtype: the two halves of each head rotated together."""
+  cos, sin = (t.astype(x.dtype) for t in cos_sin)
   half = x.shape[-1] // 2
   turned = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos + turned * sin
@@ -55,15 +61,14 @@ class LlamaAttention(nnx.Module):
     self.heads, self.kv_heads, self.head_dim = heads, kv, d
     self.local_window = None if window is None else (window - 1, 0)
     self.backend = backend
-    self.inv_freq = tuple(float(f) for f in rope_frequencies(c))
     self.cache: KVCache | None = nnx.data(None)
 
-  def __call__(self, x, positions, *, decode: bool, lengths):
+  def __call__(self, x, cos_sin, *, decode: bool, lengths):
     b, n, _ = x.shape
     q = self.q_proj(x).reshape(b, n, self.heads, self.head_dim)
     k = self.k_proj(x).reshape(b, n, self.kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, n, self.kv_heads, self.head_dim)
-    q, k = rotate(q, positions, self.inv_freq), rotate(k, positions, self.inv_freq)
+    q, k = rotate(q, cos_sin), rotate(k, cos_sin)
     if decode:
       o = self.cache.attend(q, k, v, lengths, local_window=self.local_window,
                             backend=self.backend).astype(q.dtype)
@@ -95,8 +100,8 @@ class LlamaDecoderLayer(nnx.Module):
                                             param_dtype=param_dtype)
     self.mlp = LlamaMLP(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, *, decode: bool, lengths):
-    x = x + self.self_attn(self.input_layernorm(x), positions, decode=decode, lengths=lengths)
+  def __call__(self, x, cos_sin, *, decode: bool, lengths):
+    x = x + self.self_attn(self.input_layernorm(x), cos_sin, decode=decode, lengths=lengths)
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -194,9 +199,10 @@ class LlamaForCausalLM(nnx.Module):
       lengths = jnp.clip(lengths, 0, n).astype(jnp.int32)
     steps = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     positions = self.cached_lengths()[:, None] + steps if decode else steps
+    cos_sin = rotary(positions, rope_frequencies(self.config))
     x = self.model.embed_tokens(input_ids)
     for layer in self.model.layers:
-      x = layer(x, positions, decode=decode, lengths=lengths)
+      x = layer(x, cos_sin, decode=decode, lengths=lengths)
     x = self.model.norm(x)
     logits = self.model.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
     return logits.astype(jnp.float32)
