@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jattn.nn.sampling import Sampling
+
 
 @nnx.jit
 def prefill(model, prompt, lengths=None):
@@ -21,11 +23,16 @@ def prefill(model, prompt, lengths=None):
   ``lengths: [batch]`` (default ``prompt_len``): each row's prompt length, prompts
   left-aligned and right-padded. A row of length 0 caches nothing (its token is
   meaningless)."""
+  return jnp.argmax(_prompt_logits(model, prompt, lengths), axis=-1).astype(jnp.int32)
+
+
+def _prompt_logits(model, prompt, lengths):
+  """Appends ``prompt: [batch, prompt_len]`` to the caches; ``[batch, vocab]``: each
+  row's logits at its last real position (``lengths``; None: all of them)."""
   logits = model(prompt, decode=True, lengths=lengths)
   batch, n = prompt.shape
   last = jnp.full((batch,), n) if lengths is None else jnp.asarray(lengths)
-  last = jnp.clip(last - 1, 0, n - 1)
-  return jnp.argmax(logits[jnp.arange(batch), last], axis=-1).astype(jnp.int32)
+  return logits[jnp.arange(batch), jnp.clip(last - 1, 0, n - 1)]
 
 
 @nnx.jit(static_argnames="steps")
@@ -78,8 +85,6 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     key: a ``jax.random`` key, required when sampling (``temperature > 0``).
     lengths: ``[batch]`` ints, each prompt's length (default ``prompt_len``; at least 1).
   """
-  from jattn.nn.sampling import Sampling
-
   sampling = Sampling(temperature, top_k, top_p)
   if type(max_new_tokens) is not int or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -114,11 +119,9 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
 
 @nnx.jit(static_argnames=("steps", "sampling", "eos"))
 def _sample(model, prompt, lengths, key, *, steps, sampling, eos):
-  logits = model(prompt, decode=True, lengths=lengths)
-  batch, n = prompt.shape
-  last = jnp.clip(lengths - 1, 0, n - 1)
+  batch = prompt.shape[0]
   key, now = jax.random.split(key)
-  token = sampling(logits[jnp.arange(batch), last], now)
+  token = sampling(_prompt_logits(model, prompt, lengths), now)
   fill = eos[0] if eos else 0
   is_eos = lambda t: jnp.isin(t, jnp.asarray(eos, jnp.int32)) if eos else jnp.zeros_like(t, bool)
   out = jnp.full((batch, steps), fill, jnp.int32).at[:, 0].set(token)
