@@ -98,13 +98,13 @@ class LlamaConfig:
       raise LlamaConfigError(f"config field 'model_type' is {model_type!r}; jattn's "
                              f"LlamaForCausalLM reads {', '.join(MODEL_TYPES)}")
     fields = _Fields(d)
-    heads = fields.int("num_attention_heads")
-    hidden = fields.int("hidden_size")
+    heads = fields.required("num_attention_heads")
+    hidden = fields.required("hidden_size")
     head_dim = fields.get("head_dim")
-    layers = fields.int("num_hidden_layers")
+    layers = fields.required("num_hidden_layers")
     values = dict(
-        model_type=model_type, vocab_size=fields.int("vocab_size"), hidden_size=hidden,
-        intermediate_size=fields.int("intermediate_size"), num_hidden_layers=layers,
+        model_type=model_type, vocab_size=fields.required("vocab_size"), hidden_size=hidden,
+        intermediate_size=fields.required("intermediate_size"), num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=fields.get("num_key_value_heads") or heads,
         head_dim=head_dim if head_dim is not None else hidden // heads,
@@ -139,7 +139,8 @@ class _Fields:
     value = self.d.get(name, default)
     return default if value is None else value
 
-  def int(self, name):
+  def required(self, name):
+    """Reads ``name``, which the config must give (``LlamaConfig`` checks its value)."""
     if name not in self.d:
       raise LlamaConfigError(f"config has no field {name!r}")
     return self.get(name)
