@@ -170,10 +170,9 @@ def run_rows(shape: Shape, args):
               argmax_equal=float((got.argmax(-1) == ref.argmax(-1)).mean()))
   print("bf16 logits:", bf16, flush=True)
 
-  def hf_call(n, **kw):
-    with torch.no_grad():
-      return lambda: hf.generate(tids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 **kw)
+  def hf_call(n, **kw):  # (generate runs without gradients by itself)
+    return lambda: hf.generate(tids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               **kw)
 
   calls = {"jattn": lambda n: (lambda: ours.generate(jids, n)),
            "hf_default": lambda n: hf_call(n)}
