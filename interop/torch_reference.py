@@ -115,6 +115,10 @@ def fp8_attention_torch(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=F
   kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
   logits = torch.matmul(qt, kt.transpose(-1, -2))
   logits = logits * (per_q_head(q_descale) * per_q_head(k_descale) * scale)[None, :, None, None]
+  # a key with a non-finite value row: NaN for the rows that see it, none for the others
+  bad = ~torch.isfinite(vt).all(-1)  # [batch, q_heads, kv_len]
+  vt = vt.masked_fill(bad[..., None], 0.0)
+  logits = logits.masked_fill(bad[:, :, None, :], float("nan"))
   mask = flash_attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
                               device=q8.device)
   row_max = logits.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)

@@ -23,7 +23,7 @@ import numpy as np
 from jattn.core.op import AttentionProblem, Op, XlaImpl
 from jattn.core.validation import (FLOAT_DTYPES, check_flag, check_heads, check_same_dtype,
                                    check_shape, scale_of, window_arg)
-from jattn.reference import attention_mask
+from jattn.reference import attention_mask, guarded_values
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -116,13 +116,17 @@ def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=
   qf = q8.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, d)
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k8.astype(jnp.float32))
   s = s * (qd * kd * scale)[None, :, None, None, None]
+  # A key whose value row is not finite makes the rows that see it NaN and no other
+  # (the references' and kernels' shared rule: jattn.reference.guarded_values).
+  bad, v = guarded_values(v8.astype(jnp.float32))
+  s = jnp.where(jnp.moveaxis(bad, 1, 2)[:, :, None, None, :], jnp.nan, s)
   mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window)[:, :, None]
   row_max = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True)
   p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
   total = p.sum(-1, keepdims=True)
   if quantize_probs:
     p = p.astype(E4M3).astype(jnp.float32)
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v8.astype(jnp.float32))
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v)
   o = o * vd[None, None, :, None, None] / jnp.where(total > 0, total, 1.0).transpose(
       0, 3, 1, 2, 4)
   return o.reshape(batch, q_len, q_heads, v8.shape[-1]).astype(out_dtype)

@@ -148,3 +148,16 @@ def test_fp8_forward_with_the_16_bit_backward():
 def rel(a, b):
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   return np.abs(a - b).max() / np.abs(b).max()
+
+
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it():
+  """A NaN in the values of key 5 (causal): rows before it stay finite, the others are
+  NaN; a NaN query spoils its own row only."""
+  q, k, v = qkv(8, q_len=12, kv_len=12)
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
+  v8 = v8.at[:, 5].set(jnp.nan)
+  q8 = q8.at[:, 1, 0].set(jnp.nan)
+  out = np.asarray(fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=True,
+                                           out_dtype=jnp.float32))
+  assert np.isfinite(out[:, :5]).sum() == out[:, :5].size - 2 * out.shape[-1]  # row 1 head 0
+  assert np.isnan(out[:, 1, 0]).all() and np.isnan(out[:, 5:]).all()
