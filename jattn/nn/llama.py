@@ -92,6 +92,8 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
+  """``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``x: [batch, seq, hidden_size]``."""
+
   def __init__(self, c: LlamaConfig, index: int, *, backend, dtype, param_dtype, rngs):
     self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
     self.self_attn = LlamaAttention(c, c.sliding_windows[index], backend=backend, dtype=dtype,
