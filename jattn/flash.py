@@ -489,9 +489,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       ``float8_e4m3fn``, ``jattn.fp8.quantize_attention_inputs``): each array's values
       times its descale (float32, a scalar or ``[kv_heads]``; default 1) are the real
       ones; the output is ``out_dtype`` (default bfloat16). The FP8 recipe (FP8
-      probabilities in ``p v``; ``jattn.fp8``) with ``causal``, ``scale`` and
-      ``local_window`` only, and no backward; the ``xla`` backend for now (the Hopper
-      FP8 kernel is in progress).
+      probabilities in ``p v``; ``jattn.fp8``) with ``causal``, ``scale``,
+      ``local_window`` and ``config`` only, and no backward: the Hopper kernel
+      (``pallas_mosaic``, 8-bit wgmma; its ``MosaicBlockConfig`` forward tiles, key
+      tiles of 64, 128 or 256) or the ``xla`` reference.
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim_v]`` in q's dtype; with ``return_lse``
@@ -507,12 +508,14 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     extra = {"q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
              "softcap": softcap, "return_lse": return_lse or None, "sinks": sinks,
              "dropout_rate": dropout_rate or None, "q_lengths": q_lengths,
-             "kv_lengths": kv_lengths, "config": config}
+             "kv_lengths": kv_lengths}
     given = [name for name, value in extra.items() if value is not None]
     if given:
-      raise ValueError(f"FP8 attention takes causal, scale and local_window, not {given[0]}")
+      raise ValueError(f"FP8 attention takes causal, scale, local_window and config, not "
+                       f"{given[0]}")
     return FP8_FLASH(q, k, v, causal=causal, scale=scale, local_window=local_window,
-                     backend=backend, **{n: x for n, x in fp8.items() if x is not None})
+                     backend=backend, config=config,
+                     **{n: x for n, x in fp8.items() if x is not None})
   return FLASH(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids, local_window=local_window, softcap=softcap,
                deterministic=deterministic, return_lse=return_lse, sinks=sinks,

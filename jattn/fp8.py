@@ -7,8 +7,9 @@ its probabilities rounded to FP8 for the ``p v`` product (as the FP8 matmul take
 them), normalised by the float32 row sums.
 
 The op ``flash_attention_fp8`` (what ``jattn.flash_attention`` hands FP8 inputs to) runs
-that reference on ``xla``, forward only; an FP8 kernel computes the same values up to
-the order of its float32 sums.
+forward only: on a Hopper GPU the 8-bit wgmma kernel (``MosaicFp8``), which rounds its
+weights against the running row max (the reference against the final one: the values
+differ by that rounding), elsewhere that reference on ``xla``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.core.op import AttentionProblem, Op, XlaImpl
+from jattn.core.device import shared_memory_limit
+from jattn.core.op import AttentionProblem, MosaicImpl, Op, XlaImpl
 from jattn.core.validation import (FLOAT_DTYPES, check_flag, check_heads, check_same_dtype,
                                    check_shape, scale_of, window_arg)
+from jattn.kernels.flash.config import MosaicBlockConfig, default_fp8_config, fp8_misfit
+from jattn.kernels.flash.mosaic import flash_mosaic_forward_fp8
 from jattn.reference import attention_mask, guarded_values
 
 E4M3 = jnp.float8_e4m3fn
@@ -189,6 +193,29 @@ class XlaFp8(XlaImpl):
     raise NotImplementedError(NO_FP8_GRADIENT)
 
 
+class MosaicFp8(MosaicImpl):
+  """The Hopper forward kernel on 8-bit wgmma (``flash_mosaic_forward_fp8``)."""
+
+  config_cls = MosaicBlockConfig
+
+  def heuristic_config(self, p: Fp8Problem, info):
+    return default_fp8_config(*p.head_dims, out_nbytes=p.out_dtype.itemsize,
+                              masked=p.causal or p.local_window is not None)
+
+  def fits(self, config, p: Fp8Problem, info, kernels=()):
+    return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info))
+
+  def forward(self, call, q, k, v, q_descale, k_descale, v_descale):
+    p = call.problem
+    out = flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, causal=p.causal,
+                                   scale=p.scale, local_window=p.local_window,
+                                   config=call.config, out_dtype=p.out_dtype)
+    return out, None
+
+  def backward(self, call, residuals, cotangents):
+    raise NotImplementedError(NO_FP8_GRADIENT)
+
+
 def _descale(name: str, value, kv_heads: int):
   if value is None:
     return jnp.ones((kv_heads,), jnp.float32)
@@ -239,5 +266,5 @@ class Fp8Attention(Op):
     return quantize_attention_inputs(q, k, v)
 
 
-FP8_FLASH = Fp8Attention(XlaFp8())
+FP8_FLASH = Fp8Attention(MosaicFp8(), XlaFp8())
 

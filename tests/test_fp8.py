@@ -104,8 +104,8 @@ def test_flash_attention_takes_fp8_inputs_forward_only():
   assert jattn.flash_attention(q8, k8, v8).dtype == jnp.bfloat16  # descales default to 1
   with pytest.raises(NotImplementedError, match="FP8 inputs have no backward"):
     jax.grad(lambda q: jattn.flash_attention(q, k8, v8).astype(jnp.float32).sum())(q8)
-  with pytest.raises(ValueError, match="FP8 attention takes causal, scale and local_window, "
-                                       "not sinks"):
+  with pytest.raises(ValueError, match="FP8 attention takes causal, scale, local_window and "
+                                       "config, not sinks"):
     jattn.flash_attention(q8, k8, v8, sinks=jnp.zeros(4))
   with pytest.raises(ValueError, match=r"v_descale must be a float32 scalar or \[kv_heads\]"):
     jattn.flash_attention(q8, k8, v8, v_descale=jnp.ones(3))
@@ -161,3 +161,37 @@ def test_a_non_finite_value_reaches_only_the_rows_that_see_it():
                                            out_dtype=jnp.float32))
   assert np.isfinite(out[:, :5]).sum() == out[:, :5].size - 2 * out.shape[-1]  # row 1 head 0
   assert np.isnan(out[:, 1, 0]).all() and np.isnan(out[:, 5:]).all()
+
+
+def rmse(a, b):
+  return float(np.sqrt(np.mean((np.asarray(a, np.float32) - np.asarray(b, np.float32)) ** 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal, window, out_dtype", [
+    # (batch, q_len, kv_len, q_heads, kv_heads, d, dv)
+    ((2, 300, 333, 4, 2, 128, 128), False, None, jnp.bfloat16),
+    ((2, 300, 333, 4, 2, 128, 128), True, None, jnp.float32),
+    ((1, 520, 520, 4, 1, 128, 128), True, (100, 0), jnp.float16),
+    ((2, 200, 200, 2, 2, 64, 64), False, None, jnp.bfloat16),
+    ((1, 260, 300, 2, 2, 256, 256), True, None, jnp.bfloat16),
+    ((1, 256, 256, 4, 2, 128, 64), False, None, jnp.bfloat16),
+])
+def test_the_hopper_fp8_kernel_computes_the_recipe(shape, causal, window, out_dtype):
+  """The 8-bit wgmma kernel against the recipe's float32 reference, and no less exact
+  than it against the float32 attention of the inputs it quantised (its weights are
+  rounded against the running row max, the reference's against the final one)."""
+  import jattn
+
+  batch, q_len, kv_len, q_heads, kv_heads, d, dv = shape
+  q, k, v = qkv(11, batch, q_len, kv_len, q_heads, kv_heads, d, dv, outliers=1e-3)
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
+  options = dict(causal=causal, local_window=window, out_dtype=out_dtype)
+  out = jattn.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                              backend="pallas_mosaic", **options)
+  recipe = fp8_attention_reference(q8, k8, v8, qd, kd, vd, **options)
+  exact = attention(q, k, v, causal=causal, local_window=window)
+  assert out.dtype == out_dtype and out.shape == (batch, q_len, q_heads, dv)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert rmse(out, recipe) < 2e-2 * rmse(recipe, 0)
+  assert rmse(out, exact) < 1.25 * rmse(recipe, exact) + 1e-3

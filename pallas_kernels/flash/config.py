@@ -109,6 +109,37 @@ def default_mosaic_config(head_dim: int, value_head_dim: int | None = None) -> M
   return MosaicBlockConfig(block_q=64, block_kv=128 if wide_tiles else 64, stages=2)
 
 
+# FP8 key tiles: an 8-bit wgmma reduces over whole swizzle widths (128 keys, or 64).
+FP8_BLOCK_KV = (64, 128, 256)
+
+
+def default_fp8_config(head_dim: int, value_head_dim: int | None = None,
+                       out_nbytes: int = 2, masked: bool = False) -> MosaicBlockConfig:
+  """Hopper FP8 forward tiles: 64 query rows per consumer and the widest key tile that
+  fits the shared memory, up to 256 keys (128 under a causal mask or a window, whose
+  diagonal tiles waste more of a wide tile): the winners of ``bench/fp8.py``'s sweep
+  on an H100. The backward fields keep their defaults (the forward alone runs)."""
+  dk = mosaic_head_dim(head_dim)
+  dv = mosaic_head_dim(head_dim if value_head_dim is None else value_head_dim)
+  fits = lambda block_kv: forward_smem_bytes(64, block_kv, 2, dk, dv, 1, 1, out_nbytes) + (
+      MOSAIC_SMEM_OVERHEAD) <= HOPPER_SMEM_BYTES
+  widest = 128 if masked else 256
+  block_kv = next(b for b in sorted(FP8_BLOCK_KV, reverse=True) if b <= widest and (
+      fits(b) or b == min(FP8_BLOCK_KV)))
+  return MosaicBlockConfig(block_q=64, block_kv=block_kv, stages=2)
+
+
+def fp8_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], out_nbytes: int,
+               smem_limit: int) -> str | None:
+  """Why config ``c`` does not fit the FP8 forward at head dims ``(dk, dv)`` on a device
+  with ``smem_limit`` bytes of shared memory per CTA (None: it fits)."""
+  if c.block_kv not in FP8_BLOCK_KV:
+    return f"FP8 forward block_kv must be one of {FP8_BLOCK_KV}, got {c.block_kv}"
+  dk, dv = (mosaic_head_dim(d) for d in head_dims)
+  cost = forward_cost(c.block_q, c.block_kv, c.stages, dk, dv, 1, out_nbytes)
+  return over_budget("forward", cost, smem_limit, MOSAIC_REGISTER_BUDGET)
+
+
 def fused_dq_columns(head_dim: int) -> int:
   """Head-dim columns of the fused dQ tile each consumer computes: with head dims that
   split into whole 64-wide tiles, the consumers share one dQ tile (each summing both

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import backward_delta, backward_lse, floor_sinks
@@ -134,6 +136,39 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
                           persistent=config.persistent, positions=positions,
                           sinks=None if sinks is None else floor_sinks(sinks))
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
+
+
+def flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal: bool,
+                             scale: float, local_window, config: MosaicBlockConfig,
+                             out_dtype):
+  """FP8 flash attention forward on Hopper: QKᵀ and PV on 8-bit wgmma, the softmax in
+  float32, the weights cast to E4M3 for PV (FlashAttention-3's recipe).
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, head_dim_v]``; ``float8_e4m3fn``, head dims
+      ``<= 256``, ``scale > 0``.
+    q_descale, k_descale, v_descale: ``[kv_heads]`` float32, positive: the inputs are
+      ``x8 * descale``.
+    out_dtype: the output's dtype (16- or 32-bit float).
+
+  Returns:
+    ``o: [batch, q_len, q_heads, head_dim_v]`` in ``out_dtype``. V is transposed to
+    ``[batch, kv_heads, head_dim_v, kv_len]`` on the way in (one pass over V: the 8-bit
+    wgmma reads it keys-fastest).
+  """
+  q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
+  group = q.shape[2] // k.shape[2]
+  q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
+                                               local_window=local_window)
+  v_t = jnp.transpose(pad_to(v, kv_len_p, mosaic_head_dim(dv)), (0, 2, 3, 1))
+  per_q_head = lambda x: jnp.repeat(x.astype(jnp.float32), group)
+  o, _ = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), v_t, spec=spec,
+                        scale=scale, block_q=config.block_q, block_kv=config.block_kv,
+                        stages=config.stages, persistent=config.persistent,
+                        descales=(per_q_head(q_descale * k_descale), per_q_head(v_descale)),
+                        out_dtype=out_dtype)
+  return o[:, :q_len, :, :dv]
 
 
 def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool,

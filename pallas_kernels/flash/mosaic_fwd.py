@@ -11,6 +11,7 @@ from jax import lax
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LN2, LOG2E, log2_units
 from jattn.kernels.hopper import pipeline as mp
+from jattn.kernels.hopper.addressing import ContiguousKV, TransposedValuesKV
 from jattn.kernels.hopper.forward import ConsumerRows, Rows, rows_forward
 from jattn.kernels.hopper.inputs import PositionInputs
 
@@ -22,20 +23,31 @@ class SoftmaxRows:
   mask (segment ids, a mask function) and the score transform (soft-cap, a score
   function) of ``positions`` applied to the logits, and its dropout of the weights;
   saves the log-sum-exp (natural log; ``EMPTY_ROW_LSE`` for rows that see no key,
-  whose output is zeros)."""
+  whose output is zeros).
+
+  ``descaled`` (FP8 inputs): the logits are ``q kᵀ`` times a per-head ``logit_scale``
+  (the descales of q and k) besides ``scale``, and the output is times a per-head
+  ``value_scale`` (V's descale); both positive, so the running max of the raw products
+  stays the max of the logits. The weights multiplied with V are cast to the inputs'
+  dtype as they stand (in ``(0, 1]``, where E4M3 needs no scale of its own)."""
 
   spec: MaskSpec
   scale: float
   softcap: float | None = None
   positions: PositionInputs = PositionInputs()
   sinks: bool = False  # reads ``[q_heads]`` float32 sink logits
+  descaled: bool = False  # reads ``[q_heads]`` float32 logit_scale, then value_scale
 
   @property
   def n_inputs(self) -> int:  # kernel inputs the rule reads
-    return int(self.sinks)
+    return int(self.sinks) + 2 * int(self.descaled)
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
     c = log2_units(self.scale, self.positions.score is not None or self.softcap is not None)
+    value_scale = None
+    if self.descaled:
+      logit_scale, value_scale = (x[t.head] for x in inputs[int(self.sinks):])
+      c = c * logit_scale
 
     def update(s, stats, j, masked, tile):
       m, l = stats
@@ -63,7 +75,8 @@ class SoftmaxRows:
       l_safe = jnp.where(empty, 1.0, l)
       # Dropout scales the kept weights by 1 / (1 - rate).
       l_out = l_safe * (1.0 - self.positions.dropout) if self.positions.dropout else l_safe
-      o = acc * lax.broadcast_in_dim(1.0 / l_out, acc.shape, [0])
+      row_scale = 1.0 / l_out if value_scale is None else value_scale / l_out
+      o = acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])
       return o, jnp.where(empty, EMPTY_ROW_LSE, m * (c * LN2) + jnp.log(l_safe))
 
     if self.sinks:  # every row's denominator starts at exp(sink)
@@ -77,13 +90,19 @@ class SoftmaxRows:
 def mosaic_forward(q, k, v, inputs=(), *, spec: MaskSpec, scale: float, block_q: int,
                    block_kv: int, stages: int, softcap: float | None = None,
                    persistent: bool | None = None,
-                   positions: PositionInputs = PositionInputs(), sinks=None):
+                   positions: PositionInputs = PositionInputs(), sinks=None, descales=None,
+                   out_dtype=None):
   """Flash attention's Hopper forward kernel on padded inputs (see ``rows_forward``):
   ``(o, lse)``, ``lse: [batch, q_heads, q_len_p]`` float32 in natural log.
   ``inputs``: the per-position arrays of ``positions``; ``sinks``: ``[q_heads]``
-  float32 or None."""
-  rule = SoftmaxRows(spec, scale, softcap, positions, sinks is not None)
-  inputs = tuple(inputs) + (() if sinks is None else (sinks,))
+  float32 or None. FP8: ``descales = (logit_scale, value_scale)``, each ``[q_heads]``
+  float32 (``SoftmaxRows``), with ``v: [batch, kv_heads, dv_p, kv_len_p]`` transposed;
+  ``out_dtype``: the output's (default q's)."""
+  rule = SoftmaxRows(spec, scale, softcap, positions, sinks is not None, descales is not None)
+  inputs = (tuple(inputs) + (() if sinks is None else (sinks,))
+            + (() if descales is None else tuple(descales)))
+  addressing = ContiguousKV() if descales is None else TransposedValuesKV()
   return rows_forward(q, k, v, inputs, rule=rule,
                       spec=spec, block_q=block_q, block_kv=block_kv, stages=stages,
-                      persistent=persistent, positions=positions)
+                      persistent=persistent, positions=positions, addressing=addressing,
+                      out_dtype=out_dtype)

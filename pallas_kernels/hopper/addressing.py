@@ -10,7 +10,11 @@ An addressing is a hashable object with
   refs, with ``bound.tile(ref, batch, kv_head, start, size)``: the
   ``[size, head_dim]`` view of ``ref`` (K or V) holding logical key positions
   ``[start, start + size)`` of sequence ``batch`` and KV head ``kv_head``, which the
-  producer copies by TMA. ``start`` is a multiple of ``size`` (the key tile).
+  producer copies by TMA, and ``bound.v_tile(ref, ...)``: the same for V, as V's tile
+  lies (``[head_dim_v, size]`` where ``values_transposed``). ``start`` is a multiple of
+  ``size`` (the key tile);
+- ``values_transposed``: whether V's tiles come keys-fastest (the FP8 kernels'
+  layout: an 8-bit wgmma reads its B operand only with the reduced axis fastest).
 
 Per-position inputs of the keys (segment ids, a mask function's parts) stay in
 logical order: only K and V move.
@@ -31,6 +35,7 @@ class ContiguousKV:
   order in its batch row."""
 
   n_inputs = 0
+  values_transposed = False
 
   def kv_len(self, k) -> int:
     return k.shape[1]
@@ -41,6 +46,19 @@ class ContiguousKV:
 
   def tile(self, ref, batch, kv_head, start, size: int):
     return ref.at[batch, pl.ds(start, size), kv_head]
+
+  def v_tile(self, ref, batch, kv_head, start, size: int):
+    return self.tile(ref, batch, kv_head, start, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedValuesKV(ContiguousKV):
+  """K as ``ContiguousKV``'s, V transposed: ``[batch, kv_heads, head_dim_v, kv_len]``."""
+
+  values_transposed = True
+
+  def v_tile(self, ref, batch, kv_head, start, size: int):
+    return ref.at[batch, kv_head, :, pl.ds(start, size)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +74,7 @@ class PagedKV:
   num_pages: int
 
   n_inputs = 1
+  values_transposed = False
 
   def kv_len(self, k) -> int:
     return self.page_size * self.pages_per_seq
@@ -74,3 +93,5 @@ class _BoundPages:
     page = self.table[batch, lax.div(start, page_size)]
     page = jnp.minimum(jnp.maximum(page, 0), self.kind.num_pages - 1)
     return ref.at[page, pl.ds(lax.rem(start, page_size), size), kv_head]
+
+  v_tile = tile

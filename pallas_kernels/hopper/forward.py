@@ -15,6 +15,13 @@ streams the next item's first tiles while the consumers finish the last one, and
 consumer loads its next Q tile into a second buffer during the current item (where
 two fit the shared memory).
 
+With 8-bit inputs (FP8) the kernel differs in two places, both forced by the 8-bit
+wgmma, which reads its operands only with the reduced axis fastest: V comes transposed
+(``addressing.TransposedValuesKV``: ``[head_dim_v, block_kv]`` tiles), and the 8-bit
+tile a consumer multiplies with V goes through shared memory (its registers are laid
+out for an accumulator, not for an 8-bit A operand). The output takes its own dtype
+(``out_dtype``; 16-bit inputs: theirs).
+
 The row rule says how a consumer turns each score tile into the tile it multiplies
 with V, and how it finishes its rows. A rule is a hashable object with ``n_inputs``
 (extra kernel inputs it reads) and ``bind(inputs, ConsumerRows) -> Rows``. Flash
@@ -86,27 +93,38 @@ def output_view_rows(block_q: int, dk: int, dv: int) -> int | None:
   return rows if dv <= dk and not rest and rows % 8 == 0 else None
 
 
+def own_output_tile(block_q: int, dk: int, dv: int, nbytes: int, out_nbytes: int) -> bool:
+  """Whether the output needs a shared-memory tile of its own (else it takes a view of
+  its Q tile: ``output_view_rows``; never where the output's dtype differs)."""
+  return out_nbytes != nbytes or output_view_rows(block_q, dk, dv) is None
+
+
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                       nbytes: int, q_buffers: int) -> int:
+                       nbytes: int, q_buffers: int, out_nbytes: int | None = None) -> int:
   """Shared memory of the forward kernel's tiles: ``q_buffers`` Q tiles per consumer
   (which take the output tile where ``output_view_rows`` says so, else an output tile
-  of its own), ``stages`` K and V slots."""
-  out = mp.CONSUMERS * block_q * dv if output_view_rows(block_q, dk, dv) is None else 0
-  return (q_buffers * mp.CONSUMERS * block_q * dk + out + stages * block_kv * (dk + dv)) * nbytes
+  of its own), ``stages`` K and V slots, and with 8-bit inputs each consumer's 8-bit
+  weights tile. ``out_nbytes``: the output's bytes per value (default ``nbytes``)."""
+  out_nbytes = nbytes if out_nbytes is None else out_nbytes
+  out = (mp.CONSUMERS * block_q * dv * out_nbytes
+         if own_output_tile(block_q, dk, dv, nbytes, out_nbytes) else 0)
+  weights = mp.CONSUMERS * block_q * block_kv if nbytes == 1 else 0
+  tiles = q_buffers * mp.CONSUMERS * block_q * dk + stages * block_kv * (dk + dv)
+  return tiles * nbytes + out + weights
 
 
 def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                      nbytes: int) -> int:
+                      nbytes: int, out_nbytes: int | None = None) -> int:
   """2 (the next work item's Q prefetched) where that fits the shared memory, else 1."""
-  double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2)
+  double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2, out_nbytes)
   return 2 if double <= HOPPER_SMEM_BYTES else 1
 
 
 def forward_cost(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                 nbytes: int) -> tuple[int, float]:
+                 nbytes: int, out_nbytes: int | None = None) -> tuple[int, float]:
   """The forward kernel's shared-memory bytes (with one Q buffer: it takes a second
   where that fits) and fp32 accumulators per consumer thread (O and the logits)."""
-  smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1)
+  smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1, out_nbytes)
   return smem + MOSAIC_SMEM_OVERHEAD, (block_q * dv + block_q * block_kv) / THREADS_PER_WARPGROUP
 
 
@@ -192,7 +210,7 @@ class _Forward:
 
   def q_tiles(self):
     """The Q tiles and, where the output takes a view of them, that view (else None)."""
-    q_view = "o" not in self.smem and self.refs["v"].shape[-1] != self.refs["q"].shape[-1]
+    q_view = "o" not in self.smem and self.refs["o"].shape[-1] != self.refs["q"].shape[-1]
     return self.smem["q"] if q_view else (self.smem["q"], None)
 
   def load_q(self, t, buf):
@@ -250,7 +268,7 @@ class _Forward:
       plgpu.barrier_wait(self.smem["k_ready"].at[slot_of(c_lo)])
 
     pl.when(wg == 1)(self.take_turn)  # consumer 1 starts half a step behind consumer 0
-    width = self.refs["v"].shape[-1]
+    width = self.refs["o"].shape[-1]
     acc = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32), plgpu.Layout.WGMMA)
     acc, stats = mp.visit_blocks((c_lo, c_hi), own, functools.partial(self.step, rows),
                                  functools.partial(self.skip, rows), (acc, row_rule.init))
@@ -287,13 +305,21 @@ class _Forward:
     p, acc_scale, stats, late = rows.rule.update(s, stats, j, masked, tile)
     if acc_scale is not None:
       acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
+    v_tile = smem["v"].at[slot]
+    if self.addressing.values_transposed:  # 8 bits: A from shared memory, B keys-fastest
+      smem["weights"].at[self.wg][...] = p
+      plgpu.commit_smem()
+      p, v_tile = smem["weights"].at[self.wg], v_tile.transpose((1, 0))
     # The row statistics finish before the turn change for heads up to 128 without
     # dropout, after it where dropout's per-weight work is better overlapped.
-    early_stats = self.refs["v"].shape[-1] <= 128 and not positions.dropout
+    early_stats = self.refs["o"].shape[-1] <= 128 and not positions.dropout
     if early_stats:
       if late is not None:
         stats = late(stats)
-      acc, stats, p = lax.optimization_barrier((acc, stats, p))
+      if self.addressing.values_transposed:  # p is a ref
+        acc, stats = lax.optimization_barrier((acc, stats))
+      else:
+        acc, stats, p = lax.optimization_barrier((acc, stats, p))
     plgpu.barrier_arrive(smem["schedule"])
     plgpu.barrier_wait(smem["v_ready"].at[slot])
     plgpu.barrier_wait(smem["schedule"])
@@ -301,7 +327,7 @@ class _Forward:
       stats = late(stats)
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p, smem["v"].at[slot])
+      plgpu.wgmma(acc_ref, p, v_tile)
       self.wait_next_k(rows, j)
 
     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -331,7 +357,7 @@ class _Forward:
       o_smem = out_tiles.at[buf, wg, pl.ds(0, self.block_q)]
     else:
       o_smem = rows.q_smem
-    o_smem[...] = o.astype(self.refs["q"].dtype)
+    o_smem[...] = o.astype(self.refs["o"].dtype)
     smem["stat"].at[wg][...] = row_stat
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem,
@@ -389,14 +415,15 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
 def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, block_kv: int,
                  stages: int, persistent: bool | None = None,
                  positions: PositionInputs = PositionInputs(), addressing=ContiguousKV(),
-                 items=None, group: int | None = None):
+                 items=None, group: int | None = None, out_dtype=None):
   """Runs the Hopper forward kernel with row rule ``rule`` on padded inputs.
 
   Args:
     q: ``[batch, q_len_p, q_heads, dk_p]``, ``q_len_p % (2 * block_q) == 0``; k:
       ``[batch, kv_len_p, kv_heads, dk_p]``, v: ``[batch, kv_len_p, kv_heads, dv_p]``,
       ``kv_len_p % block_kv == 0`` (as ``addressing`` lays them out; these are
-      ``ContiguousKV``'s shapes); head dims multiples of 64.
+      ``ContiguousKV``'s shapes); head dims multiples of 64. 8-bit (FP8) inputs need an
+      addressing whose ``values_transposed``.
     inputs: the per-position arrays of ``positions`` (``inputs.position_arrays``;
       ranges per ``block_q`` query block over ``block_kv`` key blocks), then the
       ``rule.n_inputs`` arrays the rule reads, then the ``addressing.n_inputs`` ones
@@ -408,6 +435,7 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
       fastest when persistent, heavy tiles first under a mask with a right bound).
     group: query heads per KV head (default ``q_heads // kv_heads``; 1 where the items
       pack a KV head's query heads into rows).
+    out_dtype: the output's dtype (default q's).
 
   Returns:
     The outputs ``items.out_shapes`` gives: for ``QueryTiles``, ``o: [batch, q_len_p,
@@ -415,7 +443,11 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
     q_len_p]`` float32.
   """
   batch, q_len_p, q_heads, dk = q.shape
-  dv = v.shape[-1]
+  dv = v.shape[-2] if addressing.values_transposed else v.shape[-1]
+  out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  if (q.dtype.itemsize == 1) != addressing.values_transposed:
+    raise ValueError("8-bit inputs need V transposed (addressing.TransposedValuesKV), and "
+                     "only 8-bit ones take it")
   if persistent is None:
     persistent = (spec.left is None and spec.right is None and not spec.every_tile_masked
                   and not positions.ranges)
@@ -424,16 +456,17 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
                        mp.CONSUMERS, tiles_fastest=persistent,
                        heavy_first=spec.right is not None)
   stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
-  q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize) if (
-      persistent) else 1
-  smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs)
+  q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize,
+                                out_dtype.itemsize) if persistent else 1
+  smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs,
+                  out_dtype, addressing.values_transposed)
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
                              addressing=addressing, block_kv=block_kv, stages=stages,
                              group=q_heads // k.shape[2] if group is None else group,
                              persistent=persistent, q_buffers=q_buffers)
   return mp.kernel(
       kernel,
-      out_type=items.out_shapes(batch, q_len_p, q_heads, dv, q.dtype),
+      out_type=items.out_shapes(batch, q_len_p, q_heads, dv, out_dtype),
       scratch_types=smem,
       grid=(min(items.count, mp.num_sms()) if persistent else items.count,),
       grid_names=("cta",),
@@ -441,24 +474,28 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
 
 
 def _scratch(q, dk: int, dv: int, block_q: int, block_kv: int, stages: int, q_buffers: int,
-             positions: PositionInputs, inputs) -> dict:
+             positions: PositionInputs, inputs, out_dtype, values_transposed: bool) -> dict:
   """The forward kernel's shared memory: tiles, barriers, the per-position vectors."""
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
   q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype)
-  out_rows = output_view_rows(block_q, dk, dv)
+  own_out = own_output_tile(block_q, dk, dv, q.dtype.itemsize, out_dtype.itemsize)
+  out_rows = None if own_out else output_view_rows(block_q, dk, dv)
   q_view = out_rows is not None and dv != dk
   smem = dict(
       # A consumer writes its output once its last QKᵀ has run: the Q tile is free then.
       q=plgpu.RefUnion(q_tiles, mp.tile_smem((q_buffers, mp.CONSUMERS, out_rows, dv),
                                              q.dtype)) if q_view else q_tiles,
       k=mp.tile_smem((stages, block_kv, dk), q.dtype),
-      v=mp.tile_smem((stages, block_kv, dv), q.dtype),
+      v=mp.tile_smem((stages, dv, block_kv) if values_transposed else (stages, block_kv, dv),
+                     q.dtype),
       stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
       q_ready=barrier(q_buffers * mp.CONSUMERS, 1 + positions.n_rows),
       k_ready=barrier(stages, 1 + positions.n_cols),
       v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
-  if out_rows is None:
-    smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), q.dtype)
+  if own_out:
+    smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), out_dtype)
+  if values_transposed:
+    smem["weights"] = mp.tile_smem((mp.CONSUMERS, block_q, block_kv), q.dtype)
   smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
   return smem

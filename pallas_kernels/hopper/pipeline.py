@@ -33,10 +33,21 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
+def operand_swizzle(cols: int, dtype) -> int:
+  """The swizzle (bytes) of a wgmma operand tile with ``cols`` columns of ``dtype``:
+  128 where a row holds at least 128 bytes (every 16-bit tile here; 8-bit ones of 128
+  columns or more), else the row's bytes (64 for 8-bit tiles of 64 columns)."""
+  return min(128, cols * jnp.dtype(dtype).itemsize)
+
+
 def tile_smem(shape, dtype):
-  """Shared memory for 16-bit wgmma operands: 128-byte swizzled (8, 64) tiles."""
+  """Shared memory for wgmma operands (and tiles stored for TMA): swizzled tiles of
+  8 rows by one swizzle width (``operand_swizzle``: 128 bytes, or a narrow 8-bit
+  row's width)."""
+  swizzle = operand_swizzle(shape[-1], dtype)
+  tiling = (8, swizzle // jnp.dtype(dtype).itemsize)
   return plgpu.SMEM(shape, dtype,
-                    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+                    transforms=(plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(swizzle)))
 
 
 def row_vector(value, rows: int):
@@ -128,18 +139,19 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
   kv_head = lax.div(head, jnp.int32(group))
   k_ready, v_ready, k_free, v_free = barriers
 
-  def copy_from(ref, smem, with_cols=False):
+  def copy_from(ref, smem, tile, with_cols=False):
     def copy(i, slot, barrier):
       start = (first_block + i) * block_kv
-      plgpu.copy_gmem_to_smem(addressing.tile(ref, batch, kv_head, start, block_kv),
-                              smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(tile(ref, batch, kv_head, start, block_kv), smem.at[slot],
+                              barrier)
       if with_cols:
         copy_vectors(cols[0], [smem.at[slot] for smem in cols[1]], batch, start, block_kv,
                      barrier)
     return copy
 
-  produce(n_steps, stages, [(copy_from(k_ref, k_smem, True), k_ready, k_free),
-                            (copy_from(v_ref, v_smem), v_ready, v_free)], first_slot_use)
+  produce(n_steps, stages,
+          [(copy_from(k_ref, k_smem, addressing.tile, True), k_ready, k_free),
+           (copy_from(v_ref, v_smem, addressing.v_tile), v_ready, v_free)], first_slot_use)
 
 
 def visit_blocks(cta_range, own_range, step, skip, carry, descending: bool = False):
