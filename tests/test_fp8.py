@@ -163,6 +163,19 @@ def test_a_non_finite_value_reaches_only_the_rows_that_see_it():
   assert np.isnan(out[:, 1, 0]).all() and np.isnan(out[:, 5:]).all()
 
 
+def test_values_are_laid_out_keys_fastest_in_the_8_bit_operand_order():
+  """The Hopper FP8 kernel's V: ``[batch, heads, d, keys]``, keys in
+  ``EIGHT_BIT_KEY_ORDER`` within each group of 16 (the order in which the weights'
+  registers serve as the wgmma operand)."""
+  from jattn.kernels.hopper.pipeline import EIGHT_BIT_KEY_ORDER, eight_bit_values
+
+  v = np.random.default_rng(0).normal(size=(2, 48, 3, 5)).astype(np.float32)
+  order = (np.arange(0, 48, 16)[:, None] + np.asarray(EIGHT_BIT_KEY_ORDER)).reshape(-1)
+  assert sorted(EIGHT_BIT_KEY_ORDER) == list(range(16))
+  np.testing.assert_array_equal(np.asarray(eight_bit_values(jnp.asarray(v))),
+                                v[:, order].transpose(0, 2, 3, 1))
+
+
 def rmse(a, b):
   return float(np.sqrt(np.mean((np.asarray(a, np.float32) - np.asarray(b, np.float32)) ** 2)))
 

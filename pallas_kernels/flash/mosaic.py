@@ -28,7 +28,7 @@ from jattn.kernels.hopper.budget import mosaic_head_dim
 from jattn.kernels.hopper.inputs import (PositionInputs, joint_ranges, length_ranges,
                                          mask_ranges, packed_ranges, position_arrays,
                                          segment_ranges)
-from jattn.kernels.hopper.pipeline import CONSUMERS
+from jattn.kernels.hopper.pipeline import CONSUMERS, eight_bit_values
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
@@ -154,14 +154,14 @@ def flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal
 
   Returns:
     ``o: [batch, q_len, q_heads, head_dim_v]`` in ``out_dtype``. V is transposed to
-    ``[batch, kv_heads, head_dim_v, kv_len]`` on the way in (one pass over V: the 8-bit
-    wgmma reads it keys-fastest).
+    ``[batch, kv_heads, head_dim_v, kv_len]`` on the way in, its keys reordered within
+    groups of 16 (``pipeline.eight_bit_values``): one pass over V.
   """
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   group = q.shape[2] // k.shape[2]
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window)
-  v_t = jnp.transpose(pad_to(v, kv_len_p, mosaic_head_dim(dv)), (0, 2, 3, 1))
+  v_t = eight_bit_values(pad_to(v, kv_len_p, mosaic_head_dim(dv)))
   per_q_head = lambda x: jnp.repeat(x.astype(jnp.float32), group)
   o, _ = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), v_t, spec=spec,
                         scale=scale, block_q=config.block_q, block_kv=config.block_kv,

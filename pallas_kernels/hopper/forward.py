@@ -16,11 +16,12 @@ consumer loads its next Q tile into a second buffer during the current item (whe
 two fit the shared memory).
 
 With 8-bit inputs (FP8) the kernel differs in two places, both forced by the 8-bit
-wgmma, which reads its operands only with the reduced axis fastest: V comes transposed
-(``addressing.TransposedValuesKV``: ``[head_dim_v, block_kv]`` tiles), and the 8-bit
-tile a consumer multiplies with V goes through shared memory (its registers are laid
-out for an accumulator, not for an 8-bit A operand). The output takes its own dtype
-(``out_dtype``; 16-bit inputs: theirs).
+wgmma: V comes transposed (``addressing.TransposedValuesKV``: ``[head_dim_v,
+block_kv]`` tiles; the 8-bit wgmma reads B only with the reduced axis fastest), with
+its keys in ``pipeline.EIGHT_BIT_KEY_ORDER`` within each group of 16, the order in
+which the 8-bit weights' registers serve as the A operand as they lie
+(``pipeline.eight_bit_operand``). The output takes its own dtype (``out_dtype``;
+16-bit inputs: theirs).
 
 The row rule says how a consumer turns each score tile into the tile it multiplies
 with V, and how it finishes its rows. A rule is a hashable object with ``n_inputs``
@@ -103,14 +104,13 @@ def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: in
                        nbytes: int, q_buffers: int, out_nbytes: int | None = None) -> int:
   """Shared memory of the forward kernel's tiles: ``q_buffers`` Q tiles per consumer
   (which take the output tile where ``output_view_rows`` says so, else an output tile
-  of its own), ``stages`` K and V slots, and with 8-bit inputs each consumer's 8-bit
-  weights tile. ``out_nbytes``: the output's bytes per value (default ``nbytes``)."""
+  of its own) and ``stages`` K and V slots. ``out_nbytes``: the output's bytes per
+  value (default ``nbytes``)."""
   out_nbytes = nbytes if out_nbytes is None else out_nbytes
   out = (mp.CONSUMERS * block_q * dv * out_nbytes
          if own_output_tile(block_q, dk, dv, nbytes, out_nbytes) else 0)
-  weights = mp.CONSUMERS * block_q * block_kv if nbytes == 1 else 0
   tiles = q_buffers * mp.CONSUMERS * block_q * dk + stages * block_kv * (dk + dv)
-  return tiles * nbytes + out + weights
+  return tiles * nbytes + out
 
 
 def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
@@ -306,20 +306,15 @@ class _Forward:
     if acc_scale is not None:
       acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
     v_tile = smem["v"].at[slot]
-    if self.addressing.values_transposed:  # 8 bits: A from shared memory, B keys-fastest
-      smem["weights"].at[self.wg][...] = p
-      plgpu.commit_smem()
-      p, v_tile = smem["weights"].at[self.wg], v_tile.transpose((1, 0))
+    if self.addressing.values_transposed:  # 8 bits: B keys-fastest, in the operand's order
+      p, v_tile = mp.eight_bit_operand(p), v_tile.transpose((1, 0))
     # The row statistics finish before the turn change for heads up to 128 without
     # dropout, after it where dropout's per-weight work is better overlapped.
     early_stats = self.refs["o"].shape[-1] <= 128 and not positions.dropout
     if early_stats:
       if late is not None:
         stats = late(stats)
-      if self.addressing.values_transposed:  # p is a ref
-        acc, stats = lax.optimization_barrier((acc, stats))
-      else:
-        acc, stats, p = lax.optimization_barrier((acc, stats, p))
+      acc, stats, p = lax.optimization_barrier((acc, stats, p))
     plgpu.barrier_arrive(smem["schedule"])
     plgpu.barrier_wait(smem["v_ready"].at[slot])
     plgpu.barrier_wait(smem["schedule"])
@@ -495,7 +490,5 @@ def _scratch(q, dk: int, dv: int, block_q: int, block_kv: int, stages: int, q_bu
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   if own_out:
     smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), out_dtype)
-  if values_transposed:
-    smem["weights"] = mp.tile_smem((mp.CONSUMERS, block_q, block_kv), q.dtype)
   smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
   return smem

@@ -18,9 +18,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from jattn.kernels.hopper.addressing import ContiguousKV
 
@@ -48,6 +51,49 @@ def tile_smem(shape, dtype):
   tiling = (8, swizzle // jnp.dtype(dtype).itemsize)
   return plgpu.SMEM(shape, dtype,
                     transforms=(plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(swizzle)))
+
+
+# An 8-bit wgmma takes its A operand from registers as 4 consecutive columns per thread
+# and 16-column group; an accumulator-shaped tile gives a thread columns (2i, 2i + 1, 8 +
+# 2i, 9 + 2i) of each group (i = lane % 4). Read as they lie, those registers are the
+# operand of the tile's columns reordered by ``EIGHT_BIT_KEY_ORDER``: a B operand whose
+# rows (keys) come in that order within each group of 16 gives the product unchanged.
+EIGHT_BIT_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+
+def eight_bit_values(v):
+  """``v: [batch, keys, heads, d]`` (keys a multiple of 16) as the 8-bit PV takes it:
+  ``[batch, heads, d, keys]``, keys fastest (an 8-bit wgmma reads B only so), in
+  ``EIGHT_BIT_KEY_ORDER`` within each group of 16. One transpose: the reorder is a
+  reshape of the key axis into ``(group, a, i, b)`` read as ``(group, i, a, b)``, key
+  ``8a + 2i + b`` going to place ``4i + 2a + b``."""
+  batch, keys, heads, d = v.shape
+  v = v.reshape(batch, keys // 16, 2, 4, 2, heads, d)
+  return v.transpose(0, 5, 6, 1, 3, 2, 4).reshape(batch, heads, d, keys)
+
+
+def eight_bit_operand(p):
+  """An accumulator-shaped 8-bit tile ``p`` (``[64 * m, cols]``, the WGMMA layout) as an
+  8-bit wgmma's A operand from registers, without moving a value: its columns come
+  reordered by ``EIGHT_BIT_KEY_ORDER`` within each group of 16 (B's rows must be too)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(p.shape, p.dtype,
+                                                        layout=plgpu.Layout.WGMMA_8BIT))
+  def reinterpret(ctx, tile):
+    del ctx
+    old = tile.registers
+    shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(tile.shape)
+    if old.shape != (shape[0], 2 * shape[1], *shape[2:]):
+      raise NotImplementedError(f"unexpected register shapes {old.shape} -> {shape}")
+    new = np.empty(shape, dtype=object)
+    for idx in np.ndindex(shape):
+      pair = [old[(idx[0], 2 * idx[1] + h, *idx[2:])] for h in (0, 1)]
+      new[idx] = mgpu_utils.vector_concat(pair)
+    return mgpu.FragmentedArray(_registers=new, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                _is_signed=None)
+
+  return reinterpret(p)
 
 
 def row_vector(value, rows: int):
