@@ -81,7 +81,7 @@ def speed(shape, causal, sweep: bool):
       "cudnn bf16": timed(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")), bf16, flops),
   }
-  heuristic = default_fp8_config(d, masked=causal)
+  heuristic = default_fp8_config(d, masked=causal, kv_len=seq)
   v_t = eight_bit_values(v8)
   per_q_head = lambda x: jnp.repeat(x, heads // k.shape[2])
   rows["fp8 kernel only"] = timed(kernel_only(causal, heuristic, shape),

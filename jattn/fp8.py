@@ -200,7 +200,8 @@ class MosaicFp8(MosaicImpl):
 
   def heuristic_config(self, p: Fp8Problem, info):
     return default_fp8_config(*p.head_dims, out_nbytes=p.out_dtype.itemsize,
-                              masked=p.causal or p.local_window is not None)
+                              masked=p.causal or p.local_window is not None,
+                              kv_len=p.kv_len)
 
   def fits(self, config, p: Fp8Problem, info, kernels=()):
     return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info))

@@ -114,19 +114,20 @@ FP8_BLOCK_KV = (64, 128, 256)
 
 
 def default_fp8_config(head_dim: int, value_head_dim: int | None = None,
-                       out_nbytes: int = 2, masked: bool = False) -> MosaicBlockConfig:
+                       out_nbytes: int = 2, masked: bool = False,
+                       kv_len: int = 0) -> MosaicBlockConfig:
   """Hopper FP8 forward tiles, the winners of ``bench/fp8.py``'s sweep on an H100: for
   heads up to 64, 128 query rows per consumer and 128-key tiles; wider, 64 rows and
   the widest key tile that fits the shared memory, up to 256 keys (128 under a causal
-  mask or a window, whose diagonal tiles waste more of a wide tile). The backward
-  fields keep their defaults (the forward alone runs)."""
+  mask or a window below 8192 keys, where the diagonal tiles' waste outweighs a wide
+  tile's gain). The backward fields keep their defaults (the forward alone runs)."""
   dk = mosaic_head_dim(head_dim)
   dv = mosaic_head_dim(head_dim if value_head_dim is None else value_head_dim)
   if max(dk, dv) <= 64:
     return MosaicBlockConfig(block_q=128, block_kv=128, stages=2)
   fits = lambda block_kv: forward_smem_bytes(64, block_kv, 2, dk, dv, 1, 1, out_nbytes) + (
       MOSAIC_SMEM_OVERHEAD) <= HOPPER_SMEM_BYTES
-  widest = 128 if masked else 256
+  widest = 128 if masked and kv_len < 8192 else 256
   block_kv = next(b for b in sorted(FP8_BLOCK_KV, reverse=True) if b <= widest and (
       fits(b) or b == min(FP8_BLOCK_KV)))
   return MosaicBlockConfig(block_q=64, block_kv=block_kv, stages=2)
