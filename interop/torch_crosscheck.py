@@ -98,10 +98,10 @@ TORCH_REFERENCES: dict[str, Callable[..., Any]] = {
     "retention_step": lambda p, q, k, v, state, decay: retention_step_torch(
         q, k, v, state, decay=decay, scale=p.scale)[0],
     "flash_attention_varlen": _varlen,
-    "flash_attention_fp8": lambda p, q, k, v, q_descale, k_descale, v_descale: (
+    "flash_attention_fp8": lambda p, q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg: (
         fp8_attention_torch(q, k, v, q_descale, k_descale, v_descale, causal=p.causal,
-                            scale=p.scale, local_window=p.local_window,
-                            out_dtype=getattr(torch, p.out_dtype.name))),
+                            scale=p.scale, local_window=p.local_window, q_segment_ids=q_seg,
+                            kv_segment_ids=kv_seg, out_dtype=getattr(torch, p.out_dtype.name))),
     "paged_attention": lambda p, q, k_pages, v_pages, tables, lengths, sinks: (
         flash_attention_torch(q, _gathered(k_pages, tables), _gathered(v_pages, tables),
                               causal=p.causal, scale=p.scale, local_window=p.local_window,

@@ -100,7 +100,8 @@ def flash_attention_torch(q, k, v, *, causal=False, scale=None, q_segment_ids=No
 
 
 def fp8_attention_torch(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False,
-                        scale=None, local_window=None, out_dtype=torch.bfloat16):
+                        scale=None, local_window=None, q_segment_ids=None,
+                        kv_segment_ids=None, out_dtype=torch.bfloat16):
   """The FP8 recipe (``jattn.fp8``) in torch: ``float8_e4m3fn`` q, k, v with ``[kv_heads]``
   float32 descales; scores from the FP8 values times the descales, the softmax in
   float32 with its probabilities rounded to ``float8_e4m3fn`` for ``p v`` and the
@@ -120,6 +121,7 @@ def fp8_attention_torch(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=F
   vt = vt.masked_fill(bad[..., None], 0.0)
   logits = logits.masked_fill(bad[:, :, None, :], float("nan"))
   mask = flash_attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                               device=q8.device)
   row_max = logits.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)
   row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

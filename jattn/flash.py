@@ -18,7 +18,7 @@ from jattn.core.device import CUDNN, GPUInfo, current_device, shared_memory_limi
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.validation import (check_attention_inputs, check_flag, check_integer_array,
                                    check_shape, is_number, positive_number, scale_of,
-                                   window_arg)
+                                   segment_ids_arg, window_arg)
 from jattn.fp8 import FP8_FLASH
 from jattn.kernels.common.config import (BlockConfig, default_block_config,
                                          padded_head_dim)
@@ -373,14 +373,8 @@ class FlashAttention(SoftmaxOp):
            dropout_rate=0.0, dropout_key=None, q_lengths=None, kv_lengths=None):
     check_attention_inputs(q, k, v, value_head_dim=True)
     batch, q_len, q_heads, head_dim = q.shape
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-      raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
-    if q_segment_ids is not None:
-      check_integer_array("q_segment_ids", q_segment_ids, (batch, q_len), "batch, q_len")
-      check_integer_array("kv_segment_ids", kv_segment_ids, (batch, k.shape[1]),
-                          "batch, kv_len")
-      q_segment_ids = q_segment_ids.astype(jnp.int32)
-      kv_segment_ids = kv_segment_ids.astype(jnp.int32)
+    q_segment_ids, kv_segment_ids = segment_ids_arg(q_segment_ids, kv_segment_ids, batch,
+                                                    q_len, k.shape[1])
     if local_window is not None:
       local_window = window_arg(local_window)
     if softcap is not None:
@@ -490,7 +484,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       times its descale (float32, a scalar or ``[kv_heads]``; default 1) are the real
       ones; the output is ``out_dtype`` (default bfloat16). The FP8 recipe (FP8
       probabilities in ``p v``; ``jattn.fp8``) with ``causal``, ``scale``,
-      ``local_window`` and ``config`` only, and no backward: the Hopper kernel
+      ``local_window``, segment ids and ``config`` only, and no backward: the Hopper kernel
       (``pallas_mosaic``, 8-bit wgmma; its ``MosaicBlockConfig`` forward tiles, key
       tiles of 64, 128 or 256) or the ``xla`` reference.
 
@@ -505,15 +499,15 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
          "out_dtype": out_dtype}
   if jnp.dtype(getattr(q, "dtype", jnp.float32)) == jnp.float8_e4m3fn or any(
       x is not None for x in fp8.values()):
-    extra = {"q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
-             "softcap": softcap, "return_lse": return_lse or None, "sinks": sinks,
+    extra = {"softcap": softcap, "return_lse": return_lse or None, "sinks": sinks,
              "dropout_rate": dropout_rate or None, "q_lengths": q_lengths,
              "kv_lengths": kv_lengths}
     given = [name for name, value in extra.items() if value is not None]
     if given:
-      raise ValueError(f"FP8 attention takes causal, scale, local_window and config, not "
-                       f"{given[0]}")
+      raise ValueError(f"FP8 attention takes causal, scale, local_window, segment ids and "
+                       f"config, not {given[0]}")
     return FP8_FLASH(q, k, v, causal=causal, scale=scale, local_window=local_window,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      backend=backend, config=config,
                      **{n: x for n, x in fp8.items() if x is not None})
   return FLASH(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,

@@ -24,7 +24,7 @@ import numpy as np
 from jattn.core.device import shared_memory_limit
 from jattn.core.op import AttentionProblem, MosaicImpl, Op, XlaImpl
 from jattn.core.validation import (FLOAT_DTYPES, check_flag, check_heads, check_same_dtype,
-                                   check_shape, scale_of, window_arg)
+                                   check_shape, scale_of, segment_ids_arg, window_arg)
 from jattn.kernels.flash.config import MosaicBlockConfig, default_fp8_config, fp8_misfit
 from jattn.kernels.flash.mosaic import flash_mosaic_forward_fp8
 from jattn.reference import attention_mask, guarded_values
@@ -96,12 +96,13 @@ def _per_kv_head(descale, kv_heads: int, name: str):
 
 def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=1.0, *,
                             causal: bool = False, scale: float | None = None,
-                            local_window=None, out_dtype=jnp.bfloat16,
-                            quantize_probs: bool = True):
+                            local_window=None, q_segment_ids=None, kv_segment_ids=None,
+                            out_dtype=jnp.bfloat16, quantize_probs: bool = True):
   """The FP8 recipe's attention in float32: ``q8 [batch, q_len, q_heads, d]``, ``k8
   [batch, kv_len, kv_heads, d]``, ``v8 [batch, kv_len, kv_heads, dv]`` in
-  ``float8_e4m3fn``; descales float32 scalars or ``[kv_heads]``; ``causal`` and
-  ``local_window`` as ``flash_attention``'s. ``quantize_probs=False`` keeps the
+  ``float8_e4m3fn``; descales float32 scalars or ``[kv_heads]``; ``causal``,
+  ``local_window`` and the segment ids (``[batch, q_len]`` / ``[batch, kv_len]``) as
+  ``flash_attention``'s. ``quantize_probs=False`` keeps the
   probabilities in float32 (the dequantised inputs' exact attention). Rows that see
   no key give zeros. Returns ``[batch, q_len, q_heads, dv]`` in ``out_dtype``."""
   for name, x in (("q", q8), ("k", k8), ("v", v8)):
@@ -124,7 +125,8 @@ def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=
   # (the references' and kernels' shared rule: jattn.reference.guarded_values).
   bad, v = guarded_values(v8.astype(jnp.float32))
   s = jnp.where(jnp.moveaxis(bad, 1, 2)[:, :, None, None, :], jnp.nan, s)
-  mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window)[:, :, None]
+  mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
+                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)[:, :, None]
   row_max = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True)
   p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
   total = p.sum(-1, keepdims=True)
@@ -141,7 +143,8 @@ def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=
 NO_FP8_GRADIENT = ("FP8 inputs have no backward: differentiate a 16-bit copy (flash_attention "
                    "on bfloat16 q, k, v) and quantise only for the forward")
 # What flash_attention's FP8 path takes beside q, k, v and their descales.
-FP8_OPTIONS = ("causal", "scale", "local_window", "out_dtype", "backend")
+FP8_OPTIONS = ("causal", "scale", "local_window", "q_segment_ids", "kv_segment_ids",
+               "out_dtype", "backend", "config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +157,7 @@ class Fp8Problem(AttentionProblem):
   dtype: Any = E4M3
   causal: bool = False
   local_window: tuple | None = None
+  segment_ids: bool = False
   value_head_dim: int | None = None  # default head_dim
   out_dtype: Any = jnp.bfloat16
 
@@ -182,10 +186,11 @@ class XlaFp8(XlaImpl):
 
   has_backward = True
 
-  def forward(self, call, q, k, v, q_descale, k_descale, v_descale):
+  def forward(self, call, q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg):
     p = call.problem
     out = fp8_attention_reference(q, k, v, q_descale, k_descale, v_descale, causal=p.causal,
                                   scale=p.scale, local_window=p.local_window,
+                                  q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                                   out_dtype=p.out_dtype)
     return out, None
 
@@ -206,11 +211,12 @@ class MosaicFp8(MosaicImpl):
   def fits(self, config, p: Fp8Problem, info, kernels=()):
     return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info))
 
-  def forward(self, call, q, k, v, q_descale, k_descale, v_descale):
+  def forward(self, call, q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg):
     p = call.problem
-    out = flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, causal=p.causal,
-                                   scale=p.scale, local_window=p.local_window,
-                                   config=call.config, out_dtype=p.out_dtype)
+    out = flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg,
+                                   causal=p.causal, scale=p.scale,
+                                   local_window=p.local_window, config=call.config,
+                                   out_dtype=p.out_dtype)
     return out, None
 
   def backward(self, call, residuals, cotangents):
@@ -229,11 +235,13 @@ def _descale(name: str, value, kv_heads: int):
 class Fp8Attention(Op):
   name = "flash_attention_fp8"
   problem_cls = Fp8Problem
-  arg_names = ("q", "k", "v", "q_descale", "k_descale", "v_descale")
+  arg_names = ("q", "k", "v", "q_descale", "k_descale", "v_descale", "q_segment_ids",
+               "kv_segment_ids")
   diff_argnums = ()  # no backward: NO_FP8_GRADIENT
 
   def bind(self, q, k, v, *, q_descale=None, k_descale=None, v_descale=None, causal=False,
-           scale=None, local_window=None, out_dtype=jnp.bfloat16):
+           scale=None, local_window=None, q_segment_ids=None, kv_segment_ids=None,
+           out_dtype=jnp.bfloat16):
     for name, x, layout in (("q", q, "batch, q_len, q_heads, head_dim"),
                             ("k", k, "batch, kv_len, kv_heads, head_dim"),
                             ("v", v, "batch, kv_len, kv_heads, head_dim_v")):
@@ -251,20 +259,28 @@ class Fp8Attention(Op):
     check_heads(q_heads, kv_heads)
     if 0 in q.shape + k.shape + v.shape:
       raise ValueError(f"q, k, v have an empty dimension: {q.shape}, {k.shape}, {v.shape}")
+    q_segment_ids, kv_segment_ids = segment_ids_arg(q_segment_ids, kv_segment_ids, batch,
+                                                    q.shape[1], kv_len)
     problem = Fp8Problem.of(
         q, k, scale=scale_of(scale, head_dim), causal=check_flag("causal", causal),
         local_window=None if local_window is None else window_arg(local_window),
-        value_head_dim=v.shape[-1], out_dtype=out_dtype)
+        segment_ids=q_segment_ids is not None, value_head_dim=v.shape[-1],
+        out_dtype=out_dtype)
     problem.check_fields()
     return problem, (q, k, v, *(_descale(n, d, kv_heads) for n, d in (
-        ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))))
+        ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))),
+                     q_segment_ids, kv_segment_ids)
 
   def example(self, p: Fp8Problem, key):
     ks = jax.random.split(key, 3)
     q = jax.random.normal(ks[0], (p.batch, p.q_len, p.q_heads, p.head_dim))
     k = jax.random.normal(ks[1], (p.batch, p.kv_len, p.kv_heads, p.head_dim))
     v = jax.random.normal(ks[2], (p.batch, p.kv_len, p.kv_heads, p.value_head_dim))
-    return quantize_attention_inputs(q, k, v)
+    segments = (None, None)
+    if p.segment_ids:  # three packed sequences per row
+      segments = tuple(jnp.broadcast_to(jnp.arange(n) * 3 // n, (p.batch, n)).astype(jnp.int32)
+                       for n in (p.q_len, p.kv_len))
+    return (*quantize_attention_inputs(q, k, v), *segments)
 
 
 FP8_FLASH = Fp8Attention(MosaicFp8(), XlaFp8())

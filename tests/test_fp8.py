@@ -47,19 +47,22 @@ def test_quantize_fp8_scales_each_kv_head_to_the_format_range():
   assert descale.shape == () and float(descale) == 1.0
 
 
-@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (7, 0))])
+@pytest.mark.parametrize("causal, window, segments", [
+    (False, None, False), (True, None, False), (True, (7, 0), False), (False, None, True)])
 def test_the_reference_is_the_dequantised_attention_without_rounding_the_probabilities(
-    causal, window):
+    causal, window, segments):
   q, k, v = qkv(1)
   q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
   deq = lambda x8, s, group=1: x8.astype(jnp.float32) * jnp.repeat(s, group)[None, None, :, None]
-  expected = attention(deq(q8, qd, 2), deq(k8, kd), deq(v8, vd), causal=causal,
-                                       local_window=window)
-  exact = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=causal, local_window=window,
-                                  out_dtype=jnp.float32, quantize_probs=False)
+  options = dict(causal=causal, local_window=window)
+  if segments:  # packed rows; the last queries' segment has no key
+    options.update(q_segment_ids=jnp.broadcast_to(jnp.arange(24) // 7, (2, 24)),
+                   kv_segment_ids=jnp.broadcast_to(jnp.arange(40) // 14, (2, 40)))
+  expected = attention(deq(q8, qd, 2), deq(k8, kd), deq(v8, vd), **options)
+  exact = fp8_attention_reference(q8, k8, v8, qd, kd, vd, out_dtype=jnp.float32,
+                                  quantize_probs=False, **options)
   np.testing.assert_allclose(np.asarray(exact), np.asarray(expected), atol=2e-6)
-  rounded = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=causal,
-                                    local_window=window, out_dtype=jnp.float32)
+  rounded = fp8_attention_reference(q8, k8, v8, qd, kd, vd, out_dtype=jnp.float32, **options)
   error = np.abs(np.asarray(rounded - expected)).max() / np.abs(np.asarray(expected)).max()
   assert 0 < error < 0.1  # FP8 probabilities: 3 mantissa bits
 
@@ -104,8 +107,8 @@ def test_flash_attention_takes_fp8_inputs_forward_only():
   assert jattn.flash_attention(q8, k8, v8).dtype == jnp.bfloat16  # descales default to 1
   with pytest.raises(NotImplementedError, match="FP8 inputs have no backward"):
     jax.grad(lambda q: jattn.flash_attention(q, k8, v8).astype(jnp.float32).sum())(q8)
-  with pytest.raises(ValueError, match="FP8 attention takes causal, scale, local_window and "
-                                       "config, not sinks"):
+  with pytest.raises(ValueError, match="FP8 attention takes causal, scale, local_window, "
+                                       "segment ids and config, not sinks"):
     jattn.flash_attention(q8, k8, v8, sinks=jnp.zeros(4))
   with pytest.raises(ValueError, match=r"v_descale must be a float32 scalar or \[kv_heads\]"):
     jattn.flash_attention(q8, k8, v8, v_descale=jnp.ones(3))
@@ -139,8 +142,10 @@ def test_fp8_forward_with_the_16_bit_backward():
                              rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(7), (2, 12, 32))
   assert layer(x).shape == (2, 12, 32)
-  with pytest.raises(ValueError, match="fp8=True runs the attention without segment ids"):
-    layer(x, x, context_segment_ids=jnp.zeros((2, 12), jnp.int32))
+  ids = jnp.broadcast_to(jnp.arange(12) // 5, (2, 12))  # three packed sequences a row
+  packed = layer(x, segment_ids=ids)
+  layer.fp8 = False  # the same layer in 16 bits
+  assert rel(packed, layer(x, segment_ids=ids)) < 5e-2 < rel(packed, layer(x))
   with pytest.raises(ValueError, match="fp8=True runs the attention without softcap"):
     MultiHeadAttention(32, 4, fp8=True, softcap=5.0, rngs=nnx.Rngs(0))
 
@@ -189,6 +194,7 @@ def rmse(a, b):
     ((2, 200, 200, 2, 2, 64, 64), False, None, jnp.bfloat16),
     ((1, 260, 300, 2, 2, 256, 256), True, None, jnp.bfloat16),
     ((1, 256, 256, 4, 2, 128, 64), False, None, jnp.bfloat16),
+    ((2, 400, 400, 4, 2, 128, 128), True, "segments", jnp.bfloat16),
 ])
 def test_the_hopper_fp8_kernel_computes_the_recipe(shape, causal, window, out_dtype):
   """The 8-bit wgmma kernel against the recipe's float32 reference, and no less exact
@@ -199,11 +205,14 @@ def test_the_hopper_fp8_kernel_computes_the_recipe(shape, causal, window, out_dt
   batch, q_len, kv_len, q_heads, kv_heads, d, dv = shape
   q, k, v = qkv(11, batch, q_len, kv_len, q_heads, kv_heads, d, dv, outliers=1e-3)
   q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
-  options = dict(causal=causal, local_window=window, out_dtype=out_dtype)
+  options = dict(causal=causal, local_window=window)
+  if window == "segments":  # packed sequences of 150 tokens
+    ids = jnp.broadcast_to(jnp.arange(q_len) // 150, (batch, q_len))
+    options.update(local_window=None, q_segment_ids=ids, kv_segment_ids=ids)
   out = jattn.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                              backend="pallas_mosaic", **options)
-  recipe = fp8_attention_reference(q8, k8, v8, qd, kd, vd, **options)
-  exact = attention(q, k, v, causal=causal, local_window=window)
+                              backend="pallas_mosaic", out_dtype=out_dtype, **options)
+  recipe = fp8_attention_reference(q8, k8, v8, qd, kd, vd, out_dtype=out_dtype, **options)
+  exact = attention(q, k, v, **options)
   assert out.dtype == out_dtype and out.shape == (batch, q_len, q_heads, dv)
   assert np.isfinite(np.asarray(out, np.float32)).all()
   assert rmse(out, recipe) < 2e-2 * rmse(recipe, 0)

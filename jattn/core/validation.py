@@ -123,6 +123,18 @@ def check_integer_array(name: str, x, expected: tuple, layout: str) -> None:
     raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
 
 
+def segment_ids_arg(q_segment_ids, kv_segment_ids, batch: int, q_len: int, kv_len: int):
+  """Both segment ids as int32 (``[batch, q_len]``, ``[batch, kv_len]`` integers), or
+  ``(None, None)``; one without the other is an error."""
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+  if q_segment_ids is None:
+    return None, None
+  check_integer_array("q_segment_ids", q_segment_ids, (batch, q_len), "batch, q_len")
+  check_integer_array("kv_segment_ids", kv_segment_ids, (batch, kv_len), "batch, kv_len")
+  return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
 def scale_of(scale, head_dim: int) -> float:
   """The logit scale: ``scale`` if given (a finite number > 0), else ``head_dim ** -0.5``."""
   if scale is None:

@@ -167,9 +167,8 @@ class MultiHeadAttention(nnx.Module):
     if self.dropout_rate and not deterministic:
       dropout = dict(dropout_rate=self.dropout_rate, dropout_key=self.dropout_rngs())
     if self.fp8:
-      if segment_ids is not None or context_segment_ids is not None:
-        raise ValueError("fp8=True runs the attention without segment ids")
       o = fp8_attention(q, k, v, causal=self.causal, local_window=self.local_window,
+                        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids,
                         rotation=self.fp8_rotation, backend=self.backend)
     else:
       o = flash_attention(q, k, v, causal=self.causal, local_window=self.local_window,
