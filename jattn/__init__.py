@@ -3,7 +3,7 @@
 Every op goes through one core (``jattn.core``): ``flash_attention``,
 ``flex_attention``, ``window_attention``, ``dilated_attention``, ``retention``,
 ``retention_step``, ``flash_attention_varlen`` and ``paged_attention`` (with
-``write_kv_pages``);
+``write_kv_pages``); ``dot_product_attention`` takes ``jax.nn``'s signature to them;
 ``jattn.gpu`` says which backend each uses here, ``jattn.nn`` holds the Flax
 modules, ``jattn.parallel`` the ring attentions over several devices, and
 ``jattn.kernels`` the Pallas kernels themselves. The PyTorch bridge is
@@ -37,6 +37,7 @@ _EXPORTS = {
     "flash_attention_varlen_reference": "jattn.reference:flash_attention_varlen_reference",
     "flex": "jattn.flex",
     "flex_attention": "jattn.flex:flex_attention",
+    "dot_product_attention": "jattn.dot_product:dot_product_attention",
     "flex_attention_reference": "jattn.reference:flex_attention_reference",
     "gpu": "jattn.gpu",
     "gpu_info": "jattn.gpu:gpu_info",

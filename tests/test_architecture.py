@@ -40,7 +40,7 @@ LAYERS = {
     2: ("jattn.tuning", "jattn.reference", "jattn.flash", "jattn.window", "jattn.dilated",
         "jattn.retention", "jattn.paged", "jattn.varlen", "jattn.gpu", "jattn.fp8",
         "jattn.fp8_training"),
-    3: ("jattn.nn", "jattn.parallel", "jattn.flex"),
+    3: ("jattn.nn", "jattn.parallel", "jattn.flex", "jattn.dot_product"),
     4: ("jattn.autotune", "jattn.command_line", "jattn.upscale", "jattn"),
     5: ("jattn.interop",),
 }

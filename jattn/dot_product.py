@@ -1,0 +1,140 @@
+"""``dot_product_attention``: ``jax.nn.dot_product_attention``'s signature and semantics
+on jattn's kernels, so that code written against JAX's entry point (MaxText's and
+Levanter's layers, Flax models) switches by changing one import.
+
+Calls without a bias or a mask array, whose masks jattn's flash attention expresses
+as they are, run ``flash_attention``; the others run ``flex_attention`` with the same
+masks as functions (JAX's causal mask and window are aligned top-left, at absolute
+positions; the bias is added to the scaled logits and gets its gradient).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jattn.core.validation import is_int
+from jattn.flash import flash_attention
+from jattn.flex.attention import flex_attention
+
+# ``implementation`` -> jattn backend (JAX's names, and jattn's own).
+IMPLEMENTATIONS = {None: "auto", "xla": "xla", "cudnn": "cudnn", "auto": "auto",
+                   "pallas_mosaic": "pallas_mosaic", "pallas_triton": "pallas_triton"}
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal: bool = False, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None):
+  """Scaled dot-product attention as ``jax.nn.dot_product_attention`` computes it.
+
+  Args:
+    query: ``[batch, q_len, heads, head_dim]`` (or without the batch axis).
+    key, value: ``[batch, kv_len, kv_heads, head_dim]``; ``heads`` a multiple of
+      ``kv_heads`` (GQA/MQA).
+    bias: added to the scaled logits, 4-d and broadcastable to ``[batch, heads,
+      q_len, kv_len]`` (without the batch axis: to ``[heads, q_len, kv_len]``); it
+      gets a gradient.
+    mask: boolean, broadcastable like ``bias``; True where a query may attend.
+    scale: logit scale, default ``head_dim ** -0.5``.
+    is_causal: key ``j`` is seen by query ``i`` when ``j <= i`` (aligned top-left, as
+      JAX's; ``flash_attention(causal=True)`` aligns the ends instead).
+    query_seq_lengths, key_value_seq_lengths: ``[batch]`` ints: padding past them.
+    local_window_size: ``w`` or ``(left, right)``: query ``i`` sees keys ``i - left``
+      to ``i + right``.
+    implementation: None (jattn's ``auto``), ``"xla"``, ``"cudnn"``, or a jattn
+      backend name (``"pallas_mosaic"``, ``"pallas_triton"``).
+
+  Returns:
+    Shaped as ``query``. A query row that sees no key gives zeros (JAX's ``xla``
+    path gives the mean of the values there, unless the row is query padding).
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {sorted(map(str, IMPLEMENTATIONS))}, "
+                     f"got {implementation!r}")
+  backend = IMPLEMENTATIONS[implementation]
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    raise ValueError("query, key and value must have rank 4 [batch, seq, heads, head_dim] "
+                     f"or 3 [seq, heads, head_dim], got shapes {query.shape}, {key.shape}, "
+                     f"{value.shape}")
+  window = _window(local_window_size)
+  batch, q_len, heads, _ = query.shape
+  kv_len = key.shape[1]
+  full = (batch, heads, q_len, kv_len)
+  bias = None if bias is None else _four_d("bias", bias, full)
+  mask = None if mask is None else _four_d("mask", mask, full)
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be boolean (an additive mask goes in bias), got {mask.dtype}")
+  lengths = dict(q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths)
+  aligned = q_len == kv_len and query_seq_lengths is None and key_value_seq_lengths is None
+  if bias is None and mask is None and (aligned or not (is_causal or window)):
+    out = flash_attention(query, key, value, causal=is_causal, scale=scale,
+                          local_window=window, backend=backend, **lengths)
+  else:
+    out = flex_attention(query, key, value, scale=scale, backend=backend,
+                         score_mod=None if bias is None else _bias_score(bias),
+                         mask_mod=_mask_fn(mask, is_causal, window, query_seq_lengths,
+                                           key_value_seq_lengths))
+  return out[0] if unbatched else out
+
+
+def _window(local_window_size):
+  if local_window_size is None:
+    return None
+  if is_int(local_window_size):
+    local_window_size = (local_window_size, local_window_size)
+  if not (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
+      is_int(w) and w >= 0 for w in local_window_size)):
+    raise ValueError("local_window_size must be an int >= 0 or a (left, right) pair of them, "
+                     f"got {local_window_size!r}")
+  return tuple(int(w) for w in local_window_size)
+
+
+def _four_d(name: str, x, full: tuple):
+  """``x`` as a 4-d array broadcastable to ``full`` (leading axes added as JAX does)."""
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank at most 4, got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if any(n not in (1, f) for n, f in zip(x.shape, full)):
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [batch, heads, q_len, "
+                     f"kv_len] = {full}")
+  return x
+
+
+def _at(x, b, h, q_idx, kv_idx):
+  """``x[b, h, q_idx, kv_idx]`` of a 4-d array, index 0 on its broadcast axes."""
+  return x[tuple(0 if n == 1 else i for n, i in zip(x.shape, (b, h, q_idx, kv_idx)))]
+
+
+def _bias_score(bias):
+  return lambda score, b, h, q_idx, kv_idx: score + _at(bias, b, h, q_idx, kv_idx).astype(
+      jnp.float32)
+
+
+def _mask_fn(mask, is_causal: bool, window, q_lengths, kv_lengths):
+  """JAX's masks as one ``mask_mod`` (absolute positions, top-left), or None."""
+  if mask is None and not is_causal and window is None and q_lengths is None and (
+      kv_lengths is None):
+    return None
+  q_lengths = None if q_lengths is None else jnp.asarray(q_lengths)
+  kv_lengths = None if kv_lengths is None else jnp.asarray(kv_lengths)
+
+  def mask_mod(b, h, q_idx, kv_idx):
+    seen = jnp.ones((), jnp.bool_)
+    if mask is not None:
+      seen &= _at(mask, b, h, q_idx, kv_idx)
+    if is_causal:
+      seen &= kv_idx <= q_idx
+    if window is not None:
+      seen &= (kv_idx >= q_idx - window[0]) & (kv_idx <= q_idx + window[1])
+    if q_lengths is not None:
+      seen &= q_idx < q_lengths[b]
+    if kv_lengths is not None:
+      seen &= kv_idx < kv_lengths[b]
+    return seen
+
+  return mask_mod

@@ -1,0 +1,91 @@
+"""``jattn.dot_product_attention`` against ``jax.nn.dot_product_attention`` (its XLA
+path) on the same random inputs: outputs and gradients, every argument."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+
+
+def inputs(seed, batch=2, q_len=12, kv_len=12, heads=4, kv_heads=2, d=16):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (batch, q_len, heads, d)),
+          jax.random.normal(ks[1], (batch, kv_len, kv_heads, d)),
+          jax.random.normal(ks[2], (batch, kv_len, kv_heads, d)))
+
+
+def both(q, k, v, implementation="xla", **options):
+  """(jattn's, JAX's) outputs and gradients (of q, k, v and a bias if given)."""
+  bias = options.pop("bias", None)
+
+  def loss(f):
+    return lambda q, k, v, bias: jnp.sum(jnp.sin(f(q, k, v, bias=bias, **options)))
+
+  ours = jax.value_and_grad(loss(lambda *a, **o: jattn.dot_product_attention(
+      *a, implementation=implementation, **o)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  theirs = jax.value_and_grad(loss(lambda *a, **o: jax.nn.dot_product_attention(
+      *a, implementation="xla", **o)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  return ours, theirs
+
+
+def assert_close(ours, theirs, tol=2e-5):
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    scale = max(1.0, float(jnp.abs(b).max()))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(is_causal=True),
+    dict(is_causal=True, lengths=(8, 12)),        # top-left causal, q_len != kv_len
+    dict(is_causal=True, lengths=(12, 9)),
+    dict(local_window_size=3, lengths=(10, 12)),
+    dict(local_window_size=(4, 0), is_causal=True),
+    dict(query_seq_lengths=[12, 7], key_value_seq_lengths=[9, 12]),
+    dict(query_seq_lengths=[12, 7], key_value_seq_lengths=[9, 12], is_causal=True),
+    dict(bias="per head"),
+    dict(bias="per row", mask=True, is_causal=True),
+])
+def test_matches_jax_nn_outputs_and_gradients(case):
+  case = dict(case)
+  q_len, kv_len = case.pop("lengths", (12, 12))
+  q, k, v = inputs(0, q_len=q_len, kv_len=kv_len)
+  kb, km = jax.random.split(jax.random.key(1))
+  bias = case.pop("bias", None)
+  if bias is not None:  # broadcast over the batch, or over the heads
+    shape = (1, 4, q_len, kv_len) if bias == "per head" else (2, 1, q_len, kv_len)
+    case["bias"] = jax.random.normal(kb, shape)
+  if case.pop("mask", False):  # random, with the diagonal kept so that no row is empty
+    keep = jax.random.bernoulli(km, 0.6, (2, 4, q_len, kv_len))
+    case["mask"] = keep | jnp.eye(q_len, kv_len, dtype=bool)
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if name in case:
+      case[name] = jnp.asarray(case[name], jnp.int32)
+  assert_close(*both(q, k, v, **case))
+
+
+def test_unbatched_inputs_and_the_default_implementation():
+  q, k, v = (x[0] for x in inputs(2))
+  bias = jax.random.normal(jax.random.key(3), (4, 12, 12))  # [heads, q_len, kv_len]
+  ours = jattn.dot_product_attention(q, k, v, bias, is_causal=True)
+  theirs = jax.nn.dot_product_attention(q, k, v, bias, is_causal=True)
+  assert ours.shape == q.shape
+  assert_close(ours, theirs, tol=2e-3)  # (the kernels' float32 sums, where they run)
+  ours = jattn.dot_product_attention(q, k, v, local_window_size=(2, 1))
+  assert_close(ours, jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 1)), tol=2e-3)
+
+
+def test_bad_arguments_are_named():
+  q, k, v = inputs(4)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    jattn.dot_product_attention(q, k, v, implementation="flash")
+  with pytest.raises(TypeError, match="mask must be boolean"):
+    jattn.dot_product_attention(q, k, v, mask=jnp.ones((12, 12)))
+  with pytest.raises(ValueError, match=r"bias of shape \(1, 1, 12, 5\) does not broadcast"):
+    jattn.dot_product_attention(q, k, v, bias=jnp.ones((12, 5)))
+  with pytest.raises(ValueError, match="local_window_size must be an int >= 0"):
+    jattn.dot_product_attention(q, k, v, local_window_size=(1, 2, 3))
+  with pytest.raises(ValueError, match="must have rank 4"):
+    jattn.dot_product_attention(q[0, 0], k, v)
