@@ -53,6 +53,28 @@ def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len):
   _check(fn, q, k, v, do, causal)
 
 
+# Packed sequences: documents of several lengths (one spans device boundaries), and a
+# query segment no key has (those rows are zeros). Segments that cannot meet skip a step.
+@pytest.mark.parametrize("causal,layout,backend", [(False, "contiguous", "xla"),
+                                                   (True, "zigzag", "xla"),
+                                                   (True, "contiguous", "pallas_triton")])
+def test_ring_with_segment_ids(mesh, causal, layout, backend):
+  q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=7)
+  ends = jnp.array([[5, 30, 41, 64], [16, 17, 50, 64]])  # documents' ends per row
+  ids = jnp.sum(jnp.arange(64)[None, :, None] >= ends[:, None, :], axis=-1).astype(jnp.int32)
+  q_ids = ids.at[1, 60:].set(9)  # queries of a segment without keys
+  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
+                         layout=layout, backend=backend, q_segment_ids=q_ids,
+                         kv_segment_ids=ids)
+  o, pull = jax.vjp(jax.jit(fn), q, k, v)
+  reference = lambda q, k, v: flash_attention_reference(
+      q, k, v, causal=causal, q_segment_ids=q_ids, kv_segment_ids=ids)[0]
+  o_ref, pull_ref = jax.vjp(jax.jit(reference), q, k, v)
+  assert rel_err(o, o_ref) < 1e-5 and not np.asarray(o[1, 60:]).any()
+  for name, g, g_ref in zip("qkv", pull(do), pull_ref(do)):
+    assert rel_err(g, g_ref) < 1e-5, name
+
+
 def test_ring_with_pallas_blocks(mesh):
   q, k, v, do = _inputs(1, 64, 2, 1, 16, seed=3)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=True,

@@ -29,7 +29,7 @@ from jattn.core.validation import (check_attention_inputs, check_choice, check_f
                                    check_positive_int, scale_of)
 from jattn.flash import FLASH
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
-                                   ring_backend, shift)
+                                   ring_backend, segments_meet, shift)
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -62,53 +62,74 @@ def zigzag_restore(x, devices: int, axis: int = 1):
 
 # --- which work a step does -----------------------------------------------------------
 
-def _step_forward(q, k, v, src, me, *, causal, layout, scale, backend):
-  """``(o, lse)`` of the local queries against the K/V shard of device ``src``."""
+def _rows(x, rows: slice):
+  """``x[:, rows]``, or None for absent segment ids."""
+  return None if x is None else x[:, rows]
+
+
+def _step_forward(q, k, v, q_seg, kv_seg, src, me, *, causal, layout, scale, backend):
+  """``(o, lse)`` of the local queries against the K/V shard of device ``src`` (segment
+  ids of both, or None: a step whose segments cannot meet is skipped)."""
   block = functools.partial(block_forward, scale=scale, backend=backend)
+  empty = lambda: empty_rows(q, v)
   if not causal:
-    return block(q, k, v, causal=False)
-  if layout == "contiguous":
-    return lax.cond(src == me, lambda: block(q, k, v, causal=True),
-                    lambda: lax.cond(src < me, lambda: block(q, k, v, causal=False),
-                                     lambda: empty_rows(q, v)))
-  half = q.shape[1] // 2
+    work = lambda: block(q, k, v, q_seg, kv_seg, causal=False)
+  elif layout == "contiguous":
+    work = lambda: lax.cond(
+        src == me, lambda: block(q, k, v, q_seg, kv_seg, causal=True),
+        lambda: lax.cond(src < me, lambda: block(q, k, v, q_seg, kv_seg, causal=False), empty))
+  else:
+    half = slice(None, q.shape[1] // 2)
+    rest = slice(q.shape[1] // 2, None)
 
-  def earlier():  # every local query sees the source's first chunk
-    return block(q, k[:, :half], v[:, :half], causal=False)
+    def earlier():  # every local query sees the source's first chunk
+      return block(q, k[:, half], v[:, half], q_seg, _rows(kv_seg, half), causal=False)
 
-  def later():  # only the local second chunk sees the source, all of it
-    o, lse = block(q[:, half:], k, v, causal=False)
-    o0, l0 = empty_rows(q[:, :half], v)
-    return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
+    def later():  # only the local second chunk sees the source, all of it
+      o, lse = block(q[:, rest], k, v, _rows(q_seg, rest), kv_seg, causal=False)
+      o0, l0 = empty_rows(q[:, half], v)
+      return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
 
-  return lax.cond(src == me, lambda: block(q, k, v, causal=True),
-                  lambda: lax.cond(src < me, earlier, later))
+    work = lambda: lax.cond(src == me, lambda: block(q, k, v, q_seg, kv_seg, causal=True),
+                            lambda: lax.cond(src < me, earlier, later))
+  if q_seg is None:
+    return work()
+  return lax.cond(segments_meet(q_seg, kv_seg), work, empty)
 
 
-def _step_backward(q, k, v, o, lse, do, src, me, *, causal, layout, scale, backend):
+def _step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layout, scale,
+                   backend):
   """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard."""
   grads = functools.partial(block_backward, scale=scale, backend=backend)
   zeros = lambda: tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
   if not causal:
-    return grads(q, k, v, o, lse, do, causal=False)
-  if layout == "contiguous":
-    return lax.cond(src == me, lambda: grads(q, k, v, o, lse, do, causal=True),
-                    lambda: lax.cond(src < me, lambda: grads(q, k, v, o, lse, do, causal=False),
-                                     zeros))
-  half = q.shape[1] // 2
+    work = lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=False)
+  elif layout == "contiguous":
+    work = lambda: lax.cond(
+        src == me, lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=True),
+        lambda: lax.cond(src < me, lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg,
+                                                 causal=False), zeros))
+  else:
+    half = slice(None, q.shape[1] // 2)
+    rest = slice(q.shape[1] // 2, None)
 
-  def earlier():
-    dq, dk, dv = grads(q, k[:, :half], v[:, :half], o, lse, do, causal=False)
-    pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-    return dq, pad(dk), pad(dv)
+    def earlier():
+      dq, dk, dv = grads(q, k[:, half], v[:, half], o, lse, do, q_seg, _rows(kv_seg, half),
+                         causal=False)
+      pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+      return dq, pad(dk), pad(dv)
 
-  def later():
-    dq, dk, dv = grads(q[:, half:], k, v, o[:, half:], lse[:, :, half:], do[:, half:],
-                       causal=False)
-    return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+    def later():
+      dq, dk, dv = grads(q[:, rest], k, v, o[:, rest], lse[:, :, rest], do[:, rest],
+                         _rows(q_seg, rest), kv_seg, causal=False)
+      return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
-  return lax.cond(src == me, lambda: grads(q, k, v, o, lse, do, causal=True),
-                  lambda: lax.cond(src < me, earlier, later))
+    work = lambda: lax.cond(src == me,
+                            lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=True),
+                            lambda: lax.cond(src < me, earlier, later))
+  if q_seg is None:
+    return work()
+  return lax.cond(segments_meet(q_seg, kv_seg), work, zeros)
 
 
 # --- the ring -------------------------------------------------------------------------
@@ -117,49 +138,49 @@ def _ring_perm(devices: int):
   return [(i, (i + 1) % devices) for i in range(devices)]
 
 
-def _ring_forward(st, q, k, v):
+def _ring_forward(st, q, k, v, q_seg, kv_seg):
   axis_name, causal, layout, scale, backend = st
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
   acc = empty_rows(q, v)
-  kv = (k, v)
+  kv = (k, v, kv_seg)  # the key segment ids travel with their shard
   for step in range(devices):
     # Send before use: the transfer of the next shard overlaps this step's attention.
     nxt = shift(kv, axis_name, _ring_perm(devices)) if step + 1 < devices else None
     src = (me - step) % devices
-    acc = merge(acc, _step_forward(q, *kv, src, me, causal=causal, layout=layout,
-                                    scale=scale, backend=backend))
+    acc = merge(acc, _step_forward(q, kv[0], kv[1], q_seg, kv[2], src, me, causal=causal,
+                                    layout=layout, scale=scale, backend=backend))
     kv = nxt
   return acc
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(st, q, k, v):
-  o, _ = _ring_forward(st, q, k, v)
+def _ring(st, q, k, v, q_seg, kv_seg):
+  o, _ = _ring_forward(st, q, k, v, q_seg, kv_seg)
   return o.astype(q.dtype)
 
 
-def _ring_fwd(st, q, k, v):
-  o, lse = _ring_forward(st, q, k, v)
+def _ring_fwd(st, q, k, v, q_seg, kv_seg):
+  o, lse = _ring_forward(st, q, k, v, q_seg, kv_seg)
   o = o.astype(q.dtype)
-  return o, (q, k, v, o, lse)
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
 def _ring_bwd(st, res, do):
   axis_name, causal, layout, scale, backend = st
-  q, k, v, o, lse = res
+  q, k, v, q_seg, kv_seg, o, lse = res
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
   dq = jnp.zeros_like(q, jnp.float32)
-  travelling = (k, v, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+  travelling = (k, v, kv_seg, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
   for step in range(devices):
-    kk, vv, dk, dv = travelling
+    kk, vv, seg, dk, dv = travelling
     src = (me - step) % devices
-    g_q, g_k, g_v = _step_backward(q, kk, vv, o, lse, do, src, me, causal=causal,
+    g_q, g_k, g_v = _step_backward(q, kk, vv, o, lse, do, q_seg, seg, src, me, causal=causal,
                                    layout=layout, scale=scale, backend=backend)
     dq = dq + g_q
     # After the last step the accumulators take one more hop: home to their shard.
-    travelling = shift((kk, vv, dk + g_k, dv + g_v), axis_name, _ring_perm(devices))
-  _, _, dk, dv = travelling
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    travelling = shift((kk, vv, seg, dk + g_k, dv + g_v), axis_name, _ring_perm(devices))
+  dk, dv = travelling[3:]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -178,7 +199,8 @@ def _check_causal_lengths(q, k, causal: bool, shards: str) -> None:
 
 
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous", backend: str = "auto"):
+                   layout: str = "contiguous", backend: str = "auto", q_segment_ids=None,
+                   kv_segment_ids=None):
   """Exact attention over a sequence sharded on mesh axis ``axis_name``; call it
   inside ``shard_map`` with the sequence axis split over ``axis_name``.
 
@@ -195,6 +217,11 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       ``zigzag_order``; balances causal work, needs an even local length).
     backend: the blocks' backend, one of ``jattn.flash_attention``'s that gives the
       row statistics (``"auto"``: the first such that runs here).
+    q_segment_ids, kv_segment_ids: the local shards ``[batch, seq / P]`` / ``[batch,
+      kv_len / P]`` of integer segment ids (packed sequences, laid out as q and k are):
+      a query attends only to keys of its segment. The key ids travel with their K/V
+      shard; a ring step whose ids cannot meet (their ranges per batch row do not
+      overlap) is skipped, and the blocks skip the tiles no segment needs.
 
   Returns:
     the local output shard ``[batch, seq / P, heads, head_dim_v]`` in q's dtype.
@@ -203,26 +230,30 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
   """
   check_choice("layout", layout, LAYOUTS)
   causal = check_flag("causal", causal)
-  FLASH.bind(q, k, v, causal=causal, scale=scale)  # the flash checks, on the local shards
+  _, arrays = FLASH.bind(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+                         kv_segment_ids=kv_segment_ids)  # the flash checks, on the local shards
+  q_seg, kv_seg = arrays[3:5]
   _check_causal_lengths(q, k, causal, " (here: the local shards)")
   if layout == "zigzag" and q.shape[1] % 2:
     raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
   bound_axis_size(axis_name, "ring_attention")  # now, so that an unknown axis is named
   scale = scale_of(scale, q.shape[-1])
-  name = ring_backend(q, k, causal=causal, scale=scale, backend=backend)
-  return _ring((axis_name, causal, layout, scale, name), q, k, v)
+  name = ring_backend(q, k, causal=causal, scale=scale, backend=backend,
+                      segments=q_seg is not None)
+  return _ring((axis_name, causal, layout, scale, name), q, k, v, q_seg, kv_seg)
 
 
 def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False,
                            scale: float | None = None, layout: str = "contiguous",
-                           backend: str = "auto"):
+                           backend: str = "auto", q_segment_ids=None, kv_segment_ids=None):
   """``ring_attention`` on whole arrays (``q [batch, seq, heads, head_dim]``, k, v
   ``[batch, kv_len, kv_heads, head_dim(_v)]``): shards the sequence over ``mesh``'s
   ``axis_name`` with ``shard_map`` (zig-zag ordered first and restored after for
   ``layout="zigzag"``), so the caller needs no ``shard_map``.
 
   ``seq`` and ``kv_len`` must be multiples of the axis size (twice it for
-  ``"zigzag"``); ``causal`` needs ``kv_len == seq``. The ``shard_map`` runs with
+  ``"zigzag"``); ``causal`` needs ``kv_len == seq``. Segment ids: ``[batch, seq]`` /
+  ``[batch, kv_len]``, sharded (and ordered) as q and k. The ``shard_map`` runs with
   ``check_vma=False``: Pallas calls inside it declare no per-axis variance.
   """
   check_choice("layout", layout, LAYOUTS)
@@ -233,9 +264,18 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   check_split({"q": q, "k": k}, devices=devices, axis_name=axis_name,
               chunks=2 if layout == "zigzag" else 1)
   spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
-  ring = jax.shard_map(functools.partial(ring_attention, axis_name=axis_name, causal=causal,
-                                         scale=scale, layout=layout, backend=backend),
-                       mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+  ids = () if q_segment_ids is None and kv_segment_ids is None else (
+      q_segment_ids, kv_segment_ids)
+
+  def local(q, k, v, *ids):
+    segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
+    return ring_attention(q, k, v, axis_name=axis_name, causal=causal, scale=scale,
+                          layout=layout, backend=backend, **segments)
+
+  ids_spec = jax.sharding.PartitionSpec(None, axis_name)
+  ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (ids_spec,) * len(ids),
+                       out_specs=spec, check_vma=False)
   if layout == "zigzag":
-    return zigzag_restore(ring(*(zigzag_order(x, devices) for x in (q, k, v))), devices)
-  return ring(q, k, v)
+    ordered = (zigzag_order(x, devices) for x in (q, k, v, *ids))
+    return zigzag_restore(ring(*ordered), devices)
+  return ring(q, k, v, *ids)
