@@ -6,7 +6,7 @@ kernel's error against the float32 attention of the unquantised inputs (RMSE,
 Gaussian inputs and inputs with 0.1% outliers ten times larger, with and without the
 Hadamard rotation), beside the recipe reference's.
 
-    python bench/fp8.py --out bench/results --label h100
+    python bench/fp8.py --label h100            # writes bench/results/fp8_h100.{json,md}
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def markdown(payload) -> str:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--label", default="h100")
   parser.add_argument("--no-sweep", action="store_true")
   args = parser.parse_args()
