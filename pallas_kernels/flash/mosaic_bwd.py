@@ -612,10 +612,8 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
       q_ready=_barrier(stages, 4 + positions.n_rows), q_free=_barrier(stages, mp.CONSUMERS))
   smem.update(positions.scratch(inputs, (stages, block_q), (mp.CONSUMERS, block_kv)))
   if fuse_dq:
-    f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
-                dq=plgpu.SMEM((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32,
-                              transforms=f32_tiles),
+                dq=mp.tile_smem((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32),
                 ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   # Folding lse and delta into the accumulators' initial values frees their registers
   # (``_FoldedStats``); plain logits only, and not for wider heads, where it spills.
