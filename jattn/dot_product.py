@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jattn.core.validation import is_int
 from jattn.flash import flash_attention
 from jattn.flex.attention import flex_attention
+from jattn.flex.mods import bias_score, broadcast_at
 
 # ``implementation`` -> jattn backend (JAX's names, and jattn's own).
 IMPLEMENTATIONS = {None: "auto", "xla": "xla", "cudnn": "cudnn", "auto": "auto",
@@ -75,7 +76,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           local_window=window, backend=backend, **lengths)
   else:
     out = flex_attention(query, key, value, scale=scale, backend=backend,
-                         score_mod=None if bias is None else _bias_score(bias),
+                         score_mod=None if bias is None else bias_score(bias),
                          mask_mod=_mask_fn(mask, is_causal, window, query_seq_lengths,
                                            key_value_seq_lengths))
   return out[0] if unbatched else out
@@ -105,16 +106,6 @@ def _four_d(name: str, x, full: tuple):
   return x
 
 
-def _at(x, b, h, q_idx, kv_idx):
-  """``x[b, h, q_idx, kv_idx]`` of a 4-d array, index 0 on its broadcast axes."""
-  return x[tuple(0 if n == 1 else i for n, i in zip(x.shape, (b, h, q_idx, kv_idx)))]
-
-
-def _bias_score(bias):
-  return lambda score, b, h, q_idx, kv_idx: score + _at(bias, b, h, q_idx, kv_idx).astype(
-      jnp.float32)
-
-
 def _mask_fn(mask, is_causal: bool, window, q_lengths, kv_lengths):
   """JAX's masks as one ``mask_mod`` (absolute positions, top-left), or None."""
   if mask is None and not is_causal and window is None and q_lengths is None and (
@@ -126,7 +117,7 @@ def _mask_fn(mask, is_causal: bool, window, q_lengths, kv_lengths):
   def mask_mod(b, h, q_idx, kv_idx):
     seen = jnp.ones((), jnp.bool_)
     if mask is not None:
-      seen &= _at(mask, b, h, q_idx, kv_idx)
+      seen &= broadcast_at(mask, b, h, q_idx, kv_idx)
     if is_causal:
       seen &= kv_idx <= q_idx
     if window is not None:

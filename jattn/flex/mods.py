@@ -95,12 +95,18 @@ def relative_position_score(table) -> Callable:
   return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(kv_idx - q_idx, -m, m) + m]
 
 
+def broadcast_at(x, b, h, q_idx, kv_idx):
+  """``x[b, h, q_idx, kv_idx]`` of an array broadcastable to ``[batch, q_heads, q_len,
+  kv_len]`` (``[q_heads, q_len, kv_len]`` when 3-d): index 0 on its axes of size 1."""
+  index = (b, h, q_idx, kv_idx)[4 - x.ndim:]
+  return x[tuple(0 if n == 1 else i for n, i in zip(x.shape, index))]
+
+
 def bias_score(bias) -> Callable:
   """An additive bias ``[q_heads, q_len, kv_len]`` (or ``[batch, q_heads, q_len,
-  kv_len]``), e.g. DAT's and Swin's relative-position bias. It gets a gradient."""
+  kv_len]``; axes of size 1 broadcast), e.g. DAT's and Swin's relative-position bias.
+  It gets a gradient."""
   if bias.ndim not in (3, 4):
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")
-  if bias.ndim == 3:
-    return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx]
-  return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
+  return lambda score, b, h, q_idx, kv_idx: score + broadcast_at(bias, b, h, q_idx, kv_idx)
