@@ -142,9 +142,6 @@ def fp8_attention_reference(q8, k8, v8, q_descale=1.0, k_descale=1.0, v_descale=
 
 NO_FP8_GRADIENT = ("FP8 inputs have no backward: differentiate a 16-bit copy (flash_attention "
                    "on bfloat16 q, k, v) and quantise only for the forward")
-# What flash_attention's FP8 path takes beside q, k, v and their descales.
-FP8_OPTIONS = ("causal", "scale", "local_window", "q_segment_ids", "kv_segment_ids",
-               "out_dtype", "backend", "config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +178,18 @@ class Fp8Problem(AttentionProblem):
     return (self.head_dim, self.value_head_dim)
 
 
-class XlaFp8(XlaImpl):
-  """``fp8_attention_reference``: the recipe's values, dense, in float32."""
+class _ForwardOnly:
+  """The FP8 implementations' backward: a clear error (``has_backward``, so that
+  differentiating reaches it rather than autodiff of the forward)."""
 
   has_backward = True
+
+  def backward(self, call, residuals, cotangents):
+    raise NotImplementedError(NO_FP8_GRADIENT)
+
+
+class XlaFp8(_ForwardOnly, XlaImpl):
+  """``fp8_attention_reference``: the recipe's values, dense, in float32."""
 
   def forward(self, call, q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg):
     p = call.problem
@@ -194,11 +199,8 @@ class XlaFp8(XlaImpl):
                                   out_dtype=p.out_dtype)
     return out, None
 
-  def backward(self, call, residuals, cotangents):
-    raise NotImplementedError(NO_FP8_GRADIENT)
 
-
-class MosaicFp8(MosaicImpl):
+class MosaicFp8(_ForwardOnly, MosaicImpl):
   """The Hopper forward kernel on 8-bit wgmma (``flash_mosaic_forward_fp8``)."""
 
   config_cls = MosaicBlockConfig
@@ -223,9 +225,6 @@ class MosaicFp8(MosaicImpl):
                                    scale=p.scale, local_window=p.local_window,
                                    config=call.config, out_dtype=p.out_dtype)
     return out, None
-
-  def backward(self, call, residuals, cotangents):
-    raise NotImplementedError(NO_FP8_GRADIENT)
 
 
 def _descale(name: str, value, kv_heads: int):
