@@ -205,11 +205,6 @@ class MosaicFp8(_ForwardOnly, MosaicImpl):
 
   config_cls = MosaicBlockConfig
 
-  def gaps(self, p: Fp8Problem):
-    # The kernel's segment ranges are the 16-bit kernel's, but this path has not run on
-    # a GPU yet: such calls take the reference until it has.
-    return super().gaps(p) + (("segment ids",) if p.segment_ids else ())
-
   def heuristic_config(self, p: Fp8Problem, info):
     return default_fp8_config(*p.head_dims, out_nbytes=p.out_dtype.itemsize,
                               masked=p.causal or p.local_window is not None,
@@ -219,9 +214,9 @@ class MosaicFp8(_ForwardOnly, MosaicImpl):
     return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info))
 
   def forward(self, call, q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg):
-    del q_seg, kv_seg  # none: gaps
     p = call.problem
-    out = flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, causal=p.causal,
+    out = flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg,
+                                   causal=p.causal,
                                    scale=p.scale, local_window=p.local_window,
                                    config=call.config, out_dtype=p.out_dtype)
     return out, None

@@ -186,16 +186,19 @@ def rmse(a, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, causal, window, out_dtype", [
+@pytest.mark.parametrize("shape, causal, window, out_dtype, segments", [
     # (batch, q_len, kv_len, q_heads, kv_heads, d, dv)
-    ((2, 300, 333, 4, 2, 128, 128), False, None, jnp.bfloat16),
-    ((2, 300, 333, 4, 2, 128, 128), True, None, jnp.float32),
-    ((1, 520, 520, 4, 1, 128, 128), True, (100, 0), jnp.float16),
-    ((2, 200, 200, 2, 2, 64, 64), False, None, jnp.bfloat16),
-    ((1, 260, 300, 2, 2, 256, 256), True, None, jnp.bfloat16),
-    ((1, 256, 256, 4, 2, 128, 64), False, None, jnp.bfloat16),
+    ((2, 300, 333, 4, 2, 128, 128), False, None, jnp.bfloat16, False),
+    ((2, 300, 333, 4, 2, 128, 128), True, None, jnp.float32, False),
+    ((1, 520, 520, 4, 1, 128, 128), True, (100, 0), jnp.float16, False),
+    ((2, 200, 200, 2, 2, 64, 64), False, None, jnp.bfloat16, False),
+    ((1, 260, 300, 2, 2, 256, 256), True, None, jnp.bfloat16, False),
+    ((1, 256, 256, 4, 2, 128, 64), False, None, jnp.bfloat16, False),
+    ((2, 300, 333, 4, 2, 128, 128), False, None, jnp.bfloat16, True),
+    ((2, 520, 520, 4, 4, 128, 128), True, None, jnp.bfloat16, True),
 ])
-def test_the_hopper_fp8_kernel_computes_the_recipe(shape, causal, window, out_dtype):
+def test_the_hopper_fp8_kernel_computes_the_recipe(shape, causal, window, out_dtype,
+                                                   segments):
   """The 8-bit wgmma kernel against the recipe's float32 reference, and no less exact
   than it against the float32 attention of the inputs it quantised (its weights are
   rounded against the running row max, the reference's against the final one)."""
@@ -205,6 +208,9 @@ def test_the_hopper_fp8_kernel_computes_the_recipe(shape, causal, window, out_dt
   q, k, v = qkv(11, batch, q_len, kv_len, q_heads, kv_heads, d, dv, outliers=1e-3)
   q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
   options = dict(causal=causal, local_window=window)
+  if segments:  # packed rows of uneven sequences; the last queries' segment has no key
+    ids = lambda n, count: jnp.broadcast_to(jnp.arange(n) * count // n, (batch, n))
+    options.update(q_segment_ids=ids(q_len, 5), kv_segment_ids=ids(kv_len, 4))
   out = jattn.flash_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                               backend="pallas_mosaic", out_dtype=out_dtype, **options)
   recipe = fp8_attention_reference(q8, k8, v8, qd, kd, vd, out_dtype=out_dtype, **options)

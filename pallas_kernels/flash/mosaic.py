@@ -138,9 +138,9 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   return o[:, :q_len, :, :dv], lse[:, :, :q_len]
 
 
-def flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal: bool,
-                             scale: float, local_window, config: MosaicBlockConfig,
-                             out_dtype):
+def flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, q_seg=None,
+                             kv_seg=None, *, causal: bool, scale: float, local_window,
+                             config: MosaicBlockConfig, out_dtype):
   """FP8 flash attention forward on Hopper: QKᵀ and PV on 8-bit wgmma, the softmax in
   float32, the weights cast to E4M3 for PV (FlashAttention-3's recipe).
 
@@ -150,6 +150,7 @@ def flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal
       ``<= 256``, ``scale > 0``.
     q_descale, k_descale, v_descale: ``[kv_heads]`` float32, positive: the inputs are
       ``x8 * descale``.
+    q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32 segment ids, or None.
     out_dtype: the output's dtype (16- or 32-bit float).
 
   Returns:
@@ -160,12 +161,17 @@ def flash_mosaic_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, causal
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   group = q.shape[2] // k.shape[2]
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
-                                               local_window=local_window)
+                                               local_window=local_window,
+                                               segments=q_seg is not None)
+  positions = _positions(q_seg, FlexMods(), 0.0, None)
+  inputs = _kernel_inputs(positions, q_seg, kv_seg, FlexMods(),
+                          (config.block_q, config.block_kv), spec, (q_len_p, kv_len_p))
   v_t = eight_bit_values(pad_to(v, kv_len_p, mosaic_head_dim(dv)))
   per_q_head = lambda x: jnp.repeat(x.astype(jnp.float32), group)
-  o, _ = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), v_t, spec=spec,
-                        scale=scale, block_q=config.block_q, block_kv=config.block_kv,
-                        stages=config.stages, persistent=config.persistent,
+  o, _ = mosaic_forward(pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), v_t, inputs,
+                        spec=spec, scale=scale, block_q=config.block_q,
+                        block_kv=config.block_kv, stages=config.stages,
+                        persistent=config.persistent, positions=positions,
                         descales=(per_q_head(q_descale * k_descale), per_q_head(v_descale)),
                         out_dtype=out_dtype)
   return o[:, :q_len, :, :dv]
