@@ -4,6 +4,7 @@ ring attention at a million tokens.
     python bench/ring.py                         # weak scaling, 32k tokens per GPU, hd128
     python bench/ring.py --longest               # double the sequence until too slow / OOM
     python bench/ring.py --dilated 1048576       # dilated ring, fwd and fwd+bwd
+    python bench/ring.py --documents 8           # packed sequences: with segment ids vs without
 
 Weak scaling: on the first P GPUs (P in --devices), one sequence of P x --local tokens,
 sharded over the mesh axis; ``ring_attention`` runs inside ``shard_map`` on inputs
@@ -11,7 +12,12 @@ already in the layout (contiguous, or zig-zag for balanced causal), as a model w
 keep them. Per-device TFLOP/s = attention FLOPs / time / P; efficiency = that over
 single-GPU ``flash_attention`` on --local tokens (same mode, causal or not).
 
-Writes ring.json / ring.md (ring_longest.*, ring_dilated.*) under --out.
+Documents: the same rings with the sequence packed with --documents documents of random
+lengths (segment ids, laid out as q and k), against the ring without ids; TFLOP/s count
+the real FLOPs (attention within each document), so their ratio says how much of the
+skipped work the ring turns into time saved.
+
+Writes ring.json / ring.md (ring_longest.*, ring_dilated.*, ring_documents.*) under --out.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.common import attention_flops, environment, time_jax, write_results  # noqa: E402
 from bench.dilated import RATES, SEGMENTS, dilated_flops  # noqa: E402
 import jattn  # noqa: E402
-from jattn.parallel import dilated_ring_attention, ring_attention  # noqa: E402
+from jattn.parallel import dilated_ring_attention, ring_attention, zigzag_order  # noqa: E402
 
 SPEC = PartitionSpec(None, "sp", None, None)
 
@@ -99,17 +105,87 @@ def weak_scaling(args, env):
 
 
 def _markdown(rows, env, args):
-  lines = [f"# Ring attention weak scaling, {env['device']} x{len(jax.devices())} "
-           f"(jax {env['jax']}, {env['time']})", "",
-           f"{args.local} tokens per GPU, batch 1, {args.heads} heads, head dim "
-           f"{args.head_dim}, bf16. Per-device TFLOP/s = attention FLOPs / time / GPUs; "
-           "efficiency = that / single-GPU flash_attention on the per-GPU length.", "",
-           "| impl | GPUs | seq | causal | mode | ms | TFLOP/s per GPU | efficiency |",
+  return _table(rows, env, "Ring attention weak scaling",
+                f"{args.local} tokens per GPU, batch 1, {args.heads} heads, head dim "
+                f"{args.head_dim}, bf16. Per-device TFLOP/s = attention FLOPs / time / GPUs; "
+                "efficiency = that / single-GPU flash_attention on the per-GPU length.",
+                "efficiency", lambda r: f"{100 * r['efficiency']:.0f}%")
+
+
+def _table(rows, env, title: str, note: str, last: str, last_cell) -> str:
+  """A ring table: one line per row, ``last_cell(row)`` in the ``last`` column."""
+  lines = [f"# {title}, {env['device']} x{len(jax.devices())} (jax {env['jax']}, "
+           f"{env['time']})", "", note, "",
+           f"| impl | GPUs | seq | causal | mode | ms | TFLOP/s per GPU | {last} |",
            "|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['impl']} | {r['devices']} | {r['seq']} | {r['causal']} | {r['mode']} | "
-            f"{r['ms']:.1f} | {r['tflops_per_device']:.0f} | {100 * r['efficiency']:.0f}% |"
-            for r in rows]
+            f"{r['ms']:.1f} | {r['tflops_per_device']:.0f} | {last_cell(r)} |" for r in rows]
   return "\n".join(lines) + "\n"
+
+
+def document_ids(seq: int, documents: int, seed: int = 0) -> np.ndarray:
+  """``[1, seq]`` int32 ids of ``documents`` documents of random lengths (each >= 1)."""
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, seq), documents - 1, replace=False))
+  return np.searchsorted(cuts, np.arange(seq), side="right").astype(np.int32)[None]
+
+
+def document_flops(ids: np.ndarray, heads, head_dim, causal, mode) -> float:
+  """Attention FLOPs within each document of ``ids`` (``attention_flops``' counting)."""
+  lengths = np.bincount(ids[0])
+  return sum(attention_flops(1, int(n), int(n), heads, head_dim, causal, mode)
+             for n in lengths if n)
+
+
+def documents(args, env):
+  rows = []
+  ids_spec = PartitionSpec(None, "sp")
+  for causal, mode, devices in itertools.product((False, True), args.modes.split(","),
+                                                 map(int, args.devices.split(","))):
+    if devices > len(jax.devices()):
+      continue
+    layout = "zigzag" if causal else "contiguous"
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
+    seq = devices * args.local
+    q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
+    ids = jnp.asarray(document_ids(seq, args.documents))
+    laid = zigzag_order(ids, devices) if layout == "zigzag" else ids
+    laid = jax.device_put(laid, NamedSharding(mesh, ids_spec))
+    for packed in (False, True):
+      def attend(q, k, v, ids):
+        segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if packed else {}
+        return ring_attention(q, k, v, axis_name="sp", causal=causal, layout=layout,
+                              backend=args.backend, **segments)
+
+      fn = jax.shard_map(attend, mesh=mesh, in_specs=(SPEC,) * 3 + (ids_spec,), out_specs=SPEC,
+                         check_vma=False)
+      if mode == "fwd":
+        step, call_args = jax.jit(fn), (q, k, v, laid)
+      else:
+        step = jax.jit(lambda q, k, v, ids, do: jax.vjp(lambda *a: fn(*a, ids), q, k, v)[1](do))
+        call_args = (q, k, v, laid, do)
+      seconds = _time(step, call_args, args.reps, args.inner)
+      flops = (document_flops(np.asarray(ids), args.heads, args.head_dim, causal, mode) if packed
+               else attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode))
+      rows.append(dict(impl=f"ring {layout}" + (f" {args.documents} documents" if packed else ""),
+                       devices=devices, seq=seq, causal=causal, mode=mode, ms=seconds * 1e3,
+                       tflops_per_device=flops / seconds / devices / 1e12,
+                       backend=args.backend))
+      if packed:
+        rows[-1]["ratio"] = rows[-1]["tflops_per_device"] / rows[-2]["tflops_per_device"]
+      print(rows[-1], flush=True)
+      write_results(args.out, f"{args.stem}_documents", {"env": env, "rows": rows},
+                    _documents_markdown(rows, env, args))
+  return rows
+
+
+def _documents_markdown(rows, env, args):
+  ratio = lambda r: f"{r['ratio']:.2f}x" if "ratio" in r else ""
+  return _table(rows, env, "Ring attention on packed sequences",
+                f"{args.local} tokens per GPU, {args.documents} documents of random lengths per "
+                f"sequence, batch 1, {args.heads} heads, head dim {args.head_dim}, bf16, "
+                f"backend {args.backend}. TFLOP/s per GPU count real FLOPs (within documents); "
+                "ratio = with ids / without.", "ratio", ratio)
 
 
 def longest(args, env):
@@ -212,12 +288,16 @@ def main():
   parser.add_argument("--longest", action="store_true")
   parser.add_argument("--max-seconds", type=float, default=15.0)
   parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")
+  parser.add_argument("--documents", type=int, help="packed sequences of this many documents")
+  parser.add_argument("--backend", default="pallas_triton", help="the rings' blocks (--documents)")
   args = parser.parse_args()
   env = environment()
   if args.longest:
     longest(args, env)
   elif args.dilated:
     dilated(args, env)
+  elif args.documents:
+    documents(args, env)
   else:
     weak_scaling(args, env)
 

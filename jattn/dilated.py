@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.op import Problem, SoftmaxOp, XlaImpl
+from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
 from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
@@ -57,6 +58,18 @@ class DilatedProblem(Problem):
   @property
   def pairs(self) -> tuple[tuple[int, int], ...]:
     return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+  def local(self, batch_shards: int, head_shards: int) -> "DilatedProblem":
+    """This problem on one shard of ``batch_shards`` x ``head_shards``. Head ``h``
+    reads the positions ``≡ h (mod r)``: a shard's heads, numbered from 0, keep their
+    offsets only where each shard holds a multiple of every rate."""
+    heads = self.heads // head_shards
+    if head_shards > 1 and any(heads % r for r in self.dilation_rates):
+      raise ValueError(f"dilated_attention split over heads needs a multiple of every dilation "
+                       f"rate {self.dilation_rates} per shard, got {heads} heads per shard "
+                       f"({self.heads} over {head_shards})")
+    return dataclasses.replace(self, batch=self.batch // batch_shards, heads=heads,
+                               kv_heads=self.kv_heads // head_shards)
 
 
 def check_pairs(segment_lengths, dilation_rates) -> None:
@@ -127,6 +140,9 @@ class DilatedAttention(SoftmaxOp):
 
   def finish(self, problem, outputs):
     return outputs[0].astype(problem.dtype)
+
+  def shard_rule(self, p: DilatedProblem) -> ShardRule:
+    return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS), (Q_HEADS, ROW_STATS), p.heads // p.kv_heads)
 
   def example(self, p: DilatedProblem, key):
     kq, kk, kv = jax.random.split(key, 3)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jattn.core.cache import bucket
 from jattn.core.device import CUDNN, GPUInfo, current_device, shared_memory_limit
 from jattn.core.op import AttentionProblem, Impl, MosaicImpl, SoftmaxOp, XlaImpl
+from jattn.core.sharding import (KV_HEADS, PER_Q_HEAD, PER_ROW, Q_HEADS, REPLICATED, ROW_STATS,
+                                 ShardRule)
 from jattn.core.validation import (check_attention_inputs, check_flag, check_integer_array,
                                    check_shape, is_number, positive_number, scale_of,
                                    segment_ids_arg, window_arg)
@@ -393,6 +395,14 @@ class FlashAttention(SoftmaxOp):
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o
+
+  def shard_rule(self, p: FlashProblem) -> ShardRule:
+    refusals = ()
+    if p.dropout_rate:
+      why = "dropout's mask hashes each weight's batch row and head, which a shard numbers from 0"
+      refusals = (("batch", why), ("heads", why))
+    return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS, PER_ROW, PER_ROW, PER_Q_HEAD, REPLICATED,
+                      PER_ROW), (Q_HEADS, ROW_STATS), p.q_heads // p.kv_heads, refusals)
 
   def example(self, p: FlashProblem, key):
     kq, kk, kv, ks, kd = jax.random.split(key, 5)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jattn.core.device import shared_memory_limit
 from jattn.core.op import AttentionProblem, MosaicImpl, Op, XlaImpl
+from jattn.core.sharding import KV_HEADS, PER_KV_HEAD, PER_ROW, Q_HEADS, ShardRule
 from jattn.core.validation import (FLOAT_DTYPES, check_flag, check_heads, check_same_dtype,
                                    check_shape, scale_of, segment_ids_arg, window_arg)
 from jattn.kernels.flash.config import MosaicBlockConfig, default_fp8_config, fp8_misfit
@@ -269,6 +270,10 @@ class Fp8Attention(Op):
     return problem, (q, k, v, *(_descale(n, d, kv_heads) for n, d in (
         ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))),
                      q_segment_ids, kv_segment_ids)
+
+  def shard_rule(self, p: Fp8Problem) -> ShardRule:
+    return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS, PER_KV_HEAD, PER_KV_HEAD, PER_KV_HEAD,
+                      PER_ROW, PER_ROW), (Q_HEADS,), p.q_heads // p.kv_heads)
 
   def example(self, p: Fp8Problem, key):
     ks = jax.random.split(key, 3)

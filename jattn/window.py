@@ -22,6 +22,7 @@ from jattn.kernels.window import (default_window_config, window_triton_backward,
                                   window_triton_forward)
 from jattn.reference import additive_window_mask, window_attention_reference
 from jattn.core.cache import bucket
+from jattn.core.sharding import PER_Q_HEAD, Q_HEADS, REPLICATED, ROW_STATS, ShardRule
 from jattn.tuning.spaces import BlockTritonImpl
 
 LAYOUT = "windows, tokens, heads, head_dim"
@@ -45,6 +46,17 @@ class WindowProblem(Problem):
   @property
   def head_dims(self) -> tuple[int, ...]:
     return (self.head_dim,)
+
+  def local(self, batch_shards: int, head_shards: int) -> "WindowProblem":
+    """This problem on one shard of ``batch_shards`` x ``head_shards`` (its windows
+    split like a batch). Window ``w`` takes mask ``w % mask_windows``: a shard's windows,
+    numbered from 0, keep their masks only where each holds a multiple of them."""
+    windows = self.windows // batch_shards
+    if self.mask_windows and windows % self.mask_windows:
+      raise ValueError(f"window_attention split over windows needs a multiple of the mask's "
+                       f"{self.mask_windows} windows per shard, got {windows} "
+                       f"({self.windows} over {batch_shards})")
+    return dataclasses.replace(self, windows=windows, heads=self.heads // head_shards)
 
 
 class TritonWindow(BlockTritonImpl):
@@ -113,6 +125,10 @@ class WindowAttention(SoftmaxOp):
 
   def finish(self, problem, outputs):
     return outputs[0]
+
+  def shard_rule(self, p: WindowProblem) -> ShardRule:
+    # Windows split like a batch; the bias is per head, the mask shared.
+    return ShardRule((Q_HEADS, Q_HEADS, Q_HEADS, PER_Q_HEAD, REPLICATED), (Q_HEADS, ROW_STATS))
 
   def example(self, p: WindowProblem, key):
     keys = jax.random.split(key, 5)

@@ -5,6 +5,7 @@ force, and the errors. (The op-wide guarantees are tests/test_contract.py's.)"""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax import lax
 import numpy as np
 import pytest
@@ -417,7 +418,32 @@ def test_tile_evaluator_equals_vmap(fn, inline_constants):
   s = jax.random.normal(jax.random.PRNGKey(12), (2, 3, 5, 6))
   index = dense_indices(2, 3, 5, 6)
   tiles = traced.tile_function(traced.kernel_arrays(consts), s, *index)
-  np.testing.assert_array_equal(np.asarray(tiles), np.asarray(traced(consts, s, *index)))
+  dense = np.asarray(traced(consts, s, *index))
+  np.testing.assert_array_equal(np.asarray(tiles), dense)
+  # Inside a kernel the arrays are refs, read by masked loads (out of bounds: clamped,
+  # filled or normalised as above, by a second load).
+  index = [jnp.broadcast_to(i, s.shape) for i in index]
+
+  def kernel(*refs):
+    *arrays, s_ref, b_ref, h_ref, i_ref, j_ref, o_ref = refs
+    o_ref[...] = traced.tile_function(arrays, s_ref[...], b_ref[...], h_ref[...], i_ref[...],
+                                      j_ref[...])
+
+  arrays = traced.kernel_arrays(consts)
+  in_kernel = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+                             interpret=True)(*arrays, s, *index)
+  np.testing.assert_array_equal(np.asarray(in_kernel), dense)
+
+
+@pytest.mark.parametrize("fn, unit", [
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], True),                 # a dense bias
+    (lambda s, b, h, i, j: (s - 0.5 * (i - j)).astype(jnp.float32), True),  # ALiBi-like
+    (lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0), False),           # soft-cap
+    (lambda s, b, h, i, j: s * TABLE[h, i, j], False),
+    (lambda s, b, h, i, j: jnp.float32(1.5), False),                 # constant: slope 0
+], ids=["bias", "alibi", "softcap", "scaled", "constant"])
+def test_unit_slope_spares_the_kernels_a_forward_mode_pass(fn, unit):
+  assert jattn.flex.functions.trace(fn, "score_mod")[0].tile_function.unit_slope is unit
 
 
 def _bad_mask_mod(b, h, i, j):

@@ -35,6 +35,7 @@ from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUIn
 from jattn.core.validation import FLOAT_DTYPES
 from jattn.kernels.common.config import MAX_HEAD_DIM
 from jattn.core.cache import RANKING, TuningKey, backend_times, lookup
+from jattn.core import sharding
 
 # The modules that define the public ops (each creates its ``Op`` on import).
 OP_MODULES = ("jattn.flash", "jattn.flex.attention", "jattn.window", "jattn.dilated",
@@ -153,6 +154,13 @@ class AttentionProblem(Problem):
   def head_dims(self) -> tuple[int, ...]:
     return (self.head_dim,)
 
+  def local(self, batch_shards: int, head_shards: int):
+    """This problem on one shard of ``batch_shards`` x ``head_shards`` (whole KV-head
+    groups per shard)."""
+    return dataclasses.replace(self, batch=self.batch // batch_shards,
+                               q_heads=self.q_heads // head_shards,
+                               kv_heads=self.kv_heads // head_shards)
+
   def random_qkv(self, keys) -> tuple:
     """Standard-normal q, k, v of this problem's shapes and dtype, one of ``keys`` each."""
     kv_shape = (self.batch, self.kv_len, self.kv_heads, self.head_dim)
@@ -224,6 +232,12 @@ class Impl:
   def backward(self, call: "Call", residuals, cotangents):
     raise NotImplementedError
 
+  def residuals_of(self, call: "Call", arrays: tuple, outputs: tuple):
+    """The residuals ``forward`` keeps, rebuilt from the arrays and the outputs (the
+    sharded path saves only those): by default ``(arrays, o, lse)``, as softmax ops
+    keep them."""
+    return (tuple(arrays), outputs[0].astype(arrays[0].dtype), *outputs[1:])
+
   def __repr__(self):
     return f"<{type(self).__name__} ({self.backend.name})>"
 
@@ -277,16 +291,24 @@ class Call:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_vjp(call: Call, dtypes, *arrays):
+  if sharding.partitions(call):
+    return sharding.forward(call, arrays)
   return call.impl.forward(call, *arrays)[0]
 
 
 def _with_vjp_fwd(call: Call, dtypes, *arrays):
+  if sharding.partitions(call):  # the residuals are rebuilt per shard (``residuals_of``)
+    outputs = sharding.forward(call, arrays)
+    return outputs, (arrays, outputs)
   return call.impl.forward(call, *arrays)
 
 
 def _with_vjp_bwd(call: Call, dtypes, residuals, cotangents):
+  if sharding.partitions(call):
+    grads = sharding.backward(call, *residuals, cotangents)
+  else:
+    grads = call.impl.backward(call, residuals, cotangents)
   # Implementations may return float32 gradients; each takes its array's dtype here.
-  grads = call.impl.backward(call, residuals, cotangents)
   return tuple(None if g is None else g.astype(d) for g, d in zip(grads, dtypes))
 
 
@@ -306,7 +328,11 @@ def run(call: Call, arrays: tuple):
   implementation's backward kernels if it has them, else by autodiff. One compiled
   program per call and shapes (the host-side padding, the kernels, the reference's
   ops together), so an eager call does not compile op by op; under an outer ``jit``
-  it is inlined."""
+  it is inlined. Arrays sharded over batch or heads run per shard
+  (``jattn.core.sharding``)."""
+  split = sharding.explicit_split(call, tuple(arrays))
+  if split is not None:
+    return sharding.run_explicit(_run, split, tuple(arrays))
   return _run(call, tuple(arrays))
 
 
@@ -349,6 +375,11 @@ class Op:
   def primary(self, outputs):
     """The output a benchmark's loss sums."""
     return outputs[0] if isinstance(outputs, tuple) else outputs
+
+  def shard_rule(self, problem) -> "sharding.ShardRule | None":
+    """Where the call's arrays and outputs keep their batch and head axes, so that it
+    runs per shard under ``jit`` (``jattn.core.sharding``); None: it does not split."""
+    return None
 
   def problem(self, **keywords):
     """A problem from keywords (its dataclass fields), for choosing or tuning without

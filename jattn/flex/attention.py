@@ -21,6 +21,7 @@ import dataclasses
 import jax
 
 from jattn.core.op import AttentionProblem, MosaicImpl, SoftmaxOp, XlaImpl
+from jattn.core.sharding import KV_HEADS, Q_HEADS, REPLICATED, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.flex.array_grads import score_array_grads
 from jattn.flex.block_mask import BlockMask
@@ -97,6 +98,12 @@ class _FlexKernels:
     return FlexMods(score, score_arrays, mask, mask_arrays,
                     kinds if p.mask_mod is not None else None,
                     block if p.mask_mod is not None else None)
+
+  def residuals_of(self, call, arrays, outputs):
+    o, lse = outputs
+    q, k, v, *rest = arrays
+    return ((q, k, v), call.problem.split_arrays(tuple(rest))[0], self._mods(call, rest),
+            o.astype(q.dtype), lse)
 
   def forward(self, call, q, k, v, *rest):
     mods = self._mods(call, rest)
@@ -231,6 +238,18 @@ class FlexAttention(SoftmaxOp):
   def finish(self, problem, outputs):
     o, lse = outputs
     return (o, lse) if problem.return_lse else o
+
+  def shard_rule(self, p: FlexProblem) -> ShardRule:
+    # The functions and a block mask index arrays by the batch row and head; on a shard
+    # those count from 0, so an axis they read cannot be split.
+    fns = [f for f in (p.score_mod, p.mask_mod) if f is not None]
+    refusals = tuple((axis, f"its score_mod or mask_mod reads the {axis} index {index!r}, "
+                      "which a shard would number from 0")
+                     for axis, index in (("batch", "b"), ("heads", "h"))
+                     if any(f.uses(index) for f in fns))
+    extra = (REPLICATED,) * (p.num_consts + (p.block_mask is not None))
+    return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS) + extra, (Q_HEADS, ROW_STATS),
+                     p.q_heads // p.kv_heads, refusals)
 
   def problem(self, example: str | None = None, **keywords):
     """A problem from keywords; ``example`` names one of ``jattn.flex.examples``,

@@ -1,0 +1,177 @@
+"""Ops under ``jax.jit`` with inputs sharded over batch and heads (a 2 x 4 mesh of 8
+simulated CPU devices; 2 x 1 and 1 x 2 meshes, which 2 GPUs run too): each shard runs
+the kernels on its rows and heads, outputs and gradients equal the unsharded call's,
+keep the inputs' sharding, and the compiled program gathers nothing. A sharded
+sequence axis is refused, pointing to the ring."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jattn
+from conftest import ON_GPU, rel_err
+
+BACKEND = "auto" if ON_GPU else "pallas_triton"  # the kernels, in interpret mode on a CPU
+
+
+def _mesh(axis_type, shape=(2, 4)):
+  devices = jax.devices()
+  if len(devices) < shape[0] * shape[1]:
+    pytest.skip(f"needs {shape[0] * shape[1]} devices (conftest simulates 8 CPU devices)")
+  return jax.sharding.Mesh(np.array(devices[:shape[0] * shape[1]]).reshape(shape),
+                           ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+# On a GPU in bf16, so that the Hopper kernels run where they take the call.
+DTYPE, TOL = (jnp.bfloat16, 1e-2) if ON_GPU else (jnp.float32, 1e-5)
+SEQ, HEAD_DIM = (128, 64) if ON_GPU else (32, 16)
+
+
+def _normal(key, shape):
+  return jax.random.normal(key, shape, jnp.float32).astype(DTYPE)
+
+
+def _put(mesh, x, spec):
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _flash(q, k, v, sinks, ids):
+  return jattn.flash_attention(q, k, v, causal=True, sinks=sinks, q_segment_ids=ids,
+                               kv_segment_ids=ids, backend=BACKEND)
+
+
+def _flex(q, k, v):  # its functions read no batch or head index: both axes split
+  return jattn.flex_attention(q, k, v, mask_mod=jattn.flex.causal_mask(),
+                              score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j),
+                              backend=BACKEND)
+
+
+def _dilated(q, k, v):
+  return jattn.dilated_attention(q, k, v, segment_lengths=(16, 32), dilation_rates=(1, 2),
+                                 backend=BACKEND)
+
+
+def _window(q, k, v, bias, mask):  # q, k, v: [windows, tokens, heads, d]
+  return jattn.window_attention(q, k, v, bias, mask=mask, backend=BACKEND)
+
+
+# (name, function of (q, k, v, *extra), q heads, kv heads, head mesh axis, extra arrays)
+CASES = [
+    ("window_bias_mask", _window, 8, 8, "model", ("bias", "mask")),
+    ("flash_gqa_sinks_segments", _flash, 8, 4, "model", ("sinks", "ids")),
+    ("flex", _flex, 8, 4, "model", ()),
+    ("dilated", _dilated, 8, 8, "model", ()),
+]
+
+
+# The 2 x 1 and 1 x 2 meshes are what 2 GPUs hold; on a CPU the 2 x 4 mesh covers them.
+TWO_DEVICES = pytest.mark.skipif(not ON_GPU, reason="on a CPU the 2 x 4 mesh covers it")
+
+
+@pytest.mark.parametrize("axis_type, mesh_shape", [
+    (AxisType.Auto, (2, 4)), (AxisType.Explicit, (2, 4)),
+    pytest.param(AxisType.Auto, (2, 1), marks=TWO_DEVICES),
+    pytest.param(AxisType.Auto, (1, 2), marks=TWO_DEVICES)],
+    ids=["auto-2x4", "explicit-2x4", "auto-2x1", "auto-1x2"])
+@pytest.mark.parametrize("name, fn, heads, kv_heads, head_axis, extra", CASES,
+                         ids=[c[0] for c in CASES])
+def test_sharded_call_equals_unsharded_and_gathers_nothing(name, fn, heads, kv_heads, head_axis,
+                                                           extra, axis_type, mesh_shape):
+  mesh = _mesh(axis_type, mesh_shape)
+  batch, seq, d = 4, SEQ, HEAD_DIM
+  ks = jax.random.split(jax.random.key(len(name)), 6)
+  q, do = _normal(ks[0], (batch, seq, heads, d)), _normal(ks[3], (batch, seq, heads, d))
+  k, v = (_normal(key, (batch, seq, kv_heads, d)) for key in ks[1:3])
+  arrays = {"sinks": _normal(ks[4], (heads,)), "bias": _normal(ks[4], (heads, seq, seq)),
+            "ids": jnp.broadcast_to(jnp.arange(seq) * 3 // seq, (batch, seq)).astype(jnp.int32),
+            "mask": jnp.broadcast_to(jnp.arange(seq) % 2 == jnp.arange(seq)[:, None] % 2,
+                                     (2, seq, seq))}
+  spec = P("data", None, head_axis)
+  specs = {"sinks": P(head_axis), "bias": P(head_axis), "ids": P("data"), "mask": P()}
+  args = (q, k, v) + tuple(arrays[e] for e in extra)
+  sharded = tuple(_put(mesh, x, spec) for x in (q, k, v)) + tuple(
+      _put(mesh, arrays[e], specs[e]) for e in extra)
+  # q, k, v and a floating first extra (sinks, the bias) get gradients, summed over the
+  # shards that do not split them (sinks and the bias over batch).
+  diff = tuple(range(3 + any(e in ("sinks", "bias") for e in extra)))
+
+  def fwd_bwd(*args):
+    out, pull = jax.vjp(lambda *d: fn(*d, *args[len(diff):-1]), *args[:len(diff)])
+    return out, pull(args[-1])
+
+  step = jax.jit(fwd_bwd)
+  out, grads = step(*sharded, _put(mesh, do, spec))
+  out_ref, grads_ref = jax.jit(fwd_bwd)(*args, do)
+  assert rel_err(out, out_ref) < TOL
+  for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+    assert rel_err(g, g_ref) < TOL, i
+  for x in (out,) + tuple(grads[:3]):  # the inputs' sharding
+    assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+  hlo = step.lower(*sharded, _put(mesh, do, spec)).compile().as_text()
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((1, 2), marks=TWO_DEVICES)])
+def test_fp8_forward_runs_per_shard(mesh_shape):
+  from jattn.fp8 import quantize_attention_inputs
+
+  mesh = _mesh(AxisType.Auto, mesh_shape)
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (2, SEQ, 8, max(HEAD_DIM, 64)))
+  k, v = (jax.random.normal(key, (2, SEQ, 4, max(HEAD_DIM, 64))) for key in ks[1:])
+  q8, k8, v8, qd, kd, vd = quantize_attention_inputs(q, k, v)
+  spec = P("data", None, "model")
+  sharded = [_put(mesh, x, spec) for x in (q8, k8, v8)] + [_put(mesh, d, P("model"))
+                                                            for d in (qd, kd, vd)]
+  fp8 = jax.jit(lambda q, k, v, qd, kd, vd: jattn.flash_attention(
+      q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True))
+  out = fp8(*sharded)
+  assert rel_err(out, fp8(q8, k8, v8, qd, kd, vd)) < 1e-2
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+  assert "all-gather" not in fp8.lower(*sharded).compile().as_text()
+
+
+def test_a_sharded_sequence_axis_is_refused_with_a_pointer_to_the_ring():
+  mesh = _mesh(AxisType.Explicit)
+  q = _put(mesh, _normal(jax.random.key(0), (2, 32, 4, 16)), P(None, "model"))
+  with pytest.raises(ValueError, match="q of shape .* is sharded over its axis 1 .*ring"):
+    jax.jit(functools.partial(jattn.flash_attention, backend=BACKEND))(q, q, q)
+
+
+def test_a_function_reading_the_batch_index_refuses_a_batch_split():
+  mesh = _mesh(AxisType.Explicit)
+  x = _put(mesh, _normal(jax.random.key(0), (2, 32, 4, 16)), P("data"))
+  offsets = jnp.arange(2.0)
+  with pytest.raises(ValueError, match="cannot run split over batch .*reads the batch index"):
+    jattn.flex_attention(x, x, x, score_mod=lambda s, b, h, i, j: s + offsets[b],
+                         backend=BACKEND)
+
+
+def test_unsplittable_heads_are_named():
+  mesh = _mesh(AxisType.Explicit)
+  x = _put(mesh, _normal(jax.random.key(0), (2, 32, 4, 16)), P(None, None, "model"))
+  with pytest.raises(ValueError, match="multiple of every dilation rate"):
+    jattn.dilated_attention(x, x, x, segment_lengths=(16,), dilation_rates=(2,),
+                            backend=BACKEND)
+  kv = _put(mesh, _normal(jax.random.key(1), (2, 32, 1, 16)), P())  # MQA: one KV head
+  with pytest.raises(ValueError, match="k of shape .* cannot be split evenly over 4 shards"):
+    jattn.flash_attention(x, kv, kv, backend=BACKEND)
+
+
+def test_dropout_refuses_a_split():
+  mesh = _mesh(AxisType.Explicit)
+  x = _put(mesh, _normal(jax.random.key(0), (2, 32, 4, 16)), P("data"))
+  with pytest.raises(ValueError, match="dropout"):
+    jattn.flash_attention(x, x, x, dropout_rate=0.1, dropout_key=jax.random.key(1),
+                          backend=BACKEND)
+
+
+def test_one_device_runs_as_before():
+  x = _normal(jax.random.key(0), (2, SEQ, 4, HEAD_DIM))
+  ref = jattn.flash_attention(x, x, x, backend="xla")
+  assert rel_err(jax.jit(functools.partial(jattn.flash_attention, backend=BACKEND))(x, x, x),
+                 ref) < TOL
