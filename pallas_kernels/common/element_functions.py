@@ -111,8 +111,9 @@ class TileFunction:
     (out,) = closed.jaxpr.outvars
     if not isinstance(out, Literal) and out in _dependents(closed.jaxpr):
       return False
-    zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    return bool(jaxpr_as_fun(closed)(*zeros)[0] == 1.0)
+    with jax.ensure_compile_time_eval():  # first asked inside a kernel: not its code
+      zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+      return bool(jaxpr_as_fun(closed)(*zeros)[0] == 1.0)
 
   def check(self) -> str | None:
     """Why the evaluator cannot run this function (None: it can), by evaluating it
@@ -173,12 +174,17 @@ class _Array:
     for i, n in zip(indices, self.aval.shape):
       ok = (i >= 0) & (i < n)
       inside = ok if inside is None else inside & ok
-    x = pl_triton.load(self.ref.at[indices], mask=inside)
-    outside = jnp.zeros((), x.dtype)
-    if clamp:
-      clamped = tuple(_clamp(i, n) for i, n in zip(indices, self.aval.shape))
-      outside = pl_triton.load(self.ref.at[clamped], mask=~inside)
-    return jnp.where(inside, x, outside)
+    x = jnp.where(inside, pl_triton.load(self.ref.at[indices], mask=inside),
+                  jnp.zeros((), self.ref.dtype))
+    if not clamp:
+      return x
+    # Tiles with an index out of bounds (the padded ends of the sequences, or functions
+    # that index past an array) read those elements clamped, by a second load.
+    clamped = tuple(_clamp(i, n) for i, n in zip(indices, self.aval.shape))
+    read_clamped = lambda x: jnp.where(inside, x, pl_triton.load(self.ref.at[clamped],
+                                                                 mask=~inside))
+    every = jnp.min(inside.astype(jnp.int32)) == 1  # (Triton lowers no reduce_and)
+    return lax.cond(every, lambda x: x, read_clamped, x)
 
   def scalar(self):
     if int(np.prod(self.aval.shape)) != 1:
