@@ -420,8 +420,8 @@ def test_tile_evaluator_equals_vmap(fn, inline_constants):
   tiles = traced.tile_function(traced.kernel_arrays(consts), s, *index)
   dense = np.asarray(traced(consts, s, *index))
   np.testing.assert_array_equal(np.asarray(tiles), dense)
-  # Inside a kernel the arrays are refs, read by masked loads (out of bounds: clamped,
-  # filled or normalised as above, by a second load).
+  # Inside a kernel the arrays are refs, read at the indices (out of bounds: clamped,
+  # filled or normalised as above).
   index = [jnp.broadcast_to(i, s.shape) for i in index]
 
   def kernel(*refs):
@@ -433,17 +433,6 @@ def test_tile_evaluator_equals_vmap(fn, inline_constants):
   in_kernel = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
                              interpret=True)(*arrays, s, *index)
   np.testing.assert_array_equal(np.asarray(in_kernel), dense)
-
-
-@pytest.mark.parametrize("fn, unit", [
-    (lambda s, b, h, i, j: s + TABLE[h, i, j], True),                 # a dense bias
-    (lambda s, b, h, i, j: (s - 0.5 * (i - j)).astype(jnp.float32), True),  # ALiBi-like
-    (lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0), False),           # soft-cap
-    (lambda s, b, h, i, j: s * TABLE[h, i, j], False),
-    (lambda s, b, h, i, j: jnp.float32(1.5), False),                 # constant: slope 0
-], ids=["bias", "alibi", "softcap", "scaled", "constant"])
-def test_unit_slope_spares_the_kernels_a_forward_mode_pass(fn, unit):
-  assert jattn.flex.functions.trace(fn, "score_mod")[0].tile_function.unit_slope is unit
 
 
 def _bad_mask_mod(b, h, i, j):

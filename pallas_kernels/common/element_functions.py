@@ -20,14 +20,12 @@ with indices) is reported before any kernel is built.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.pallas import triton as pl_triton
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 # Arrays of this dtype are passed to kernels as int32 (then compared with 0).
 _STORED_AS_INT32 = (np.dtype(np.bool_),)
@@ -77,43 +75,15 @@ class TileFunction:
   def _array_vars(self):
     return self.jaxpr.invars[:self.num_arrays]
 
-  def __call__(self, arrays, *args, masked_loads: bool = True):
+  def __call__(self, arrays, *args):
     """The function of ``args`` (broadcastable tiles) reading ``arrays`` (refs or
-    arrays, as ``kernel_array`` passes them, one per jaxpr constant). Refs are read
-    by masked loads unless ``masked_loads`` is False (under ``jax.jvp``, which some
-    JAX versions cannot take through a masked load in a kernel)."""
+    arrays, as ``kernel_array`` passes them, one per jaxpr constant)."""
     if len(arrays) != self.num_arrays:
       raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
-    values = [_Array(a, v.aval, masked_loads) for a, v in zip(arrays, self._array_vars)]
-    values += list(args)
+    values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + list(args)
     (out,) = evaluate_jaxpr(self.jaxpr, [], values)
     # A function constant in some indices still gives a value per element.
     return jnp.broadcast_to(out, jnp.broadcast_shapes(*(jnp.shape(a) for a in args)))
-
-  @functools.cached_property
-  def unit_slope(self) -> bool:
-    """Whether the derivative in the first argument (a score) is 1 everywhere, as for
-    ``score + g(b, h, q_idx, kv_idx)`` (a bias, ALiBi): then kernels take it as 1 with
-    no forward-mode pass. Found by tracing that derivative once: it must depend on
-    no input and come out 1."""
-    arrays = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self._array_vars]
-    args = [jax.ShapeDtypeStruct((), v.aval.dtype) for v in self.jaxpr.invars[self.num_arrays:]]
-
-    def slope(arrays, score, *rest):
-      values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)]
-      f = lambda s: evaluate_jaxpr(self.jaxpr, [], values + [s, *rest])[0].astype(jnp.float32)
-      return jax.jvp(f, (score,), (jnp.ones_like(score),))[1]
-
-    try:
-      closed = jax.make_jaxpr(slope)(arrays, *args)
-    except UnsupportedFunction:
-      return False
-    (out,) = closed.jaxpr.outvars
-    if not isinstance(out, Literal) and out in _dependents(closed.jaxpr):
-      return False
-    with jax.ensure_compile_time_eval():  # first asked inside a kernel: not its code
-      zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-      return bool(jaxpr_as_fun(closed)(*zeros)[0] == 1.0)
 
   def check(self) -> str | None:
     """Why the evaluator cannot run this function (None: it can), by evaluating it
@@ -129,62 +99,22 @@ class TileFunction:
     return None
 
 
-def _dependents(jaxpr: Jaxpr) -> set:
-  """The variables of ``jaxpr`` computed from its inputs."""
-  seen = set(jaxpr.invars)
-  for eqn in jaxpr.eqns:
-    if any(not isinstance(v, Literal) and v in seen for v in eqn.invars):
-      seen.update(eqn.outvars)
-  return seen
-
-
 @dataclasses.dataclass(frozen=True)
 class _Array:
   """A closed-over array as the evaluator reads it: ``ref`` indexable by integer
-  arrays, ``aval`` its logical shape and dtype; ``masked``: a kernel ref is read by
-  masked loads (``load``)."""
+  arrays, ``aval`` its logical shape and dtype."""
 
   ref: object
   aval: object
-  masked: bool = True
 
-  def load(self, indices, clamp: bool = True):
-    """The elements at integer tiles ``indices`` (one per dimension). Out of bounds,
-    ``clamp`` reads the nearest element (``dynamic_slice``'s rule), else any value.
-
-    A kernel ref is read at the indices as they are, masked to those in bounds: a
-    clamped index hides that neighbouring elements are adjacent in memory, and the
-    Triton load then reads element by element, 17x slower for a [heads, q, kv]
-    bias on an H100. Only a tile with an index out of bounds reads its clamped
-    elements as a second, masked load."""
+  def load(self, indices):
+    """The elements at integer tiles ``indices`` (one per dimension, in bounds)."""
     shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in indices))
-    indices = tuple(jnp.broadcast_to(jnp.asarray(_index(i), jnp.int32), shape) for i in indices)
-    if not indices:
-      x = self.ref[0]  # a scalar is stored as [1]
-    elif isinstance(self.ref, jax.Array) or not self.masked:
-      x = self.ref[tuple(_clamp(i, n) for i, n in zip(indices, self.aval.shape))]
-    else:
-      x = self._masked_load(indices, clamp)
+    indices = tuple(jnp.broadcast_to(jnp.asarray(i, jnp.int32), shape) for i in indices)
+    x = self.ref[indices] if indices else self.ref[0]  # a scalar is stored as [1]
     if np.dtype(self.aval.dtype) in _STORED_AS_INT32:
       x = x != 0
     return x.astype(self.aval.dtype)
-
-  def _masked_load(self, indices, clamp: bool):
-    inside = None
-    for i, n in zip(indices, self.aval.shape):
-      ok = (i >= 0) & (i < n)
-      inside = ok if inside is None else inside & ok
-    x = jnp.where(inside, pl_triton.load(self.ref.at[indices], mask=inside),
-                  jnp.zeros((), self.ref.dtype))
-    if not clamp:
-      return x
-    # Tiles with an index out of bounds (the padded ends of the sequences, or functions
-    # that index past an array) read those elements clamped, by a second load.
-    clamped = tuple(_clamp(i, n) for i, n in zip(indices, self.aval.shape))
-    read_clamped = lambda x: jnp.where(inside, x, pl_triton.load(self.ref.at[clamped],
-                                                                 mask=~inside))
-    every = jnp.min(inside.astype(jnp.int32)) == 1  # (Triton lowers no reduce_and)
-    return lax.cond(every, lambda x: x, read_clamped, x)
 
   def scalar(self):
     if int(np.prod(self.aval.shape)) != 1:
@@ -206,7 +136,7 @@ def _clamp(i, size: int):
 def _dynamic_slice(array: _Array, starts, slice_sizes):
   if any(s != 1 for s in slice_sizes):
     raise UnsupportedFunction("it slices more than one element out of a closed-over array")
-  return array.load(tuple(starts))
+  return array.load(tuple(_clamp(i, n) for i, n in zip(starts, array.aval.shape)))
 
 
 def _gather_fill(dtype, fill_value):
@@ -233,8 +163,8 @@ def _gather(array: _Array, indices, *, dimension_numbers, slice_sizes, mode, fil
   starts = [0] * len(shape)
   for dim, i in zip(dn.start_index_map, parts):
     starts[dim] = i
-  # Filled or promised in bounds, an element out of bounds need not be read.
-  x = array.load(tuple(starts), clamp=mode == lax.GatherScatterMode.CLIP)
+  clamped = tuple(_clamp(i, n) for i, n in zip(starts, shape))
+  x = array.load(clamped)
   if mode == lax.GatherScatterMode.FILL_OR_DROP:
     outside = None
     for dim, i in zip(dn.start_index_map, parts):

@@ -163,13 +163,9 @@ class ScoreFunction:
   arrays: tuple = ()
 
   def apply(self, x, index, with_grad: bool):
-    f = lambda x, **kw: self.fn(self.arrays, x, *index, **kw).astype(jnp.float32)
+    f = lambda x: self.fn(self.arrays, x, *index).astype(jnp.float32)
     if not with_grad:
       return f(x), None
-    if getattr(self.fn, "unit_slope", False):  # score + g(indices): the slope is 1
-      return f(x), jnp.ones_like(x, jnp.float32)
-    if isinstance(self.fn, TileFunction):  # loads under jvp: unmasked (``TileFunction``)
-      return jax.jvp(lambda x: f(x, masked_loads=False), (x,), (jnp.ones_like(x),))
     return jax.jvp(f, (x,), (jnp.ones_like(x),))
 
 
