@@ -10,6 +10,7 @@ positions; the bias is added to the scaled logits and gets its gradient).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jattn.core.validation import is_int
@@ -43,7 +44,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     local_window_size: ``w`` or ``(left, right)``: query ``i`` sees keys ``i - left``
       to ``i + right``.
     implementation: None (jattn's ``auto``), ``"xla"``, ``"cudnn"``, or a jattn
-      backend name (``"pallas_mosaic"``, ``"pallas_triton"``).
+      backend name (``"pallas_mosaic"``, ``"pallas_triton"``). ``"cudnn"`` with a bias
+      or mask array (or masks flash attention does not express) is JAX's own cuDNN
+      call, with JAX's semantics.
 
   Returns:
     Shaped as ``query``. A query row that sees no key gives zeros (JAX's ``xla``
@@ -74,6 +77,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if bias is None and mask is None and (aligned or not (is_causal or window)):
     out = flash_attention(query, key, value, causal=is_causal, scale=scale,
                           local_window=window, backend=backend, **lengths)
+  elif backend == "cudnn":  # flex has no cuDNN backend: JAX's own cuDNN call, as it is
+    out = jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation="cudnn")
   else:
     out = flex_attention(query, key, value, scale=scale, backend=backend,
                          score_mod=None if bias is None else bias_score(bias),

@@ -89,3 +89,20 @@ def test_bad_arguments_are_named():
     jattn.dot_product_attention(q, k, v, local_window_size=(1, 2, 3))
   with pytest.raises(ValueError, match="must have rank 4"):
     jattn.dot_product_attention(q[0, 0], k, v)
+
+
+def test_cudnn_with_a_bias_is_jaxs_own_cudnn_call(monkeypatch):
+  """flex has no cuDNN backend: ``implementation="cudnn"`` with a bias array hands the
+  whole call to JAX's cuDNN path, every argument as given."""
+  q, k, v = inputs(5)
+  bias = jax.random.normal(jax.random.key(6), (1, 4, 12, 12))
+  seen = {}
+
+  def fake(*args, **kwargs):
+    seen.update(args=args, kwargs=kwargs)
+    return args[0]
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+  jattn.dot_product_attention(q, k, v, bias, is_causal=True, implementation="cudnn")
+  assert seen["args"][3] is not None and seen["kwargs"]["implementation"] == "cudnn"
+  assert seen["kwargs"]["is_causal"] is True
