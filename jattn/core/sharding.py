@@ -7,7 +7,7 @@ The op's forward (its outputs from its arrays) and backward (gradients from the
 arrays, the outputs and the cotangents) are each one ``custom_partitioning``
 function. An op says where each array keeps its batch and head axes (``ShardRule``);
 that gives Shardy's factor rule and, when XLA partitions the program, each shard's
-problem (``Op.local_problem``: the same call on fewer rows and heads). A sharded
+problem (``Problem.local``: the same call on fewer rows and heads). A sharded
 sequence or feature axis is refused with an error that points to the ring. On one
 device, or inside ``shard_map``, the functions are inlined: the call runs as before.
 """
@@ -314,20 +314,18 @@ def _typed_sharding(x):
 
 
 def explicit_split(call, arrays: tuple):
-  """``(call on a shard, mesh, in_specs, out_specs)`` when ``call``'s arrays carry their
-  shardings in their types (a mesh of ``Explicit`` axes) and split its batch or heads;
-  None otherwise (the shardings, if any, are XLA's to propose: ``forward``)."""
+  """``(call on a shard, mesh, which arrays are present, in_specs, out_specs)`` when
+  ``call``'s arrays carry their shardings in their types (a mesh of ``Explicit`` axes)
+  and split its batch or heads; None otherwise (the shardings, if any, are XLA's to
+  propose: ``forward``)."""
   rule = call.op.shard_rule(call.problem)
   typed = _typed_sharding(arrays[0]) if rule is not None else None
   if typed is None or all(a is None for a in typed.spec):
     return None
   present = tuple(x is not None for x in arrays)
-  names = tuple(call.op.arg_names) + tuple(f"array {i}" for i in range(len(call.op.arg_names),
-                                                                      len(rule.inputs)))
   shapes = [_Typed(x.shape, _typed_sharding(x)) for x in _present(arrays, present)]
   in_axes = _present(rule.inputs, present)
-  local, batch_mesh, head_mesh = _split(call, _present(names, present), in_axes, typed.mesh,
-                                        shapes)
+  local, batch_mesh, head_mesh = _split(call, _names(call, present), in_axes, typed.mesh, shapes)
   in_specs = tuple(_pspec(a, len(s.shape), batch_mesh, head_mesh) for a, s in zip(in_axes, shapes))
   rank = lambda a: 1 + max((d for d in (a.batch, a.heads) if d is not None), default=-1)
   out_specs = tuple(_pspec(a, rank(a), batch_mesh, head_mesh) for a in rule.outputs)
@@ -344,8 +342,7 @@ def run_explicit(run, split, arrays: tuple):
 
   # check_vma off: the kernels' pallas_calls do not say how their outputs vary.
   outputs = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                          check_vma=False)(
-      *_present(arrays, present))
+                          check_vma=False)(*_present(arrays, present))
   return outputs if len(out_specs) > 1 else outputs[0]
 
 
