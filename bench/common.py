@@ -58,6 +58,19 @@ def random_inputs(shape, dtype, seed=0):
   return [jax.random.normal(key, shape, dtype) for key in keys]
 
 
+def document_ids(batch: int, seq: int, documents: int, seed: int = 0):
+  """``[batch, seq]`` int32 ids of ``documents`` documents of random lengths (each at
+  least 1) per row: packed sequences."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((batch, seq), np.int32)
+  for b in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, seq), documents - 1, replace=False))
+    ids[b] = np.searchsorted(cuts, np.arange(seq), side="right")
+  return ids
+
+
 def time_jax_qkv(fn, mode, q, k, v, do):
   """(median seconds, peak bytes) of ``jit(fn)(q, k, v)``, or for ``mode="fwd+bwd"`` of
   the forward and its VJP applied to ``do``."""

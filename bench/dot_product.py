@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (attention_flops, environment, random_inputs,  # noqa: E402
-                          results_table, time_jax, write_results)
+from bench.common import (attention_flops, document_ids, environment,  # noqa: E402
+                          random_inputs, results_table, time_jax, write_results)
 
 import jattn  # noqa: E402
 
@@ -45,9 +45,7 @@ def case_arrays(case: str, shape, seed: int = 0):
   if case.startswith("bias"):
     bias = jnp.asarray(rng.standard_normal((1, heads, seq, seq), np.float32), jnp.bfloat16)
     return bias, None, case == "bias_causal"
-  ids = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, seq), DOCUMENTS - 1,
-                                                     replace=False)),
-                                  np.arange(seq), side="right") for _ in range(batch)])
+  ids = document_ids(batch, seq, DOCUMENTS, seed)
   return None, jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :]), False
 
 

@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (environment, random_inputs, results_table, time_jax_qkv,  # noqa: E402
-                          time_torch_qkv, write_results)
+from bench.common import (document_ids, environment, random_inputs,  # noqa: E402
+                          results_table, time_jax_qkv, time_torch_qkv, write_results)
 
 import jattn  # noqa: E402
 from jattn import flex  # noqa: E402
@@ -51,16 +51,6 @@ RATIOS = [("jattn_flex", "torch_flex"), ("jattn_flex_triton", "torch_flex"),
           ("jattn_flex", "jattn_flash"), ("jattn_flex_triton", "jattn_flash_triton")]
 BACKENDS = {"jattn_flex": "pallas_mosaic", "jattn_flex_triton": "pallas_triton",
             "jattn_flash": "pallas_mosaic", "jattn_flash_triton": "pallas_triton"}
-
-
-def documents(batch: int, seq: int, seed: int = 0) -> np.ndarray:
-  """``[batch, seq]`` int32 ids of ``DOCUMENTS`` documents of random lengths per row."""
-  rng = np.random.default_rng(seed)
-  ids = np.zeros((batch, seq), np.int32)
-  for b in range(batch):
-    cuts = np.sort(rng.choice(np.arange(1, seq), DOCUMENTS - 1, replace=False))
-    ids[b] = np.searchsorted(cuts, np.arange(seq), side="right")
-  return ids
 
 
 def jattn_case(case: str, shape, docs):
@@ -137,7 +127,7 @@ def run_torch(case, mode, q, k, v, do, docs):
 def run(shape, cases, dtypes, modes, impls, save):
   """Times every (case, dtype, mode, impl); ``save(rows)`` after each row."""
   rows = []
-  docs = documents(shape[0], shape[1])
+  docs = document_ids(shape[0], shape[1], DOCUMENTS)
   for case, dname, mode in itertools.product(cases, dtypes, modes):
     q, k, v, do = random_inputs(shape, DTYPES[dname])
     outputs = {}

@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.common import attention_flops, environment, time_jax, write_results  # noqa: E402
+from bench.common import (attention_flops, document_ids, environment, time_jax,  # noqa: E402
+                          write_results)
 from bench.dilated import RATES, SEGMENTS, dilated_flops  # noqa: E402
 import jattn  # noqa: E402
 from jattn.parallel import dilated_ring_attention, ring_attention, zigzag_order  # noqa: E402
@@ -123,13 +124,6 @@ def _table(rows, env, title: str, note: str, last: str, last_cell) -> str:
   return "\n".join(lines) + "\n"
 
 
-def document_ids(seq: int, documents: int, seed: int = 0) -> np.ndarray:
-  """``[1, seq]`` int32 ids of ``documents`` documents of random lengths (each >= 1)."""
-  rng = np.random.default_rng(seed)
-  cuts = np.sort(rng.choice(np.arange(1, seq), documents - 1, replace=False))
-  return np.searchsorted(cuts, np.arange(seq), side="right").astype(np.int32)[None]
-
-
 def document_flops(ids: np.ndarray, heads, head_dim, causal, mode) -> float:
   """Attention FLOPs within each document of ``ids`` (``attention_flops``' counting)."""
   lengths = np.bincount(ids[0])
@@ -148,7 +142,7 @@ def documents(args, env):
     mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
     seq = devices * args.local
     q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
-    ids = jnp.asarray(document_ids(seq, args.documents))
+    ids = jnp.asarray(document_ids(1, seq, args.documents))
     laid = zigzag_order(ids, devices) if layout == "zigzag" else ids
     laid = jax.device_put(laid, NamedSharding(mesh, ids_spec))
     for packed in (False, True):

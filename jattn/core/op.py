@@ -566,9 +566,8 @@ class SoftmaxOp(Op):
     final output ``o``, log-sum-exp ``lse`` and output cotangent ``do`` of a softmax
     that merges this block with others (``p = exp(s - lse)``)."""
     if call.impl.has_backward:
-      dtype = arrays[0].dtype
-      grads = call.impl.backward(call, (arrays, o.astype(dtype), lse),
-                                 (do.astype(dtype), jnp.zeros_like(lse)))
+      grads = call.impl.backward(call, call.impl.residuals_of(call, arrays, (o, lse)),
+                                 (do.astype(arrays[0].dtype), jnp.zeros_like(lse)))
     else:
       # The block's share of d<do, o>: with U_b = exp(lse_b) o_b and Z_b = exp(lse_b),
       # o = sum_b U_b / sum_b Z_b gives d/dθ_b of exp(lse_b - lse) (<do, o_b> - delta).
