@@ -400,8 +400,10 @@ FLAGS = jnp.array([True, False, True])
     lambda s, b, h, i, j: s + TABLE.at[h, i + 2, j].get(mode="fill", fill_value=-2.0),
     lambda s, b, h, i, j: jnp.where(FLAGS[h], s, jax.nn.softplus(TABLE * 2.0)[h, i, j]),
     lambda s, b, h, i, j: s + TABLE[-1, -i, j - 9],                       # negative indices
+    lambda s, b, h, i, j: s + TABLE[h, jnp.minimum(i + 3, 4), j - i],      # partly provable
     lambda s, b, h, i, j: jnp.float32(1.5),                               # constant
-], ids=["slice", "take-clip", "get-fill", "bool-and-outside-math", "negative", "constant"])
+], ids=["slice", "take-clip", "get-fill", "bool-and-outside-math", "negative", "partial",
+        "constant"])
 @pytest.mark.parametrize("inline_constants", [False, True], ids=["constants", "inlined"])
 def test_tile_evaluator_equals_vmap(fn, inline_constants):
   """What the kernels evaluate on tiles (arrays read by index, math on the arrays
@@ -424,16 +426,31 @@ def test_tile_evaluator_equals_vmap(fn, inline_constants):
   # filled or normalised as above).
   index = [jnp.broadcast_to(i, s.shape) for i in index]
 
-  def kernel(*refs):
+  def kernel(*refs, fn=traced.tile_function):
     *arrays, s_ref, b_ref, h_ref, i_ref, j_ref, o_ref = refs
-    o_ref[...] = traced.tile_function(arrays, s_ref[...], b_ref[...], h_ref[...], i_ref[...],
-                                      j_ref[...])
+    o_ref[...] = fn(arrays, s_ref[...], b_ref[...], h_ref[...], i_ref[...], j_ref[...])
 
   arrays = traced.kernel_arrays(consts)
-  in_kernel = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
-                             interpret=True)(*arrays, s, *index)
-  np.testing.assert_array_equal(np.asarray(in_kernel), dense)
+  out_shape = jax.ShapeDtypeStruct(s.shape, jnp.float32)
+  in_kernel = pl.pallas_call(kernel, out_shape=out_shape, interpret=True)
+  np.testing.assert_array_equal(np.asarray(in_kernel(*arrays, s, *index)), dense)
+  # Told the arguments' true bounds, it reads unclamped what it proves in bounds only.
+  bounded = traced.tile_function.with_bounds([None] + [(0, n - 1) for n in s.shape])
+  kernel_bounded = lambda *refs: kernel(*refs, fn=bounded)
+  in_kernel = pl.pallas_call(kernel_bounded, out_shape=out_shape, interpret=True)
+  np.testing.assert_array_equal(np.asarray(in_kernel(*arrays, s, *index)), dense)
 
+
+
+@pytest.mark.parametrize("fn, unit", [
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], True),                       # a dense bias
+    (lambda s, b, h, i, j: (s - 0.5 * (i - j)).astype(jnp.float32), True),  # ALiBi-like
+    (lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0), False),                 # soft-cap
+    (lambda s, b, h, i, j: s * TABLE[h, i, j], False),
+    (lambda s, b, h, i, j: jnp.float32(1.5), False),                        # slope 0
+], ids=["bias", "alibi", "softcap", "scaled", "constant"])
+def test_unit_slope_spares_the_kernels_a_forward_mode_pass(fn, unit):
+  assert jattn.flex.functions.trace(fn, "score_mod")[0].tile_function.unit_slope is unit
 
 def _bad_mask_mod(b, h, i, j):
   return (j <= i).astype(jnp.float32)

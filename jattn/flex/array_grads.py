@@ -3,9 +3,10 @@
 ``d loss / d array = sum over (b, h, i, j) of dS_ij * d score_mod(x_ij) / d array``,
 with ``dS = P * (dP - delta)`` the gradient of the transformed scores. The kernels do
 not keep dS, so it is recomputed here in XLA one block of query rows at a time (a
-``scan``, summing in a fixed order: deterministic), from the saved log-sum-exp. It
-costs about one dense attention pass; when the arrays' gradients are not used (the
-common case: a fixed ALiBi or table), the compiler drops it.
+``scan``), from the saved log-sum-exp, with the products in the inputs' dtype as the
+kernels take them. It costs about one dense attention pass; when the arrays'
+gradients are not used (the common case: a fixed ALiBi or table), the compiler drops
+it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jattn.kernels.common.elementwise import dense_indices
 from jattn.kernels.common.softmax import backward_delta
 
 # Query rows per step: about this many [batch, heads, rows, kv_len] float32 elements.
-_STEP_ELEMENTS = 1 << 24
+_STEP_ELEMENTS = 1 << 25
 
 
 def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -> list:
@@ -41,10 +42,17 @@ def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -
   steps = -(-q_len // rows)
   pad = steps * rows - q_len
   pad_rows = lambda x, axis: jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
-  q, do = pad_rows(q.astype(jnp.float32), 1), pad_rows(do.astype(jnp.float32), 1)
-  lse, delta = pad_rows(lse, 2), pad_rows(backward_delta(o, do[:, :q_len], dlse), 2)
-  k = jnp.repeat(k.astype(jnp.float32), group, axis=2)
-  v = jnp.repeat(v.astype(jnp.float32), group, axis=2)
+  # The products as the kernels take them: the inputs' dtype, float32 sums (float32
+  # inputs at full float32 precision).
+  dtype = jnp.promote_types(q.dtype, k.dtype)
+  precision = lax.Precision.DEFAULT if dtype.itemsize < 4 else lax.Precision.HIGHEST
+  product = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision,
+                                          preferred_element_type=jnp.float32)
+  delta = backward_delta(o, do, dlse)
+  q, do = pad_rows(q.astype(dtype), 1), pad_rows(do.astype(dtype), 1)
+  lse, delta = pad_rows(lse, 2), pad_rows(delta, 2)
+  k = jnp.repeat(k.astype(dtype), group, axis=2)
+  v = jnp.repeat(v.astype(dtype), group, axis=2)
   b, h, _, kv_idx = dense_indices(batch, heads, 1, kv_len)
   fixed = list(consts)
 
@@ -56,8 +64,7 @@ def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -
     start = i * rows
     block = lambda x, axis: lax.dynamic_slice_in_dim(x, start, rows, axis)
     q_idx = (start + jnp.arange(rows, dtype=jnp.int32))[None, None, :, None]
-    x = jnp.einsum("bqhd,bkhd->bhqk", block(q, 1), k,
-                   precision=lax.Precision.HIGHEST) * problem.scale
+    x = product("bqhd,bkhd->bhqk", block(q, 1), k) * problem.scale
     index = (b, h, q_idx, kv_idx)
     scores = lambda floats: problem.score_mod(with_floats(floats), x, *index).astype(jnp.float32)
     y, vjp = jax.vjp(scores, [c for c, w in zip(fixed, wanted) if w])
@@ -65,7 +72,7 @@ def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -
     if problem.mask_mod is not None:
       allowed = allowed & problem.mask_mod(mask_consts, *index)
     p = jnp.where(allowed, jnp.exp(y - block(lse, 2)[..., None]), 0.0)
-    dp = jnp.einsum("bqhd,bkhd->bhqk", block(do, 1), v, precision=lax.Precision.HIGHEST)
+    dp = product("bqhd,bkhd->bhqk", block(do, 1), v)
     (grads,) = vjp(p * (dp - block(delta, 2)[..., None]))
     return [a + g.astype(jnp.float32) for a, g in zip(acc, grads)], None
 

@@ -78,8 +78,8 @@ class _FlexKernels:
   def _finest_tiles(self, call) -> tuple[int, int]:
     raise NotImplementedError
 
-  def _function(self, fn: ElementFunction, consts, p):
-    """``(the function as the kernels evaluate it, the arrays it reads)``."""
+  def _function(self, fn: ElementFunction, consts, p, call):
+    """``(the function as the kernels evaluate it in ``call``, the arrays it reads)``."""
     raise NotImplementedError
 
   def _mods(self, call, rest) -> FlexMods:
@@ -93,8 +93,8 @@ class _FlexKernels:
       heads = p.q_heads if p.mask_mod.uses("h") else 1
       allowed_at = lambda *index: p.mask_mod(mask_consts, *index)
       kinds = classify_blocks(allowed_at, batch, heads, (p.q_len, p.kv_len), block)
-    score, score_arrays = self._function(p.score_mod, score_consts, p)
-    mask, mask_arrays = self._function(p.mask_mod, mask_consts, p)
+    score, score_arrays = self._function(p.score_mod, score_consts, p, call)
+    mask, mask_arrays = self._function(p.mask_mod, mask_consts, p, call)
     return FlexMods(score, score_arrays, mask, mask_arrays,
                     kinds if p.mask_mod is not None else None,
                     block if p.mask_mod is not None else None)
@@ -141,8 +141,15 @@ class TritonFlex(_FlexKernels, AttentionTritonImpl):
     bq, bk, _, _ = kernel_tiles(call.config, call.problem.q_len, call.problem.kv_len)
     return min(bq), min(bk)
 
-  def _function(self, fn, consts, p):
-    return (None, ()) if fn is None else (fn.tile_function, fn.kernel_arrays(consts))
+  def _function(self, fn, consts, p, call):
+    if fn is None:
+      return None, ()
+    # Where the kernels evaluate it: every batch row and query head, and the positions
+    # of the sequences padded to whole tiles.
+    _, _, q_len_p, kv_len_p = kernel_tiles(call.config, p.q_len, p.kv_len)
+    index = ((0, p.batch - 1), (0, p.q_heads - 1), (0, q_len_p - 1), (0, kv_len_p - 1))
+    bounds = ((None,) if fn.kind == "score_mod" else ()) + index
+    return fn.tile_function.with_bounds(bounds), fn.kernel_arrays(consts)
 
   def _kernel_forward(self, call, q, k, v, mods):
     return flash_triton_forward(q, k, v, None, None, causal=False, scale=call.problem.scale,
@@ -186,7 +193,7 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
     return (min(c.block_q, c.block_q_dq, c.block_q_dkv),
             min(c.block_kv, c.block_kv_dq, c.block_kv_dkv))
 
-  def _function(self, fn, consts, p):
+  def _function(self, fn, consts, p, call):
     if fn is None:
       return None, ()
     parts = fn.factored.part_arrays(fn.tile_arrays(consts), p.batch, p.q_heads, p.q_len,

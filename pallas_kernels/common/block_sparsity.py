@@ -17,6 +17,10 @@ from jax.experimental import pallas as pl
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+# Mask elements evaluated per step of ``classify_blocks`` (bounds its memory).
+_STEP_ELEMENTS = 1 << 25
+
+
 def classify_blocks(allowed_at, batch: int, heads: int, lengths: tuple[int, int],
                     block: tuple[int, int]):
   """EMPTY / PARTIAL / FULL per ``block`` of a mask, evaluated one block row at a time.
@@ -46,7 +50,11 @@ def classify_blocks(allowed_at, batch: int, heads: int, lengths: tuple[int, int]
     all_allowed = jnp.all((allowed | ~real).reshape(shape), axis=(2, 4))
     return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
 
-  kinds = lax.map(row, jnp.arange(q_blocks, dtype=jnp.int32))  # [q_blocks, B, H, kv_blocks]
+  # Several block rows per step: one row per step is a sequential loop of small XLA
+  # kernels, slower than the attention it classifies for long sequences.
+  per_step = max(1, min(q_blocks, _STEP_ELEMENTS // (batch * heads * block_q * kv.shape[-1])))
+  kinds = lax.map(row, jnp.arange(q_blocks, dtype=jnp.int32),
+                  batch_size=per_step)  # [q_blocks, B, H, kv_blocks]
   return jnp.transpose(kinds, (1, 2, 0, 3))
 
 

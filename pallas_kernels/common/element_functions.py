@@ -20,12 +20,15 @@ with indices) is reported before any kernel is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from jattn.kernels.common.index_bounds import eqn_bounds, literal_bound, within
 
 # Arrays of this dtype are passed to kernels as int32 (then compared with 0).
 _STORED_AS_INT32 = (np.dtype(np.bool_),)
@@ -66,6 +69,7 @@ class TileFunction:
   jaxpr: Jaxpr = dataclasses.field(compare=False, repr=False)
   num_arrays: int = 0
   key: str = ""
+  bounds: tuple = ()  # of the arguments, as ``with_bounds`` sets them
 
   @classmethod
   def of(cls, jaxpr: Jaxpr, num_arrays: int) -> "TileFunction":
@@ -81,9 +85,41 @@ class TileFunction:
     if len(arrays) != self.num_arrays:
       raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
     values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + list(args)
-    (out,) = evaluate_jaxpr(self.jaxpr, [], values)
+    bounds = [None] * self.num_arrays + list(self.bounds or [None] * len(args))
+    (out,) = evaluate_jaxpr(self.jaxpr, [], values, bounds)
     # A function constant in some indices still gives a value per element.
     return jnp.broadcast_to(out, jnp.broadcast_shapes(*(jnp.shape(a) for a in args)))
+
+  def with_bounds(self, bounds) -> "TileFunction":
+    """This function told that its arguments stay within ``bounds`` (one inclusive
+    ``(lo, hi)`` or None per argument) wherever a kernel evaluates it: reads it then
+    proves in bounds skip the clamp (``index_bounds``)."""
+    return dataclasses.replace(self, bounds=tuple(bounds))
+
+  @functools.cached_property
+  def unit_slope(self) -> bool:
+    """Whether the derivative in the first argument (a score) is 1 everywhere, as for
+    ``score + g(b, h, q_idx, kv_idx)`` (a bias, ALiBi): then kernels take it as 1 with
+    no forward-mode pass. Found by tracing that derivative once: it must depend on
+    no input and come out 1."""
+    arrays = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self._array_vars]
+    args = [jax.ShapeDtypeStruct((), v.aval.dtype) for v in self.jaxpr.invars[self.num_arrays:]]
+
+    def slope(arrays, score, *rest):
+      values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)]
+      f = lambda s: evaluate_jaxpr(self.jaxpr, [], values + [s, *rest])[0].astype(jnp.float32)
+      return jax.jvp(f, (score,), (jnp.ones_like(score),))[1]
+
+    try:
+      closed = jax.make_jaxpr(slope)(arrays, *args)
+    except UnsupportedFunction:
+      return False
+    (out,) = closed.jaxpr.outvars
+    if not isinstance(out, Literal) and out in _dependents(closed.jaxpr):
+      return False
+    with jax.ensure_compile_time_eval():  # first asked inside a kernel: not its code
+      zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+      return bool(jaxpr_as_fun(closed)(*zeros)[0] == 1.0)
 
   def check(self) -> str | None:
     """Why the evaluator cannot run this function (None: it can), by evaluating it
@@ -99,6 +135,15 @@ class TileFunction:
     return None
 
 
+def _dependents(jaxpr: Jaxpr) -> set:
+  """The variables of ``jaxpr`` computed from its inputs."""
+  seen = set(jaxpr.invars)
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, Literal) and v in seen for v in eqn.invars):
+      seen.update(eqn.outvars)
+  return seen
+
+
 @dataclasses.dataclass(frozen=True)
 class _Array:
   """A closed-over array as the evaluator reads it: ``ref`` indexable by integer
@@ -107,10 +152,14 @@ class _Array:
   ref: object
   aval: object
 
-  def load(self, indices):
-    """The elements at integer tiles ``indices`` (one per dimension, in bounds)."""
+  def load(self, indices, in_bounds: bool = False):
+    """The elements at integer tiles ``indices`` (one per dimension), clamped into the
+    array as ``dynamic_slice`` does, unless ``in_bounds`` (proven: the clamp is the
+    identity, and the loads stay vectorised)."""
     shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in indices))
-    indices = tuple(jnp.broadcast_to(jnp.asarray(i, jnp.int32), shape) for i in indices)
+    if not in_bounds:
+      indices = tuple(_clamp(i, n) for i, n in zip(indices, self.aval.shape))
+    indices = tuple(jnp.broadcast_to(jnp.asarray(_index(i), jnp.int32), shape) for i in indices)
     x = self.ref[indices] if indices else self.ref[0]  # a scalar is stored as [1]
     if np.dtype(self.aval.dtype) in _STORED_AS_INT32:
       x = x != 0
@@ -133,10 +182,14 @@ def _clamp(i, size: int):
   return jnp.clip(_index(i), 0, size - 1)
 
 
-def _dynamic_slice(array: _Array, starts, slice_sizes):
+def _proven(array: _Array, bounds) -> bool:
+  return all(within(b, n) for b, n in zip(bounds, array.aval.shape))
+
+
+def _dynamic_slice(array: _Array, starts, slice_sizes, bounds):
   if any(s != 1 for s in slice_sizes):
     raise UnsupportedFunction("it slices more than one element out of a closed-over array")
-  return array.load(tuple(_clamp(i, n) for i, n in zip(starts, array.aval.shape)))
+  return array.load(tuple(starts), _proven(array, bounds))
 
 
 def _gather_fill(dtype, fill_value):
@@ -150,8 +203,8 @@ def _gather_fill(dtype, fill_value):
   return np.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.signedinteger) else np.iinfo(dtype).max
 
 
-def _gather(array: _Array, indices, *, dimension_numbers, slice_sizes, mode, fill_value,
-            **unused):
+def _gather(array: _Array, indices, index_bounds, *, dimension_numbers, slice_sizes, mode,
+            fill_value, **unused):
   dn = dimension_numbers
   if any(s != 1 for s in slice_sizes) or dn.operand_batching_dims:
     raise UnsupportedFunction("it gathers more than one element of a closed-over array")
@@ -160,11 +213,12 @@ def _gather(array: _Array, indices, *, dimension_numbers, slice_sizes, mode, fil
   if len(parts) != len(dn.start_index_map):
     raise UnsupportedFunction("it gathers with an index of unexpected shape")
   shape = array.aval.shape
-  starts = [0] * len(shape)
-  for dim, i in zip(dn.start_index_map, parts):
-    starts[dim] = i
-  clamped = tuple(_clamp(i, n) for i, n in zip(starts, shape))
-  x = array.load(clamped)
+  part_bounds = (index_bounds.parts if isinstance(index_bounds, _IndexVector)
+                 else (index_bounds,) * len(parts))
+  starts, bounds = [0] * len(shape), [(0, 0)] * len(shape)
+  for dim, i, b in zip(dn.start_index_map, parts, part_bounds):
+    starts[dim], bounds[dim] = i, b
+  x = array.load(tuple(starts), _proven(array, bounds))
   if mode == lax.GatherScatterMode.FILL_OR_DROP:
     outside = None
     for dim, i in zip(dn.start_index_map, parts):
@@ -194,49 +248,74 @@ def _elementwise(eqn, values):
   return out if eqn.primitive.multiple_results else [out]
 
 
-def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list) -> list:
+def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list, bounds: list | None = None) -> list:
   """``jaxpr``'s outputs with its primitives applied to broadcastable tiles (``args``:
-  tiles, scalars, or ``_Array`` reads of closed-over arrays)."""
-  env = {}
+  tiles, scalars, or ``_Array`` reads of closed-over arrays; ``bounds``: what each
+  argument can be, or None, as ``index_bounds`` propagates them)."""
+  return evaluate_with_bounds(jaxpr, consts, args, bounds or [None] * len(args))[0]
+
+
+def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
+                         bounds: list) -> tuple[list, list]:
+  """``evaluate_jaxpr``'s outputs and their bounds: ``(outputs, bounds)``."""
+  env, env_bounds = {}, {}
 
   def read(v):
     if isinstance(v, Literal):
       return jnp.asarray(v.val, v.aval.dtype)
     return env[v]
 
+  def bound(v):
+    return literal_bound(v.val) if isinstance(v, Literal) else env_bounds.get(v)
+
   for var, value in zip(jaxpr.constvars, consts):
-    env[var] = value
-  for var, value in zip(jaxpr.invars, args):
-    env[var] = value
+    env[var], env_bounds[var] = value, _concrete_bound(value)
+  for var, value, b in zip(jaxpr.invars, args, bounds):
+    env[var], env_bounds[var] = value, b
   for eqn in jaxpr.eqns:
-    values = [read(v) for v in eqn.invars]
+    values, in_bounds = [read(v) for v in eqn.invars], [bound(v) for v in eqn.invars]
     name = eqn.primitive.name
     if name in _CONTROL_FLOW:
       raise UnsupportedFunction(f"it runs a {name} (a loop or a branch) on the tiles")
     inner = _sub_jaxpr(eqn.params)
+    out_bounds = None
     if inner is not None:
       if any(np.size(np.shape(c)) and np.prod(np.shape(c)) > 1 for c in inner.consts):
         raise UnsupportedFunction(f"its inner {name} closes over arrays")
       consts = [jnp.asarray(c) for c in inner.consts]
       if not inner.jaxpr.constvars:  # JAX that passes constants as leading inputs
         values, consts = consts + values, []
+        in_bounds = [_concrete_bound(c) for c in inner.consts] + in_bounds
       n = len(values) - len(inner.jaxpr.invars)  # leading operands bound to constants
-      outs = evaluate_jaxpr(inner.jaxpr, consts, values[n:])
+      outs, out_bounds = evaluate_with_bounds(inner.jaxpr, consts, values[n:], in_bounds[n:])
     elif values and isinstance(values[0], _Array) and name == "dynamic_slice":
-      outs = [_dynamic_slice(values[0], values[1:], eqn.params["slice_sizes"])]
+      outs = [_dynamic_slice(values[0], values[1:], eqn.params["slice_sizes"], in_bounds[1:])]
     elif values and isinstance(values[0], _Array) and name == "gather":
-      outs = [_gather(values[0], values[1], **eqn.params)]
+      outs = [_gather(values[0], values[1], in_bounds[1], **eqn.params)]
     elif name in _SHAPE_PRIMITIVES and all(np.prod(v.aval.shape) == 1 for v in eqn.outvars):
       outs = [values[0].scalar() if isinstance(values[0], _Array) else values[0]]
+      out_bounds = in_bounds[:1]
     elif name == "concatenate" and all(np.prod(v.aval.shape) == 1 for v in eqn.invars):
-      parts = []
-      for v in values:
+      parts, part_bounds = [], []
+      for v, b in zip(values, in_bounds):
         parts.extend(v.parts if isinstance(v, _IndexVector) else (v,))
-      outs = [_IndexVector(tuple(parts))]
+        part_bounds.extend(b.parts if isinstance(b, _IndexVector) else (b,))
+      outs, out_bounds = [_IndexVector(tuple(parts))], [_IndexVector(tuple(part_bounds))]
     elif any(np.prod(v.aval.shape) != 1 for v in eqn.outvars):
       raise UnsupportedFunction(f"it computes {name} on whole arrays next to the indices")
     else:
       outs = _elementwise(eqn, values)
-    for var, value in zip(eqn.outvars, outs):
-      env[var] = value
-  return [read(v) for v in jaxpr.outvars]
+    if out_bounds is None:
+      plain = [None if isinstance(b, _IndexVector) else b for b in in_bounds]
+      out_bounds = eqn_bounds(eqn, plain)
+    for var, value, b in zip(eqn.outvars, outs, out_bounds):
+      env[var], env_bounds[var] = value, b
+  return [read(v) for v in jaxpr.outvars], [bound(v) for v in jaxpr.outvars]
+
+
+def _concrete_bound(value):
+  """The bound of a constant value (None for a tracer or an array)."""
+  try:
+    return literal_bound(np.asarray(value))
+  except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
