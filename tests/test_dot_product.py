@@ -47,6 +47,7 @@ def assert_close(ours, theirs, tol=2e-5):
     dict(query_seq_lengths=[12, 7], key_value_seq_lengths=[9, 12], is_causal=True),
     dict(bias="per head"),
     dict(bias="per row", mask=True, is_causal=True),
+    dict(bias="per key", lengths=(10, 12)),       # broadcast over the queries too
 ])
 def test_matches_jax_nn_outputs_and_gradients(case):
   case = dict(case)
@@ -54,8 +55,9 @@ def test_matches_jax_nn_outputs_and_gradients(case):
   q, k, v = inputs(0, q_len=q_len, kv_len=kv_len)
   kb, km = jax.random.split(jax.random.key(1))
   bias = case.pop("bias", None)
-  if bias is not None:  # broadcast over the batch, or over the heads
-    shape = (1, 4, q_len, kv_len) if bias == "per head" else (2, 1, q_len, kv_len)
+  if bias is not None:  # broadcast over the batch, the heads, or the batch and queries
+    shape = {"per head": (1, 4, q_len, kv_len), "per row": (2, 1, q_len, kv_len),
+             "per key": (1, 4, 1, kv_len)}[bias]
     case["bias"] = jax.random.normal(kb, shape)
   if case.pop("mask", False):  # random, with the diagonal kept so that no row is empty
     keep = jax.random.bernoulli(km, 0.6, (2, 4, q_len, kv_len))
@@ -64,6 +66,8 @@ def test_matches_jax_nn_outputs_and_gradients(case):
     if name in case:
       case[name] = jnp.asarray(case[name], jnp.int32)
   assert_close(*both(q, k, v, **case))
+  if bias is not None:  # the kernels, whose bias gradient is a pass of its own
+    assert_close(*both(q, k, v, implementation="pallas_triton", **case))
 
 
 def test_unbatched_inputs_and_the_default_implementation():

@@ -36,47 +36,96 @@ def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -
   wanted = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
   if not any(wanted):
     return [None] * len(consts)
-  batch, q_len, heads, _ = q.shape
-  kv_len, group = k.shape[1], heads // k.shape[2]
-  rows = max(1, min(q_len, _STEP_ELEMENTS // (batch * heads * kv_len)))
-  steps = -(-q_len // rows)
-  pad = steps * rows - q_len
-  pad_rows = lambda x, axis: jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
-  # The products as the kernels take them: the inputs' dtype, float32 sums (float32
-  # inputs at full float32 precision).
-  dtype = jnp.promote_types(q.dtype, k.dtype)
-  precision = lax.Precision.DEFAULT if dtype.itemsize < 4 else lax.Precision.HIGHEST
-  product = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision,
-                                          preferred_element_type=jnp.float32)
-  delta = backward_delta(o, do, dlse)
-  q, do = pad_rows(q.astype(dtype), 1), pad_rows(do.astype(dtype), 1)
-  lse, delta = pad_rows(lse, 2), pad_rows(delta, 2)
-  k = jnp.repeat(k.astype(dtype), group, axis=2)
-  v = jnp.repeat(v.astype(dtype), group, axis=2)
-  b, h, _, kv_idx = dense_indices(batch, heads, 1, kv_len)
-  fixed = list(consts)
+  blocks = _RowBlocks(problem, mask_consts, q, k, v, o, lse, do, dlse)
+  if problem.score_mod.dense_bias:
+    return [blocks.bias_grad(consts)]
+  return blocks.array_grads(consts, wanted)
 
-  def with_floats(floats):
-    it = iter(floats)
-    return [next(it) if w else c for c, w in zip(fixed, wanted)]
 
-  def step(acc, i):
-    start = i * rows
-    block = lambda x, axis: lax.dynamic_slice_in_dim(x, start, rows, axis)
-    q_idx = (start + jnp.arange(rows, dtype=jnp.int32))[None, None, :, None]
-    x = product("bqhd,bkhd->bhqk", block(q, 1), k) * problem.scale
-    index = (b, h, q_idx, kv_idx)
-    scores = lambda floats: problem.score_mod(with_floats(floats), x, *index).astype(jnp.float32)
-    y, vjp = jax.vjp(scores, [c for c, w in zip(fixed, wanted) if w])
-    allowed = q_idx < q_len
-    if problem.mask_mod is not None:
-      allowed = allowed & problem.mask_mod(mask_consts, *index)
-    p = jnp.where(allowed, jnp.exp(y - block(lse, 2)[..., None]), 0.0)
-    dp = product("bqhd,bkhd->bhqk", block(do, 1), v)
-    (grads,) = vjp(p * (dp - block(delta, 2)[..., None]))
-    return [a + g.astype(jnp.float32) for a, g in zip(acc, grads)], None
+class _RowBlocks:
+  """dS one block of query rows at a time: the products as the kernels take them (the
+  inputs' dtype, float32 sums; float32 inputs at full float32 precision)."""
 
-  zeros = [jnp.zeros(c.shape, jnp.float32) for c, w in zip(fixed, wanted) if w]
-  grads, _ = lax.scan(step, zeros, jnp.arange(steps, dtype=jnp.int32))  # int32 under x64 too
-  it = iter(grads)
-  return [next(it) if w else None for w in wanted]
+  def __init__(self, problem, mask_consts, q, k, v, o, lse, do, dlse):
+    batch, q_len, heads, _ = q.shape
+    kv_len, group = k.shape[1], heads // k.shape[2]
+    self.problem, self.mask_consts, self.q_len = problem, mask_consts, q_len
+    self.rows = max(1, min(q_len, _STEP_ELEMENTS // (batch * heads * kv_len)))
+    self.steps = -(-q_len // self.rows)
+    pad = self.steps * self.rows - q_len
+    pad_rows = lambda x, axis: jnp.pad(x, [(0, pad) if a == axis else (0, 0)
+                                           for a in range(x.ndim)])
+    dtype = jnp.promote_types(q.dtype, k.dtype)
+    self.precision = lax.Precision.DEFAULT if dtype.itemsize < 4 else lax.Precision.HIGHEST
+    delta = backward_delta(o, do, dlse)
+    self.q, self.do = pad_rows(q.astype(dtype), 1), pad_rows(do.astype(dtype), 1)
+    self.lse, self.delta = pad_rows(lse, 2), pad_rows(delta, 2)
+    self.k = jnp.repeat(k.astype(dtype), group, axis=2)
+    self.v = jnp.repeat(v.astype(dtype), group, axis=2)
+    self.b, self.h, _, self.kv_idx = dense_indices(batch, heads, 1, kv_len)
+
+  def _product(self, a, b):
+    return jnp.einsum("bqhd,bkhd->bhqk", a, b, precision=self.precision,
+                      preferred_element_type=jnp.float32)
+
+  def ds(self, i, scores):
+    """``(dS, aux)`` of row block ``i`` ``[batch, heads, rows, kv_len]``, given
+    ``scores(x, index) -> (transformed scores, aux)`` of the scaled logits ``x``."""
+    start = i * self.rows
+    block = lambda x, axis: lax.dynamic_slice_in_dim(x, start, self.rows, axis)
+    q_idx = (start + jnp.arange(self.rows, dtype=jnp.int32))[None, None, :, None]
+    index = (self.b, self.h, q_idx, self.kv_idx)
+    y, aux = scores(self._product(block(self.q, 1), self.k) * self.problem.scale, index)
+    allowed = q_idx < self.q_len
+    if self.problem.mask_mod is not None:
+      allowed = allowed & self.problem.mask_mod(self.mask_consts, *index)
+    p = jnp.where(allowed, jnp.exp(y - block(self.lse, 2)[..., None]), 0.0)
+    dp = self._product(block(self.do, 1), self.v)
+    return p * (dp - block(self.delta, 2)[..., None]), aux
+
+  def _scan(self, step, init):
+    return lax.scan(step, init, jnp.arange(self.steps, dtype=jnp.int32))  # int32 under x64
+
+  def array_grads(self, consts, wanted) -> list:
+    """Any score function: the gradients pulled back through it, summed over blocks."""
+    fixed = list(consts)
+
+    def with_floats(floats):
+      it = iter(floats)
+      return [next(it) if w else c for c, w in zip(fixed, wanted)]
+
+    def step(acc, i):
+      def scores(x, index):
+        fn = lambda floats: self.problem.score_mod(with_floats(floats), x, *index)
+        return jax.vjp(lambda floats: fn(floats).astype(jnp.float32),
+                       [c for c, w in zip(fixed, wanted) if w])
+
+      ds, vjp = self.ds(i, scores)
+      (grads,) = vjp(ds)
+      return [a + g.astype(jnp.float32) for a, g in zip(acc, grads)], None
+
+    zeros = [jnp.zeros(c.shape, jnp.float32) for c, w in zip(fixed, wanted) if w]
+    grads, _ = self._scan(step, zeros)
+    it = iter(grads)
+    return [next(it) if w else None for w in wanted]
+
+  def bias_grad(self, consts):
+    """``bias_score``'s bias (``consts[0]``, 3-d or 4-d): dS summed over the axes the
+    bias broadcasts, each block written once (pulling dS back through the read would
+    add a bias-sized array per block)."""
+    (bias,) = consts
+    shape = (1,) * (4 - bias.ndim) + bias.shape
+    axes = tuple(a for a in range(4) if shape[a] == 1)
+
+    def step(_, i):
+      scores = lambda x, index: (self.problem.score_mod(consts, x, *index).astype(
+          jnp.float32), None)
+      return None, jnp.sum(self.ds(i, scores)[0], axis=axes, keepdims=True)
+
+    _, blocks = self._scan(step, None)  # [steps, b, h, rows or 1, kv_len or 1]
+    if shape[2] == 1:
+      grad = jnp.sum(blocks, axis=0)
+    else:
+      grad = jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1:3] + (-1, blocks.shape[-1]))
+      grad = grad[:, :, :self.q_len]
+    return grad.reshape(bias.shape)

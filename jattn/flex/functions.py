@@ -45,6 +45,7 @@ class ElementFunction:
   num_consts: int
   kind: str  # "score_mod" or "mask_mod"
   _key: str = dataclasses.field(repr=False)
+  dense_bias: bool = False  # ``score + bias[b, h, q_idx, kv_idx]`` (``mods.bias_score``)
 
   def __hash__(self):
     return hash(self._key)
@@ -198,4 +199,9 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
                     f"got {got}")
   jaxpr, consts = _with_arrays_as_inputs(closed, args)
-  return ElementFunction(jaxpr, len(consts), kind, f"{kind}:{jaxpr}"), consts
+  # ``bias_score``'s function: its one array is the bias it was built from.
+  bias_shape = getattr(fn, "dense_bias_shape", None)
+  dense_bias = (kind == "score_mod" and bias_shape is not None and len(consts) == 1
+                and tuple(consts[0].shape) == bias_shape)
+  return ElementFunction(jaxpr, len(consts), kind, f"{kind}:{dense_bias}:{jaxpr}",
+                         dense_bias), consts

@@ -105,8 +105,15 @@ def broadcast_at(x, b, h, q_idx, kv_idx):
 def bias_score(bias) -> Callable:
   """An additive bias ``[q_heads, q_len, kv_len]`` (or ``[batch, q_heads, q_len,
   kv_len]``; axes of size 1 broadcast), e.g. DAT's and Swin's relative-position bias.
-  It gets a gradient."""
+  It gets a gradient: the score gradients summed over the axes it broadcasts, one
+  block of query rows at a time."""
   if bias.ndim not in (3, 4):
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")
-  return lambda score, b, h, q_idx, kv_idx: score + broadcast_at(bias, b, h, q_idx, kv_idx)
+
+  def score_mod(score, b, h, q_idx, kv_idx):
+    return score + broadcast_at(bias, b, h, q_idx, kv_idx)
+
+  # flex_attention then takes the bias's gradient as dS summed over its broadcast axes.
+  score_mod.dense_bias_shape = tuple(bias.shape)
+  return score_mod
