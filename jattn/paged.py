@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.op import Impl, MosaicImpl, Op, TritonImpl, XlaImpl
+from jattn.core.sharding import PER_Q_HEAD, PER_ROW, Q_HEADS, ROW_STATS, Axes, ShardRule
 from jattn.core.validation import (check_array, check_flag, check_heads, check_integer_array,
                                    check_same_dtype, check_shape, positive_number, scale_of,
                                    window_arg)
@@ -99,6 +100,13 @@ class PagedAttention(Op):
   problem_cls = PagedProblem
   arg_names = ("q", "k_pages", "v_pages", "block_tables", "lengths", "sinks")
   diff_argnums = ()  # a serving op: no gradient
+
+  def shard_rule(self, p: PagedProblem) -> ShardRule:
+    # The page pool has no batch axis: every batch shard reads its rows' pages from
+    # the whole pool (held whole, split over KV heads only).
+    pool = Axes(heads=2, kv=True)
+    return ShardRule((Q_HEADS, pool, pool, PER_ROW, PER_ROW, PER_Q_HEAD), (Q_HEADS, ROW_STATS),
+                     p.q_heads // p.kv_heads)
 
   def bind(self, q, k_pages, v_pages, block_tables, kv_lengths, *, q_lengths=None,
            causal=False, scale=None, softcap=None, local_window=None, sinks=None,

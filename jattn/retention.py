@@ -40,6 +40,7 @@ import numpy as np
 from jattn.core.cache import bucket
 from jattn.core.device import shared_memory_limit
 from jattn.core.op import MosaicImpl, Op, Problem, TritonImpl, XlaImpl, run
+from jattn.core.sharding import PER_Q_HEAD, PER_ROW, Q_HEADS, REPLICATED, Axes, ShardRule
 from jattn.core.validation import (check_array, check_choice, check_flag, check_positive_int,
                                    check_same_dtype, check_shape, scale_of)
 from jattn.kernels.common.config import padded_head_dim
@@ -89,6 +90,11 @@ class RetentionProblem(Problem):
   @property
   def head_dims(self) -> tuple[int, ...]:
     return (self.dk, self.dv)
+
+  def local(self, batch_shards: int, head_shards: int) -> "RetentionProblem":
+    """This problem on one shard of ``batch_shards`` x ``head_shards``."""
+    return dataclasses.replace(self, batch=self.batch // batch_shards,
+                               heads=self.heads // head_shards)
 
   def check_fields(self) -> None:
     super().check_fields()
@@ -235,11 +241,31 @@ class _SequenceForm(Op):
   problem_cls = RetentionProblem
   arg_names = ("q", "k", "v", "decay", "initial_state", "cu_seqlens")
 
+  outputs = (Q_HEADS,)  # o; the chunkwise form adds the final state
+
   def bind(self, q, k, v, **kwargs):
     return bind_sequence(q, k, v, **kwargs)
 
+  def shard_rule(self, p: RetentionProblem) -> ShardRule:
+    refusals = (("batch", "packed sequences (cu_seqlens) are one batch row"),) if (
+        p.sequences) else ()
+    return ShardRule((Q_HEADS, Q_HEADS, Q_HEADS, PER_Q_HEAD, STATES, REPLICATED), self.outputs,
+                     refusals=refusals)
+
   def example(self, p, key):
     return _example(p, key)
+
+
+# [batch, heads, dk, dv]: initial and final states.
+STATES = Axes(batch=0, heads=1)
+
+
+def _rerun_forward(impl, call, arrays, outputs):
+  """``Impl.residuals_of`` for kernels whose residuals (row denominators, chunk
+  states) are not among their outputs: the sharded path runs the forward again on
+  each shard in the backward."""
+  del outputs
+  return impl.forward(call, *arrays)[1]
 
 
 def _cache_fields(p: RetentionProblem) -> tuple[str, ...]:
@@ -250,6 +276,8 @@ def _cache_fields(p: RetentionProblem) -> tuple[str, ...]:
 # --- parallel ------------------------------------------------------------------------------
 
 class TritonParallel(BlockTritonImpl):
+  residuals_of = _rerun_forward
+
   def rows(self, p):
     return p.q_len, p.kv_len
 
@@ -280,6 +308,7 @@ class MosaicParallel(MosaicImpl):
   Triton kernels on its row denominators."""
 
   config_cls = MosaicBlockConfig
+  residuals_of = _rerun_forward
 
   def heuristic_config(self, p, info):
     return default_mosaic_config(max(p.dk, p.dv))
@@ -333,6 +362,8 @@ def _chunk_bytes(chunk: int, p: RetentionProblem) -> int:
 
 
 class TritonChunkwise(TritonImpl):
+  residuals_of = _rerun_forward
+
   config_cls = ChunkwiseConfig
   exact_fit = True  # grad_kernel_bytes matches what Triton asks for (docs/backends.md)
 
@@ -492,6 +523,7 @@ class XlaChunkwise(XlaImpl):
 class RetentionChunkwise(_SequenceForm):
   name = "retention_chunkwise"
   diff_argnums = (0, 1, 2, 4)
+  outputs = (Q_HEADS, STATES)
 
 
 # --- recurrent -----------------------------------------------------------------------------
@@ -542,6 +574,10 @@ class RetentionRecurrent(_SequenceForm):
 # --- the decoding step ---------------------------------------------------------------------
 
 class TritonStep(TritonImpl):
+  def residuals_of(self, call, arrays, outputs):
+    q, k, v, _, decay, *reset = arrays
+    return (q, k, v, outputs[1], _log2_decay(decay), reset[0] if reset else None)
+
   def forward(self, call, q, k, v, state, decay, reset=None):
     log2_decay = _log2_decay(decay)
     o, new_state = retention_step_forward(q, k, v, state, log2_decay, scale=call.problem.scale,
@@ -577,6 +613,11 @@ class RetentionStep(Op):
   problem_cls = RetentionProblem
   arg_names = ("q", "k", "v", "state", "decay", "reset")
   diff_argnums = (0, 1, 2, 3)
+
+  def shard_rule(self, p: RetentionProblem) -> ShardRule:
+    per_head = Axes(batch=0, heads=1)  # [batch, heads, d] and the states
+    return ShardRule((per_head, per_head, per_head, STATES, PER_Q_HEAD, PER_ROW),
+                     (per_head, STATES))
 
   def bind(self, q, k, v, state, *, decay=None, scale=None, reset=None):
     check_array("q", q, "batch, heads, dk")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.op import MosaicImpl, Op, XlaImpl
+from jattn.core.sharding import PER_Q_HEAD, REPLICATED, Axes, ShardRule
 from jattn.core.validation import (check_array, check_flag, check_heads, check_positive_int,
                                    check_same_dtype, check_shape, positive_number, scale_of,
                                    window_arg)
@@ -255,6 +256,12 @@ class FlashVarlen(Op):
   problem_cls = VarlenProblem
   arg_names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "sinks")
   diff_argnums = (0, 1, 2, 5)
+
+  def shard_rule(self, p: VarlenProblem) -> ShardRule:
+    # Packed rows have no batch axis: the sequences split over heads only.
+    rows, kv_rows = Axes(heads=1), Axes(heads=1, kv=True)
+    return ShardRule((rows, kv_rows, kv_rows, REPLICATED, REPLICATED, PER_Q_HEAD),
+                     (rows, Axes(heads=0)), p.q_heads // p.kv_heads)
 
   def bind(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
            causal=False, scale=None, local_window=None, softcap=None, sinks=None,

@@ -59,12 +59,18 @@ def _window(q, k, v, bias, mask):  # q, k, v: [windows, tokens, heads, d]
   return jattn.window_attention(q, k, v, bias, mask=mask, backend=BACKEND)
 
 
+def _retention(mode):
+  return lambda q, k, v: jattn.retention(q, k, v, mode=mode, chunk_size=16, backend=BACKEND)
+
+
 # (name, function of (q, k, v, *extra), q heads, kv heads, head mesh axis, extra arrays)
 CASES = [
     ("window_bias_mask", _window, 8, 8, "model", ("bias", "mask")),
     ("flash_gqa_sinks_segments", _flash, 8, 4, "model", ("sinks", "ids")),
     ("flex", _flex, 8, 4, "model", ()),
     ("dilated", _dilated, 8, 8, "model", ()),
+    ("retention_parallel", _retention("parallel"), 8, 8, "model", ()),
+    ("retention_chunkwise", _retention("chunkwise"), 8, 8, "model", ()),
 ]
 
 
@@ -112,6 +118,59 @@ def test_sharded_call_equals_unsharded_and_gathers_nothing(name, fn, heads, kv_h
   for x in (out,) + tuple(grads[:3]):  # the inputs' sharding
     assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
   hlo = step.lower(*sharded, _put(mesh, do, spec)).compile().as_text()
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+def _serving_case(name, ks):
+  """``(function, arrays, their specs, how many get gradients)`` of a serving op: batch
+  over "data" (where it has a batch axis), heads over "model"."""
+  batch, heads, kv_heads, d = 4, 8, 4, HEAD_DIM
+  if name == "paged":  # a pool of 16 pages of 8 keys, 4 pages per sequence
+    q = _normal(ks[0], (batch, 2, heads, d))
+    pages = [_normal(key, (16, 8, kv_heads, d)) for key in ks[1:3]]
+    tables = jax.random.permutation(ks[3], 16).reshape(batch, 4).astype(jnp.int32)
+    lengths = jnp.array([32, 9, 20, 2], jnp.int32)
+    fn = lambda q, kp, vp, t, n: jattn.paged_attention(q, kp, vp, t, n, causal=True,
+                                                       backend=BACKEND)
+    return fn, (q, *pages, tables, lengths), (P("data", None, "model"), P(None, None, "model"),
+                                              P(None, None, "model"), P("data"), P("data")), 0
+  if name == "varlen":  # 3 sequences packed in 40 rows
+    q = _normal(ks[0], (40, heads, d))
+    k, v = (_normal(key, (40, kv_heads, d)) for key in ks[1:3])
+    cu = jnp.array([0, 13, 30, 40], jnp.int32)
+    fn = lambda q, k, v, cu: jattn.flash_attention_varlen(
+        q, k, v, cu, cu, max_seqlen_q=17, max_seqlen_k=17, causal=True, backend=BACKEND)
+    head = P(None, "model")
+    return fn, (q, k, v, cu), (head, head, head, P()), 3
+  # retention_step: [batch, heads, d] slots and their states
+  q, k, v = (_normal(key, (batch, heads, d)) for key in ks[:3])
+  state = jax.random.normal(ks[3], (batch, heads, d, d))
+  fn = lambda q, k, v, state: jattn.retention_step(q, k, v, state, backend=BACKEND)
+  return fn, (q, k, v, state), (P("data", "model"),) * 3 + (P("data", "model"),), 4
+
+
+@pytest.mark.parametrize("name", ["paged", "varlen", "retention_step"])
+def test_serving_ops_run_per_shard(name):
+  """Paged attention (its pool split over KV heads only), packed varlen rows (split
+  over heads) and the retention step: outputs (and gradients) equal the unsharded
+  call's, with no gather."""
+  mesh = _mesh(AxisType.Auto)
+  fn, arrays, specs, n_diff = _serving_case(name, jax.random.split(jax.random.key(7), 4))
+  sharded = tuple(_put(mesh, x, spec) for x, spec in zip(arrays, specs))
+
+  def loss(*args):  # a sum of every output (and, where they exist, the gradients)
+    out = fn(*args)
+    return sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in jax.tree.leaves(out)), out
+
+  step = jax.jit(lambda *a: jax.value_and_grad(loss, argnums=tuple(range(n_diff)),
+                                               has_aux=True)(*a) if n_diff else loss(*a))
+  got, want = step(*sharded), jax.jit(step)(*arrays)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(a, b) < TOL
+  out = fn(*sharded)
+  first = jax.tree.leaves(out)[0]
+  assert first.sharding.is_equivalent_to(NamedSharding(mesh, specs[0]), first.ndim)
+  hlo = step.lower(*sharded).compile().as_text()
   assert "all-gather" not in hlo and "all-to-all" not in hlo
 
 

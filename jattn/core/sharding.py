@@ -340,9 +340,13 @@ def run_explicit(run, split, arrays: tuple):
     outputs = run(local, tuple(_fill(present, kept)))
     return _as_tuple(outputs)
 
+  # Arrays the op builds itself (a default decay, zero states) come unsplit: each
+  # device keeps its own slice of them (a reshard from replicated gathers nothing).
+  kept = tuple(jax.reshard(x, NamedSharding(mesh, spec))
+               for x, spec in zip(_present(arrays, present), in_specs))
   # check_vma off: the kernels' pallas_calls do not say how their outputs vary.
   outputs = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                          check_vma=False)(*_present(arrays, present))
+                          check_vma=False)(*kept)
   return outputs if len(out_specs) > 1 else outputs[0]
 
 
