@@ -116,10 +116,17 @@ class _RowBlocks:
     (bias,) = consts
     shape = (1,) * (4 - bias.ndim) + bias.shape
     axes = tuple(a for a in range(4) if shape[a] == 1)
+    # The function is ``score + bias`` broadcast: each block adds its rows of the bias,
+    # sliced (not gathered at every index as the function would read it).
+    bias = bias.reshape(shape)
+    padded = self.steps * self.rows
+    if shape[2] > 1 and padded != self.q_len:
+      bias = jnp.pad(bias, ((0, 0), (0, 0), (0, padded - self.q_len), (0, 0)))
 
     def step(_, i):
-      scores = lambda x, index: (self.problem.score_mod(consts, x, *index).astype(
-          jnp.float32), None)
+      rows = (lax.dynamic_slice_in_dim(bias, i * self.rows, self.rows, 2) if shape[2] > 1
+              else bias)
+      scores = lambda x, index: ((x + rows).astype(jnp.float32), None)
       return None, jnp.sum(self.ds(i, scores)[0], axis=axes, keepdims=True)
 
     _, blocks = self._scan(step, None)  # [steps, b, h, rows or 1, kv_len or 1]
@@ -128,4 +135,4 @@ class _RowBlocks:
     else:
       grad = jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1:3] + (-1, blocks.shape[-1]))
       grad = grad[:, :, :self.q_len]
-    return grad.reshape(bias.shape)
+    return grad.reshape(consts[0].shape)
