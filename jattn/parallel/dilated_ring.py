@@ -205,17 +205,21 @@ def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
   kc, vc = _sparse_kv(k, pair), _sparse_kv(v, pair)
   to_combos = jax.linear_transpose(lambda x: _per_head(x, pair), f32(kc))
   dq = jnp.zeros(qd.shape, jnp.float32)
-  travelling = (kc, vc, jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
+  kv = (kc, vc)
+  dkv = (jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
   for step in range(pair.group):
-    kk, vv, dk, dv = travelling
+    hop = _hop(st.devices, pair.group, step)
+    # As ``ring``'s backward: the next block goes before this step's work, the
+    # accumulators after it (overlapping the next step's work).
+    nxt = shift(kv, st.axis_name, hop) if step + 1 < pair.group else None
     mine, src, real = _position(st, pair, step)
-    g_q, g_k, g_v = _attend_backward(st, qd, _per_head(kk, pair), _per_head(vv, pair), od,
-                                     lsed, dod, src, mine, real)
+    g_q, g_k, g_v = _attend_backward(st, qd, _per_head(kv[0], pair), _per_head(kv[1], pair),
+                                     od, lsed, dod, src, mine, real)
     dq = dq + g_q
     # After the last step the accumulators take one more hop: home.
-    travelling = shift((kk, vv, dk + to_combos(g_k)[0], dv + to_combos(g_v)[0]),
-                       st.axis_name, _hop(st.devices, pair.group, step))
-  _, _, dk, dv = travelling
+    dkv = shift((dkv[0] + to_combos(g_k)[0], dkv[1] + to_combos(g_v)[0]), st.axis_name, hop)
+    kv = nxt
+  dk, dv = dkv
   return pull_q(dq)[0], pull_kv(dk)[0], pull_kv(dv)[0]
 
 

@@ -170,16 +170,21 @@ def _ring_bwd(st, res, do):
   q, k, v, q_seg, kv_seg, o, lse = res
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
   dq = jnp.zeros_like(q, jnp.float32)
-  travelling = (k, v, kv_seg, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+  kv = (k, v, kv_seg)
+  dkv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
   for step in range(devices):
-    kk, vv, seg, dk, dv = travelling
+    # The next shard is sent before this step's work, as in the forward; the
+    # accumulators of the shard held follow it after, and are needed only at the end
+    # of the next step, so their transfer overlaps that step's work.
+    nxt = shift(kv, axis_name, _ring_perm(devices)) if step + 1 < devices else None
     src = (me - step) % devices
-    g_q, g_k, g_v = _step_backward(q, kk, vv, o, lse, do, q_seg, seg, src, me, causal=causal,
-                                   layout=layout, scale=scale, backend=backend)
+    g_q, g_k, g_v = _step_backward(q, kv[0], kv[1], o, lse, do, q_seg, kv[2], src, me,
+                                   causal=causal, layout=layout, scale=scale, backend=backend)
     dq = dq + g_q
     # After the last step the accumulators take one more hop: home to their shard.
-    travelling = shift((kk, vv, seg, dk + g_k, dv + g_v), axis_name, _ring_perm(devices))
-  dk, dv = travelling[3:]
+    dkv = shift((dkv[0] + g_k, dkv[1] + g_v), axis_name, _ring_perm(devices))
+    kv = nxt
+  dk, dv = dkv
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
