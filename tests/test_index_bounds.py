@@ -39,8 +39,9 @@ def test_bounds_hold_every_value_on_the_grid(fn, expected):
   closed = jax.make_jaxpr(fn)(jnp.int32(0), jnp.int32(0))
   i = jnp.arange(I_RANGE[0], I_RANGE[1] + 1, dtype=jnp.int32)[:, None]
   j = jnp.arange(J_RANGE[0], J_RANGE[1] + 1, dtype=jnp.int32)[None, :]
-  (values,), (bound,) = ef.evaluate_with_bounds(closed.jaxpr, closed.consts, [i, j],
-                                                [I_RANGE, J_RANGE])
+  (values,), ((bound, same),) = ef.evaluate_with_bounds(
+      closed.jaxpr, closed.consts, [i, j], [(I_RANGE, I_RANGE), (J_RANGE, J_RANGE)])
+  assert bound == same
   values = np.broadcast_to(np.asarray(values), (i.shape[0], j.shape[1]))  # (tiles broadcast)
   np.testing.assert_array_equal(values, np.asarray(jax.vmap(jax.vmap(
       fn, (None, 0)), (0, None))(i[:, 0], j[0])))
@@ -58,26 +59,39 @@ TABLE = jax.random.normal(jax.random.PRNGKey(0), (3, 6, 6))
 REL = jax.random.normal(jax.random.PRNGKey(1), (3, 11))
 
 
-@pytest.mark.parametrize("fn, q_bound, proven", [
-    (lambda s, b, h, i, j: s + TABLE[h, i, j], 5, True),           # a dense bias
-    (lambda s, b, h, i, j: s + TABLE[h, i, j], 7, False),          # positions past the table
-    (lambda s, b, h, i, j: s + REL[h, i - j + 5], 5, True),         # relative, always inside
-    (lambda s, b, h, i, j: s + REL[h, i - j], 5, False),            # wraps negative offsets
-    (lambda s, b, h, i, j: s + REL[h, jnp.clip(i - j, -5, 5) + 5], 7, True),
-], ids=["bias", "bias-past-end", "relative", "relative-wraps", "relative-clipped"])
-def test_reads_go_unclamped_where_the_bounds_prove_them_in_bounds(monkeypatch, fn, q_bound,
-                                                                 proven):
+@pytest.mark.parametrize("fn, q_reach, kv_reach, clamp_q, proven", [
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], 5, 5, False, True),        # a dense bias
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], 8, 5, False, False),       # rows past its memory
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], 8, 5, True, True),         # ... clamped first
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], 5, 7, False, True),        # keys in its padding
+    (lambda s, b, h, i, j: s + TABLE[h, i, j], 5, 8, False, False),       # keys past its memory
+    (lambda s, b, h, i, j: s + REL[h, i - j + 5], 5, 5, False, True),     # relative, inside
+    (lambda s, b, h, i, j: s + REL[h, i - j + 5], 5, 7, False, False),    # ... wraps past keys
+    (lambda s, b, h, i, j: s + REL[h, i - j], 5, 5, False, False),        # wraps negative offsets
+    (lambda s, b, h, i, j: s + REL[h, jnp.clip(i - j, -5, 5) + 5], 7, 7, False, True),
+], ids=["bias", "bias-rows-past-memory", "bias-rows-clamped", "bias-keys-padded",
+        "bias-keys-past-memory", "relative", "relative-keys-past", "relative-wraps",
+        "relative-clipped"])
+def test_reads_go_unclamped_where_the_bounds_prove_them_in_bounds(monkeypatch, fn, q_reach,
+                                                                 kv_reach, clamp_q, proven):
+  """Results count at 6 query and 6 key positions (the arrays have 6 there, stored as
+  8: ``allocated``); the kernels evaluate to ``q_reach`` and ``kv_reach``."""
   import jattn
   traced, consts = jattn.flex.functions.trace(fn, "score_mod")
-  fn = traced.tile_function.with_bounds([None, (0, 0), (0, 2), (0, q_bound), (0, 5)])
+  bounds = [None, (0, 0), (0, 2), (0, 5), (0, 5)]
+  reach = [None, (0, 0), (0, 2), (0, q_reach), (0, kv_reach)]
+  fn = traced.tile_function.with_bounds(bounds, reach, [False, False, False, clamp_q, False])
   reads, load = [], ef._Array.load
   monkeypatch.setattr(ef._Array, "load",
                       lambda self, idx, in_bounds=False: reads.append(in_bounds) or load(
                           self, idx, in_bounds))
-  i = jnp.arange(q_bound + 1, dtype=jnp.int32)[:, None]
-  j = jnp.arange(6, dtype=jnp.int32)[None, :]
-  out = fn(traced.tile_arrays(consts), jnp.zeros((q_bound + 1, 6)), 0, 1, i, j)
+  i = jnp.arange(q_reach + 1, dtype=jnp.int32)[:, None]
+  j = jnp.arange(kv_reach + 1, dtype=jnp.int32)[None, :]
+  arrays = tuple(ef.kernel_array(x) for x in traced.tile_arrays(consts))  # as kernels get them
+  out = fn(arrays, jnp.zeros((q_reach + 1, kv_reach + 1)), 0, 1, i, j)
   assert reads == [proven]
+  rows = jnp.minimum(i[:, 0], 5) if clamp_q else i[:, 0]
   expected = jax.vmap(jax.vmap(lambda i, j: traced(consts, 0.0, 0, 1, i, j), (None, 0)),
-                      (0, None))(i[:, 0], j[0])
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+                      (0, None))(rows, j[0])
+  # Where results count (keys past 5 are the kernels' padding, masked there).
+  np.testing.assert_array_equal(np.asarray(out)[:, :6], np.asarray(expected)[:, :6])

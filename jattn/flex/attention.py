@@ -144,12 +144,17 @@ class TritonFlex(_FlexKernels, AttentionTritonImpl):
   def _function(self, fn, consts, p, call):
     if fn is None:
       return None, ()
-    # Where the kernels evaluate it: every batch row and query head, and the positions
-    # of the sequences padded to whole tiles.
-    _, _, q_len_p, kv_len_p = kernel_tiles(call.config, p.q_len, p.kv_len)
-    index = ((0, p.batch - 1), (0, p.q_heads - 1), (0, q_len_p - 1), (0, kv_len_p - 1))
-    bounds = ((None,) if fn.kind == "score_mod" else ()) + index
-    return fn.tile_function.with_bounds(bounds), fn.kernel_arrays(consts)
+    # Its results count at every batch row, query head and position of the sequences;
+    # the kernels evaluate it on whole tiles, past the ends. The query position is
+    # clamped there (one min per row); a key position is not (a clamp along the keys
+    # would make its reads elementwise): reads past the keys' end must stay in memory.
+    _, _, _, kv_len_p = kernel_tiles(call.config, p.q_len, p.kv_len)
+    rows = ((0, p.batch - 1), (0, p.q_heads - 1), (0, p.q_len - 1))
+    score = (None,) if fn.kind == "score_mod" else ()
+    bounds = score + rows + ((0, p.kv_len - 1),)
+    reach = score + rows + ((0, kv_len_p - 1),)
+    clamped = (False,) * len(score) + (False, False, True, False)
+    return (fn.tile_function.with_bounds(bounds, reach, clamped), fn.kernel_arrays(consts))
 
   def _kernel_forward(self, call, q, k, v, mods):
     return flash_triton_forward(q, k, v, None, None, causal=False, scale=call.problem.scale,

@@ -56,8 +56,13 @@ def kernel_array(x):
   blocks are; reads index the logical shape, so the padding is never read)."""
   x = x.astype(jnp.int32) if np.dtype(x.dtype) in _STORED_AS_INT32 else x
   x = x.reshape(1) if x.ndim == 0 else x
-  pads = [(0, (1 << (n - 1).bit_length()) - n) for n in x.shape]
+  pads = [(0, allocated(n) - n) for n in x.shape]
   return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def allocated(n: int) -> int:
+  """The length ``kernel_array`` gives a dimension of ``n``: the next power of two."""
+  return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,11 @@ class TileFunction:
   jaxpr: Jaxpr = dataclasses.field(compare=False, repr=False)
   num_arrays: int = 0
   key: str = ""
-  bounds: tuple = ()  # of the arguments, as ``with_bounds`` sets them
+  # Of the arguments, as ``with_bounds`` sets them: where the result counts, where the
+  # kernels evaluate it, which arguments are clamped into ``bounds`` first.
+  bounds: tuple = ()
+  reach: tuple = ()
+  clamped: tuple = ()
 
   @classmethod
   def of(cls, jaxpr: Jaxpr, num_arrays: int) -> "TileFunction":
@@ -84,17 +93,29 @@ class TileFunction:
     arrays, as ``kernel_array`` passes them, one per jaxpr constant)."""
     if len(arrays) != self.num_arrays:
       raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
-    values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + list(args)
-    bounds = [None] * self.num_arrays + list(self.bounds or [None] * len(args))
-    (out,) = evaluate_jaxpr(self.jaxpr, [], values, bounds)
+    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+    bounds = self.bounds or (None,) * len(args)
+    reach = self.reach or bounds
+    args = [jnp.clip(a, *b) if c else a
+            for a, b, c in zip(args, bounds, self.clamped or (False,) * len(args))]
+    reach = [b if c else r for b, r, c in zip(bounds, reach, self.clamped or (False,) * len(args))]
+    values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + args
+    pairs = [(None, None)] * self.num_arrays + list(zip(bounds, reach))
+    (out,) = evaluate_jaxpr(self.jaxpr, [], values, pairs)
     # A function constant in some indices still gives a value per element.
-    return jnp.broadcast_to(out, jnp.broadcast_shapes(*(jnp.shape(a) for a in args)))
+    return jnp.broadcast_to(out, shape)
 
-  def with_bounds(self, bounds) -> "TileFunction":
-    """This function told that its arguments stay within ``bounds`` (one inclusive
-    ``(lo, hi)`` or None per argument) wherever a kernel evaluates it: reads it then
-    proves in bounds skip the clamp (``index_bounds``)."""
-    return dataclasses.replace(self, bounds=tuple(bounds))
+  def with_bounds(self, bounds, reach=None, clamped=None) -> "TileFunction":
+    """This function told where its arguments lie (one inclusive ``(lo, hi)`` or None
+    per argument): within ``bounds`` where its results count, within ``reach`` (default
+    ``bounds``) wherever a kernel evaluates it (past the ends of the sequences, say);
+    arguments ``clamped`` (one bool each) are clipped into ``bounds`` first. A read
+    of an array proven in bounds where results count, and inside the array's memory
+    (``allocated``) wherever evaluated, skips the clamp (``index_bounds``)."""
+    n = len(bounds)
+    return dataclasses.replace(self, bounds=tuple(bounds),
+                               reach=tuple(reach) if reach is not None else (),
+                               clamped=tuple(clamped) if clamped is not None else (False,) * n)
 
   @functools.cached_property
   def unit_slope(self) -> bool:
@@ -183,7 +204,10 @@ def _clamp(i, size: int):
 
 
 def _proven(array: _Array, bounds) -> bool:
-  return all(within(b, n) for b, n in zip(bounds, array.aval.shape))
+  """Whether indices of ``bounds`` (``(where results count, where evaluated)`` pairs,
+  one per dimension) read ``array`` in bounds, and inside its memory."""
+  return all(within(b, n) and within(r, allocated(n))
+             for (b, r), n in zip(bounds, array.aval.shape))
 
 
 def _dynamic_slice(array: _Array, starts, slice_sizes, bounds):
@@ -213,9 +237,8 @@ def _gather(array: _Array, indices, index_bounds, *, dimension_numbers, slice_si
   if len(parts) != len(dn.start_index_map):
     raise UnsupportedFunction("it gathers with an index of unexpected shape")
   shape = array.aval.shape
-  part_bounds = (index_bounds.parts if isinstance(index_bounds, _IndexVector)
-                 else (index_bounds,) * len(parts))
-  starts, bounds = [0] * len(shape), [(0, 0)] * len(shape)
+  part_bounds = _parts(index_bounds, len(parts))
+  starts, bounds = [0] * len(shape), [((0, 0), (0, 0))] * len(shape)
   for dim, i, b in zip(dn.start_index_map, parts, part_bounds):
     starts[dim], bounds[dim] = i, b
   x = array.load(tuple(starts), _proven(array, bounds))
@@ -250,14 +273,27 @@ def _elementwise(eqn, values):
 
 def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list, bounds: list | None = None) -> list:
   """``jaxpr``'s outputs with its primitives applied to broadcastable tiles (``args``:
-  tiles, scalars, or ``_Array`` reads of closed-over arrays; ``bounds``: what each
-  argument can be, or None, as ``index_bounds`` propagates them)."""
-  return evaluate_with_bounds(jaxpr, consts, args, bounds or [None] * len(args))[0]
+  tiles, scalars, or ``_Array`` reads of closed-over arrays; ``bounds``: per argument,
+  ``(where results count, where evaluated)`` bounds or Nones, as ``index_bounds``
+  propagates them)."""
+  return evaluate_with_bounds(jaxpr, consts, args, bounds or [(None, None)] * len(args))[0]
+
+
+def _parts(pair, n: int) -> list:
+  """The per-part bound pairs of an index vector's (or ``n`` copies of one pair)."""
+  if isinstance(pair[0], _IndexVector):
+    return list(zip(pair[0].parts, pair[1].parts))
+  return [pair] * n
+
+
+def _eqn_pairs(eqn, pairs: list) -> list:
+  plain = lambda k: [None if isinstance(p[k], _IndexVector) else p[k] for p in pairs]
+  return list(zip(eqn_bounds(eqn, plain(0)), eqn_bounds(eqn, plain(1))))
 
 
 def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
                          bounds: list) -> tuple[list, list]:
-  """``evaluate_jaxpr``'s outputs and their bounds: ``(outputs, bounds)``."""
+  """``evaluate_jaxpr``'s outputs and their bound pairs: ``(outputs, bounds)``."""
   env, env_bounds = {}, {}
 
   def read(v):
@@ -266,10 +302,12 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
     return env[v]
 
   def bound(v):
-    return literal_bound(v.val) if isinstance(v, Literal) else env_bounds.get(v)
+    if isinstance(v, Literal):
+      return (literal_bound(v.val),) * 2
+    return env_bounds.get(v, (None, None))
 
   for var, value in zip(jaxpr.constvars, consts):
-    env[var], env_bounds[var] = value, _concrete_bound(value)
+    env[var], env_bounds[var] = value, (_concrete_bound(value),) * 2
   for var, value, b in zip(jaxpr.invars, args, bounds):
     env[var], env_bounds[var] = value, b
   for eqn in jaxpr.eqns:
@@ -285,7 +323,7 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
       consts = [jnp.asarray(c) for c in inner.consts]
       if not inner.jaxpr.constvars:  # JAX that passes constants as leading inputs
         values, consts = consts + values, []
-        in_bounds = [_concrete_bound(c) for c in inner.consts] + in_bounds
+        in_bounds = [(_concrete_bound(c),) * 2 for c in inner.consts] + in_bounds
       n = len(values) - len(inner.jaxpr.invars)  # leading operands bound to constants
       outs, out_bounds = evaluate_with_bounds(inner.jaxpr, consts, values[n:], in_bounds[n:])
     elif values and isinstance(values[0], _Array) and name == "dynamic_slice":
@@ -299,15 +337,15 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
       parts, part_bounds = [], []
       for v, b in zip(values, in_bounds):
         parts.extend(v.parts if isinstance(v, _IndexVector) else (v,))
-        part_bounds.extend(b.parts if isinstance(b, _IndexVector) else (b,))
-      outs, out_bounds = [_IndexVector(tuple(parts))], [_IndexVector(tuple(part_bounds))]
+        part_bounds.extend(_parts(b, 1))
+      outs = [_IndexVector(tuple(parts))]
+      out_bounds = [tuple(_IndexVector(tuple(p[k] for p in part_bounds)) for k in (0, 1))]
     elif any(np.prod(v.aval.shape) != 1 for v in eqn.outvars):
       raise UnsupportedFunction(f"it computes {name} on whole arrays next to the indices")
     else:
       outs = _elementwise(eqn, values)
     if out_bounds is None:
-      plain = [None if isinstance(b, _IndexVector) else b for b in in_bounds]
-      out_bounds = eqn_bounds(eqn, plain)
+      out_bounds = _eqn_pairs(eqn, in_bounds)
     for var, value, b in zip(eqn.outvars, outs, out_bounds):
       env[var], env_bounds[var] = value, b
   return [read(v) for v in jaxpr.outvars], [bound(v) for v in jaxpr.outvars]
