@@ -8,9 +8,10 @@ H100). When the bounds of the arguments (batch, head, query and key positions as
 kernels evaluate them) prove every index in bounds, the clamp is the identity and the
 load can go without it.
 
-A bound is ``(lo, hi)`` (inclusive) or None (unknown). Rules cover what index
-arithmetic uses (sums, products by constants, min/max/clamp, comparisons, selects, the
-negative-index wrap ``jnp`` inserts); anything else is unknown.
+A bound is ``(lo, hi)`` (inclusive) or None (unknown), of integer and boolean values
+only. Rules cover what index arithmetic uses (sums, products, min/max/clamp,
+comparisons, selects, the negative-index wrap ``jnp`` inserts); anything else, and
+anything computed through floats, is unknown.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ Bound = tuple  # (lo, hi), inclusive
 
 
 def literal_bound(value) -> Bound | None:
-  """The bound of a constant: a scalar number, or None."""
+  """The bound of a constant: a scalar integer or boolean, or None."""
   if np.ndim(value) != 0:
     return None
   x = np.asarray(value)
   if x.dtype == np.bool_ or np.issubdtype(x.dtype, np.integer):
     return (int(x), int(x))
-  if np.issubdtype(x.dtype, np.floating) and np.isfinite(x):
-    return (float(x), float(x))
   return None
 
 
@@ -57,12 +56,11 @@ def _mul(a, b):
   return (min(products), max(products))
 
 
-def _div(a, b, integer: bool):
+def _div(a, b):
   if b[0] <= 0 <= b[1]:
     return None
-  quotients = [x / y for x in a for y in b]
-  lo, hi = min(quotients), max(quotients)
-  return (math.floor(lo), math.ceil(hi)) if integer else (lo, hi)
+  quotients = [x / y for x in a for y in b]  # (integers: rounded toward zero, inside these)
+  return (math.floor(min(quotients)), math.ceil(max(quotients)))
 
 
 def _rem(a, b):
@@ -77,9 +75,7 @@ def _rem(a, b):
 def _convert(bound, new_dtype):
   if np.dtype(new_dtype) == np.bool_:
     return (0, 0) if bound == (0, 0) else (1, 1) if bound[0] > 0 or bound[1] < 0 else (0, 1)
-  if np.issubdtype(np.dtype(new_dtype), np.integer):
-    return (math.trunc(bound[0]), math.trunc(bound[1]))  # (rounds toward zero: monotone)
-  return bound
+  return bound  # integer to integer (or to a float, which keeps none)
 
 
 def _union(bounds):
@@ -112,7 +108,7 @@ def eqn_bounds(eqn, bounds: list) -> list:
   elif name == "mul":
     out[0] = _mul(*bounds)
   elif name == "div":
-    out[0] = _div(*bounds, np.issubdtype(eqn.outvars[0].aval.dtype, np.integer))
+    out[0] = _div(*bounds)
   elif name == "rem":
     out[0] = _rem(*bounds)
   elif name in ("max", "min"):
@@ -140,12 +136,16 @@ def eqn_bounds(eqn, bounds: list) -> list:
 
 
 def _representable(bound, dtype):
-  """``bound`` where ``dtype`` holds all of it (integers wrap), else what ``dtype`` can be."""
+  """``bound`` where ``dtype`` holds all of it (integers wrap), else what ``dtype`` can be.
+  Floats have none: their rounding (float32 in the kernels, not the float64 here) could
+  move an index computed through them past a bound."""
   dtype = np.dtype(dtype)
   if bound is not None and np.issubdtype(dtype, np.integer):
     info = np.iinfo(dtype)
     if bound[0] < info.min or bound[1] > info.max:
       bound = None
+  elif dtype != np.bool_:
+    bound = None
   return bound if bound is not None else dtype_bound(dtype)
 
 
