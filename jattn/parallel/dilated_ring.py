@@ -174,13 +174,14 @@ def _pair_forward(st: _Static, pair: _Pair, q, k, v):
   """``(o, lse)`` of one spanning pair on the shard's positions: its group's ring."""
   qd = _queries(q, pair)
   kv = (_sparse_kv(k, pair), _sparse_kv(v, pair))
-  acc = empty_rows(qd, v)
+  acc = None
   for step in range(pair.group):
     # Send before use: the next block's transfer overlaps this block's attention.
     nxt = (shift(kv, st.axis_name, _hop(st.devices, pair.group, step))
            if step + 1 < pair.group else None)
     mine, src, real = _position(st, pair, step)
-    acc = merge(acc, _attend(st, qd, *(_per_head(x, pair) for x in kv), src, mine, real))
+    block = _attend(st, qd, *(_per_head(x, pair) for x in kv), src, mine, real)
+    acc = block if acc is None else merge(acc, block)  # (no merge with nothing first)
     kv = nxt
   return _scatter(*acc, pair)
 

@@ -141,14 +141,15 @@ def _ring_perm(devices: int):
 def _ring_forward(st, q, k, v, q_seg, kv_seg):
   axis_name, causal, layout, scale, backend = st
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-  acc = empty_rows(q, v)
+  acc = None
   kv = (k, v, kv_seg)  # the key segment ids travel with their shard
   for step in range(devices):
     # Send before use: the transfer of the next shard overlaps this step's attention.
     nxt = shift(kv, axis_name, _ring_perm(devices)) if step + 1 < devices else None
     src = (me - step) % devices
-    acc = merge(acc, _step_forward(q, kv[0], kv[1], q_seg, kv[2], src, me, causal=causal,
-                                    layout=layout, scale=scale, backend=backend))
+    block = _step_forward(q, kv[0], kv[1], q_seg, kv[2], src, me, causal=causal,
+                          layout=layout, scale=scale, backend=backend)
+    acc = block if acc is None else merge(acc, block)  # (no merge with nothing first)
     kv = nxt
   return acc
 
