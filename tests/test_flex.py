@@ -384,12 +384,22 @@ def test_block_mask_tiles_are_skipped_and_full_tiles_unmasked():
 SLOPES = flex.alibi_slopes(HQ)
 
 
+@jax.custom_jvp
+def _half_slope(x):
+  return x
+
+
+_half_slope.defjvp(lambda primals, tangents: (primals[0], 0.5 * tangents[0]))
+
+
 @pytest.mark.parametrize("score_mod,gap", [
     (lambda s, b, h, i, j: s + jnp.sum(SLOPES * h), "computes mul on whole"),
     # Loops and branches: their inner jaxprs run n times or one of several, never once.
     (lambda s, b, h, i, j: lax.fori_loop(0, 3, lambda _, x: x * 0.9, s), "runs a scan"),
     (lambda s, b, h, i, j: lax.cond(h > 0, lambda x: x * 0.5, lambda x: x, s), "runs a cond"),
-], ids=["whole-array", "fori-loop", "cond"])
+    # The kernels differentiate the tiles forward-mode, past a rule of the user's.
+    (lambda s, b, h, i, j: _half_slope(s), "custom derivative rule"),
+], ids=["whole-array", "fori-loop", "cond", "custom-jvp"])
 def test_functions_the_tiles_cannot_evaluate_go_to_xla(score_mod, gap):
   q, k, v, _ = _inputs()
   problem, _ = flex.FLEX.bind(q, k, v, score_mod=score_mod)
@@ -460,6 +470,26 @@ def test_tile_evaluator_equals_vmap(fn, inline_constants):
 ], ids=["bias", "alibi", "softcap", "scaled", "constant"])
 def test_unit_slope_spares_the_kernels_a_forward_mode_pass(fn, unit):
   assert jattn.flex.functions.trace(fn, "score_mod")[0].tile_function.unit_slope is unit
+
+def test_functions_differing_in_an_inner_constant_are_different_functions():
+  """An inner ``jax.jit``'s constants are not in the jaxpr's text; two such functions
+  must not share a compiled call."""
+  table = jnp.arange(13, dtype=jnp.float32) * 0.5
+
+  def make(c):
+    c0 = jnp.array(c, jnp.int32)
+    return lambda s, b, h, i, j: s + table[jax.jit(lambda a: a - c0)(j + 5)]
+
+  q, k, v, _ = _inputs()
+  first, second = make(5), make(9)
+  assert jattn.flex.functions.trace(first, "score_mod")[0] != jattn.flex.functions.trace(
+      second, "score_mod")[0]
+  for fn in (first, second):
+    ours = jattn.flex_attention(q, k, v, score_mod=fn, backend="xla")
+    assert rel_err(ours, jattn.flex_attention_reference(q, k, v, score_mod=fn)[0]) < 1e-6
+    kernels = jattn.flex_attention(q, k, v, score_mod=fn, backend="pallas_triton")
+    assert rel_err(kernels, ours) < 1e-5
+
 
 def _bad_mask_mod(b, h, i, j):
   return (j <= i).astype(jnp.float32)

@@ -56,6 +56,17 @@ def test_bounds_hold_every_value_on_the_grid(fn, expected):
     assert tuple(bound) == expected
 
 
+def test_integer_division_bounds_are_exact_past_float_precision():
+  """64-bit integers past 2^53: the bounds of a division come out exact."""
+  big = 2 ** 62
+  with jax.enable_x64(True):
+    fn = lambda j: jax.lax.div(j.astype(jnp.int64) + (big + 3), jnp.int64(1)) - big
+    closed = jax.make_jaxpr(fn)(jnp.int32(0))
+    _, ((bound, _),) = ef.evaluate_with_bounds(closed.jaxpr, closed.consts,
+                                               [jnp.arange(6, dtype=jnp.int32)], [((0, 5),) * 2])
+  assert tuple(bound) == (3, 8)
+
+
 TABLE = jax.random.normal(jax.random.PRNGKey(0), (3, 6, 6))
 REL = jax.random.normal(jax.random.PRNGKey(1), (3, 11))
 

@@ -178,8 +178,9 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def gaps(self, p):
     wide = (() if mosaic_backward_runs(p.head_dim, p.head_dim)
             else ("head dims above 128 (its backward)",))
-    unsplit = tuple(f"a {f.kind} its kernels cannot split ({f.factored.gap})"
-                    for f in (p.score_mod, p.mask_mod) if f is not None and f.factored.gap)
+    unsplit = tuple(f"a {f.kind} its kernels cannot split ({f.slope_gap or f.factored.gap})"
+                    for f in (p.score_mod, p.mask_mod)
+                    if f is not None and (f.slope_gap or f.factored.gap))
     return super().gaps(p) + wide + unsplit
 
   def heuristic_config(self, p, info):

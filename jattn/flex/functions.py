@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
 from jattn.kernels.common.elementwise import elementwise
-from jattn.kernels.common.element_functions import TileFunction, kernel_array
+from jattn.kernels.common.element_functions import (TileFunction, kernel_array,
+                                                    reaches_custom_rule)
 from jattn.kernels.common.factored_functions import FactoredFunction
 
 SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
@@ -114,9 +117,20 @@ class ElementFunction:
     return FactoredFunction.of(self.tile_function)
 
   @functools.cached_property
+  def slope_gap(self) -> str | None:
+    """Why the kernels' slope of the function in the score (forward-mode autodiff of
+    the evaluated tiles) would be wrong (None: it is right)."""
+    tiles = self.tile_function
+    score = tiles.jaxpr.invars[tiles.num_arrays:][:1] if self.kind == "score_mod" else []
+    if reaches_custom_rule(tiles.jaxpr, score):
+      return ("a custom derivative rule (jax.custom_jvp or custom_vjp) on the score, which "
+              "the kernels' forward-mode slope would not follow")
+    return None
+
+  @functools.cached_property
   def kernel_gap(self) -> str | None:
     """Why kernels cannot evaluate the function (None: they can)."""
-    return self.tile_function.check()
+    return self.slope_gap or self.tile_function.check()
 
 
 def _inlined_arrays(jaxpr: Jaxpr) -> list:
@@ -172,6 +186,23 @@ def _jaxpr(invars, outvars, eqns) -> Jaxpr:
                debug_info=_debug_info(invars, outvars))
 
 
+def _hidden_parts(jaxpr: Jaxpr) -> str:
+  """What a jaxpr's text leaves out but its function depends on: the constants of its
+  inner jaxprs (an inner ``jax.jit`` closing over an array) and custom derivative
+  rules (by identity), for the cache key."""
+  parts = []
+  for eqn in jaxpr.eqns:
+    for name, value in sorted(eqn.params.items()):
+      if isinstance(value, ClosedJaxpr):
+        parts += [f"{np.asarray(c).dtype}{np.shape(c)}:{hashlib.sha1(np.asarray(c).tobytes()).hexdigest()}"
+                  for c in value.consts] + [_hidden_parts(value.jaxpr)]
+      elif isinstance(value, Jaxpr):
+        parts.append(_hidden_parts(value))
+      elif callable(value) and ("custom" in eqn.primitive.name):
+        parts.append(f"{name}@{id(value)}")
+  return ";".join(p for p in parts if p)
+
+
 def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple]:
   """``(traced fn, the arrays it closes over)`` for a ``score_mod`` or ``mask_mod``
   (``(None, ())`` for None). Raises TypeError naming ``kind`` when ``fn`` is not a
@@ -203,5 +234,5 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
   bias_shape = getattr(fn, "dense_bias_shape", None)
   dense_bias = (kind == "score_mod" and bias_shape is not None and len(consts) == 1
                 and tuple(consts[0].shape) == bias_shape)
-  return ElementFunction(jaxpr, len(consts), kind, f"{kind}:{dense_bias}:{jaxpr}",
-                         dense_bias), consts
+  return ElementFunction(jaxpr, len(consts), kind,
+                         f"{kind}:{dense_bias}:{jaxpr}:{_hidden_parts(jaxpr)}", dense_bias), consts

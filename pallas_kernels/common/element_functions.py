@@ -156,6 +156,26 @@ class TileFunction:
     return None
 
 
+def reaches_custom_rule(jaxpr: Jaxpr, tainted) -> bool:
+  """Whether a value computed from the variables ``tainted`` goes through a custom
+  derivative rule (``jax.custom_jvp`` / ``custom_vjp``), in ``jaxpr`` or its inner
+  jaxprs: evaluated inline, its rule would be lost to ``jax.jvp``."""
+  tainted = set(tainted)
+  for eqn in jaxpr.eqns:
+    hit = [not isinstance(v, Literal) and v in tainted for v in eqn.invars]
+    if not any(hit):
+      continue
+    if "custom_jvp" in eqn.primitive.name or "custom_vjp" in eqn.primitive.name:
+      return True
+    inner = _sub_jaxpr(eqn.params)
+    if inner is not None:
+      n = len(eqn.invars) - len(inner.jaxpr.invars)
+      if reaches_custom_rule(inner.jaxpr, [v for v, h in zip(inner.jaxpr.invars, hit[n:]) if h]):
+        return True
+    tainted.update(eqn.outvars)
+  return False
+
+
 def _dependents(jaxpr: Jaxpr) -> set:
   """The variables of ``jaxpr`` computed from its inputs."""
   seen = set(jaxpr.invars)
@@ -320,7 +340,7 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
     if inner is not None:
       if any(np.size(np.shape(c)) and np.prod(np.shape(c)) > 1 for c in inner.consts):
         raise UnsupportedFunction(f"its inner {name} closes over arrays")
-      consts = [jnp.asarray(c) for c in inner.consts]
+      consts = [_host(c) for c in inner.consts]
       if not inner.jaxpr.constvars:  # JAX that passes constants as leading inputs
         values, consts = consts + values, []
         in_bounds = [(_concrete_bound(c),) * 2 for c in inner.consts] + in_bounds
@@ -349,6 +369,15 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
     for var, value, b in zip(eqn.outvars, outs, out_bounds):
       env[var], env_bounds[var] = value, b
   return [read(v) for v in jaxpr.outvars], [bound(v) for v in jaxpr.outvars]
+
+
+def _host(value):
+  """A constant of an inner jaxpr as a host value where it is concrete (a kernel takes
+  it as a literal; a device array would be a captured constant)."""
+  try:
+    return np.asarray(value)
+  except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return jnp.asarray(value)
 
 
 def _concrete_bound(value):

@@ -16,8 +16,6 @@ anything computed through floats, is unknown.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 Bound = tuple  # (lo, hi), inclusive
@@ -56,11 +54,19 @@ def _mul(a, b):
   return (min(products), max(products))
 
 
+def _trunc_div(x: int, y: int) -> int:
+  """``x / y`` rounded toward zero, as XLA divides integers (exact: no float)."""
+  q = abs(x) // abs(y)
+  return q if (x < 0) == (y < 0) else -q
+
+
 def _div(a, b):
   if b[0] <= 0 <= b[1]:
     return None
-  quotients = [x / y for x in a for y in b]  # (integers: rounded toward zero, inside these)
-  return (math.floor(min(quotients)), math.ceil(max(quotients)))
+  # With the divisor's sign fixed, the quotient is monotone in each operand: the
+  # extremes are at the corners.
+  quotients = [_trunc_div(x, y) for x in a for y in b]
+  return (min(quotients), max(quotients))
 
 
 def _rem(a, b):
