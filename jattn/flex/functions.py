@@ -186,6 +186,15 @@ def _jaxpr(invars, outvars, eqns) -> Jaxpr:
                debug_info=_debug_info(invars, outvars))
 
 
+def _digest(x) -> str:
+  """A constant's dtype, shape and contents (a traced one: its identity)."""
+  try:
+    host = np.asarray(x)
+  except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return f"traced@{id(x)}"
+  return f"{host.dtype}{host.shape}:{hashlib.sha1(host.tobytes()).hexdigest()}"
+
+
 def _hidden_parts(jaxpr: Jaxpr) -> str:
   """What a jaxpr's text leaves out but its function depends on: the constants of its
   inner jaxprs (an inner ``jax.jit`` closing over an array) and custom derivative
@@ -194,8 +203,7 @@ def _hidden_parts(jaxpr: Jaxpr) -> str:
   for eqn in jaxpr.eqns:
     for name, value in sorted(eqn.params.items()):
       if isinstance(value, ClosedJaxpr):
-        parts += [f"{np.asarray(c).dtype}{np.shape(c)}:{hashlib.sha1(np.asarray(c).tobytes()).hexdigest()}"
-                  for c in value.consts] + [_hidden_parts(value.jaxpr)]
+        parts += [_digest(c) for c in value.consts] + [_hidden_parts(value.jaxpr)]
       elif isinstance(value, Jaxpr):
         parts.append(_hidden_parts(value))
       elif callable(value) and ("custom" in eqn.primitive.name):
