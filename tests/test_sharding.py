@@ -142,6 +142,14 @@ def _serving_case(name, ks):
         q, k, v, cu, cu, max_seqlen_q=17, max_seqlen_k=17, causal=True, backend=BACKEND)
     head = P(None, "model")
     return fn, (q, k, v, cu), (head, head, head, P()), 3
+  if name == "retention_state":  # chunkwise from given states, returning the final ones
+    q, k, v = (_normal(key, (batch, SEQ, heads, d)) for key in ks[:3])
+    state = 0.1 * jax.random.normal(ks[3], (batch, heads, d, d))
+    fn = lambda q, k, v, state: jattn.retention(q, k, v, mode="chunkwise", chunk_size=16,
+                                                initial_state=state, return_state=True,
+                                                backend=BACKEND)
+    rows = P("data", None, "model")
+    return fn, (q, k, v, state), (rows, rows, rows, P("data", "model")), 4
   # retention_step: [batch, heads, d] slots and their states
   q, k, v = (_normal(key, (batch, heads, d)) for key in ks[:3])
   state = jax.random.normal(ks[3], (batch, heads, d, d))
@@ -149,11 +157,11 @@ def _serving_case(name, ks):
   return fn, (q, k, v, state), (P("data", "model"),) * 3 + (P("data", "model"),), 4
 
 
-@pytest.mark.parametrize("name", ["paged", "varlen", "retention_step"])
+@pytest.mark.parametrize("name", ["paged", "varlen", "retention_state", "retention_step"])
 def test_serving_ops_run_per_shard(name):
   """Paged attention (its pool split over KV heads only), packed varlen rows (split
-  over heads) and the retention step: outputs (and gradients) equal the unsharded
-  call's, with no gather."""
+  over heads), retention from given states returning its final ones, and the
+  retention step: outputs (and gradients) equal the unsharded call's, with no gather."""
   mesh = _mesh(AxisType.Auto)
   fn, arrays, specs, n_diff = _serving_case(name, jax.random.split(jax.random.key(7), 4))
   sharded = tuple(_put(mesh, x, spec) for x, spec in zip(arrays, specs))
