@@ -25,12 +25,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
 from jattn.kernels.common.elementwise import elementwise
-from jattn.kernels.common.element_functions import (TileFunction, kernel_array,
-                                                    reaches_custom_rule)
+from jattn.kernels.common.element_functions import (TileFunction, concrete_value,
+                                                    kernel_array, reaches_custom_rule)
 from jattn.kernels.common.factored_functions import FactoredFunction
 
 SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
@@ -188,9 +187,8 @@ def _jaxpr(invars, outvars, eqns) -> Jaxpr:
 
 def _digest(x) -> str:
   """A constant's dtype, shape and contents (a traced one: its identity)."""
-  try:
-    host = np.asarray(x)
-  except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+  host = concrete_value(x)
+  if host is None:
     return f"traced@{id(x)}"
   return f"{host.dtype}{host.shape}:{hashlib.sha1(host.tobytes()).hexdigest()}"
 

@@ -95,10 +95,10 @@ class TileFunction:
       raise ValueError(f"the function reads {self.num_arrays} arrays, got {len(arrays)}")
     shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
     bounds = self.bounds or (None,) * len(args)
-    reach = self.reach or bounds
-    args = [jnp.clip(a, *b) if c else a
-            for a, b, c in zip(args, bounds, self.clamped or (False,) * len(args))]
-    reach = [b if c else r for b, r, c in zip(bounds, reach, self.clamped or (False,) * len(args))]
+    clamped = self.clamped or (False,) * len(args)
+    args = [jnp.clip(a, *b) if c else a for a, b, c in zip(args, bounds, clamped)]
+    # A clamped argument reaches no further than its bounds.
+    reach = [b if c else r for b, r, c in zip(bounds, self.reach or bounds, clamped)]
     values = [_Array(a, v.aval) for a, v in zip(arrays, self._array_vars)] + args
     pairs = [(None, None)] * self.num_arrays + list(zip(bounds, reach))
     (out,) = evaluate_jaxpr(self.jaxpr, [], values, pairs)
@@ -340,7 +340,9 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
     if inner is not None:
       if any(np.size(np.shape(c)) and np.prod(np.shape(c)) > 1 for c in inner.consts):
         raise UnsupportedFunction(f"its inner {name} closes over arrays")
-      consts = [_host(c) for c in inner.consts]
+      # Concrete constants go in as host values: a kernel takes them as literals (a
+      # device array would be a captured constant).
+      consts = [c if (h := concrete_value(c)) is None else h for c in inner.consts]
       if not inner.jaxpr.constvars:  # JAX that passes constants as leading inputs
         values, consts = consts + values, []
         in_bounds = [(_concrete_bound(c),) * 2 for c in inner.consts] + in_bounds
@@ -371,18 +373,15 @@ def evaluate_with_bounds(jaxpr: Jaxpr, consts: list, args: list,
   return [read(v) for v in jaxpr.outvars], [bound(v) for v in jaxpr.outvars]
 
 
-def _host(value):
-  """A constant of an inner jaxpr as a host value where it is concrete (a kernel takes
-  it as a literal; a device array would be a captured constant)."""
+def concrete_value(value):
+  """A constant as a host array, or None where it is traced."""
   try:
     return np.asarray(value)
   except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return jnp.asarray(value)
+    return None
 
 
 def _concrete_bound(value):
   """The bound of a constant value (None for a tracer or an array)."""
-  try:
-    return literal_bound(np.asarray(value))
-  except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
+  host = concrete_value(value)
+  return None if host is None else literal_bound(host)

@@ -3,8 +3,7 @@
 The tile evaluator (``element_functions``) reads closed-over arrays at indices the
 function computes. JAX clamps an index that falls outside its array, but a clamped
 index tile hides from Triton that neighbouring elements are adjacent in memory, and
-the load then runs element by element (17x slower for a ``[heads, q, kv]`` bias on an
-H100). When the bounds of the arguments (batch, head, query and key positions as the
+the load then runs element by element (``docs/flex_attention.md``). When the bounds of the arguments (batch, head, query and key positions as the
 kernels evaluate them) prove every index in bounds, the clamp is the identity and the
 load can go without it.
 
