@@ -76,7 +76,7 @@ def weak_scaling(args, env):
   for causal, mode in itertools.product((False, True), args.modes.split(",")):
     mesh1 = Mesh(np.array(jax.devices()[:1]), ("sp",))
     q, k, v, do = sharded_inputs(mesh1, shape1, jnp.bfloat16)
-    flash = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend="pallas_triton")
+    flash = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend=args.backend)
     fn, n = step_fn(flash, mesh1, mode)
     seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
     base = attention_flops(1, args.local, args.local, args.heads, args.head_dim, causal, mode)
@@ -84,7 +84,7 @@ def weak_scaling(args, env):
     rows.append(dict(impl="flash (1 GPU)", devices=1, seq=args.local, causal=causal, mode=mode,
                      ms=seconds * 1e3, tflops_per_device=base_tflops, efficiency=1.0))
     print(rows[-1], flush=True)
-    layouts = ("zigzag", "contiguous") if causal else ("contiguous",)
+    layouts = args.causal_layouts.split(",") if causal else ("contiguous",)
     for devices, layout in itertools.product(map(int, args.devices.split(",")), layouts):
       if devices > len(jax.devices()):
         continue
@@ -92,7 +92,7 @@ def weak_scaling(args, env):
       seq = devices * args.local
       q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
       ring = functools.partial(ring_attention, axis_name="sp", causal=causal, layout=layout,
-                               backend="pallas_triton")
+                               backend=args.backend)
       fn, n = step_fn(ring, mesh, mode)
       seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
       flops = attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode)
@@ -108,8 +108,9 @@ def weak_scaling(args, env):
 def _markdown(rows, env, args):
   return _table(rows, env, "Ring attention weak scaling",
                 f"{args.local} tokens per GPU, batch 1, {args.heads} heads, head dim "
-                f"{args.head_dim}, bf16. Per-device TFLOP/s = attention FLOPs / time / GPUs; "
-                "efficiency = that / single-GPU flash_attention on the per-GPU length.",
+                f"{args.head_dim}, bf16, backend {args.backend}. Per-device TFLOP/s = attention "
+                "FLOPs / time / GPUs; efficiency = that / single-GPU flash_attention on the "
+                "per-GPU length.",
                 "efficiency", lambda r: f"{100 * r['efficiency']:.0f}%")
 
 
@@ -194,7 +195,7 @@ def longest(args, env):
     try:
       q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
       ring = functools.partial(ring_attention, axis_name="sp", causal=True, layout="zigzag",
-                               backend="pallas_triton")
+                               backend=args.backend)
       fn, _ = step_fn(ring, mesh, "fwd+bwd")
       stats = fn.lower(q, k, v, do).compile().memory_analysis()
       jax.block_until_ready(fn(q, k, v, do))
@@ -243,11 +244,11 @@ def dilated(args, env):
       q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
       if devices == 1:  # the single-device op and its in-place kernels
         attend = functools.partial(jattn.dilated_attention, segment_lengths=segments,
-                                   dilation_rates=rates, causal=True, backend="pallas_triton")
+                                   dilation_rates=rates, causal=True, backend=args.backend)
       else:
         attend = functools.partial(dilated_ring_attention, axis_name="sp",
                                    segment_lengths=segments, dilation_rates=rates, causal=True,
-                                   backend="pallas_triton")
+                                   backend=args.backend)
       fn, n = step_fn(attend, mesh, mode)
       seconds = _time(fn, (q, k, v, do)[:n], reps=5, inner=1)
       flops = dilated_flops(1, seq, args.heads, args.head_dim, segments, rates, True, mode)
@@ -279,11 +280,14 @@ def main():
   parser.add_argument("--modes", default="fwd,fwd+bwd")
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--inner", type=int, default=2)
+  parser.add_argument("--causal-layouts", default="zigzag,contiguous",
+                      help="the causal rings' layouts in the weak-scaling table")
   parser.add_argument("--longest", action="store_true")
   parser.add_argument("--max-seconds", type=float, default=15.0)
   parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")
   parser.add_argument("--documents", type=int, help="packed sequences of this many documents")
-  parser.add_argument("--backend", default="pallas_triton", help="the rings' blocks (--documents)")
+  parser.add_argument("--backend", default="auto",
+                      help="the blocks' backend (rings, the 1-GPU baseline, the dilated op)")
   args = parser.parse_args()
   env = environment()
   if args.longest:

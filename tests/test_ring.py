@@ -145,3 +145,19 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
+
+
+def test_each_hop_is_one_transfer(mesh):
+  """K, V and the key segment ids cross as one buffer, and in the backward a hop also
+  carries the accumulators of the step before (XLA overlaps one transfer at a time
+  with the work; a second would run synchronously). 4 devices: 3 forward hops, then
+  3 hops of the blocks (2 carrying accumulators; XLA may reuse the forward's first),
+  one of the last accumulators, one home."""
+  q, k, v, do = _inputs(1, 32, 2, 2, 8, seed=5)
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 8)[None]
+  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", backend="xla",
+                         q_segment_ids=ids, kv_segment_ids=ids)
+  step = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+  hlo = step.lower(q, k, v, do).compile().as_text()
+  hops = hlo.count(" collective-permute(") + hlo.count(" collective-permute-start(")
+  assert 3 + 4 <= hops <= 3 + 5

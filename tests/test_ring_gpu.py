@@ -1,5 +1,6 @@
 """Ring and dilated ring attention over every local GPU (needs at least 2) with the
-Pallas blocks, against single-device attention, forward and gradients."""
+Triton blocks (and the ring with "auto"'s: the Hopper ones on an H100), against
+single-device attention, forward and gradients."""
 
 import functools
 
@@ -40,11 +41,12 @@ def _compare(fn, ref, q, k, v, do, tol=2e-2):
     assert rel_err(g, g_ref) < tol, name
 
 
+@pytest.mark.parametrize("backend", ["pallas_triton", "auto"])  # auto: Hopper blocks on an H100
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
-def test_ring(mesh, causal, layout):
+def test_ring(mesh, causal, layout, backend):
   q, k, v, do = _inputs(8192 * mesh.size, 8, 2, 128)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
-                         layout=layout, backend="pallas_triton")
+                         layout=layout, backend=backend)
   ref = functools.partial(jattn.flash_attention, causal=causal, backend="pallas_triton")
   _compare(fn, ref, q, k, v, do)
 

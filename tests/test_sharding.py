@@ -1,5 +1,5 @@
 """Ops under ``jax.jit`` with inputs sharded over batch and heads (a 2 x 4 mesh of 8
-simulated CPU devices; 2 x 1 and 1 x 2 meshes, which 2 GPUs run too): each shard runs
+simulated CPU devices; 2 x 1, 1 x 2 and 2 x 2 meshes on 2 or 4 GPUs): each shard runs
 the kernels on its rows and heads, outputs and gradients equal the unsharded call's,
 keep the inputs' sharding, and the compiled program gathers nothing. A sharded
 sequence axis is refused, pointing to the ring."""
@@ -74,15 +74,17 @@ CASES = [
 ]
 
 
-# The 2 x 1 and 1 x 2 meshes are what 2 GPUs hold; on a CPU the 2 x 4 mesh covers them.
-TWO_DEVICES = pytest.mark.skipif(not ON_GPU, reason="on a CPU the 2 x 4 mesh covers it")
+# The 2 x 1, 1 x 2 and 2 x 2 meshes are what 2 and 4 GPUs hold; on a CPU the 2 x 4 mesh
+# covers them.
+GPU_MESH = pytest.mark.skipif(not ON_GPU, reason="on a CPU the 2 x 4 mesh covers it")
 
 
 @pytest.mark.parametrize("axis_type, mesh_shape", [
     (AxisType.Auto, (2, 4)), (AxisType.Explicit, (2, 4)),
-    pytest.param(AxisType.Auto, (2, 1), marks=TWO_DEVICES),
-    pytest.param(AxisType.Auto, (1, 2), marks=TWO_DEVICES)],
-    ids=["auto-2x4", "explicit-2x4", "auto-2x1", "auto-1x2"])
+    pytest.param(AxisType.Auto, (2, 1), marks=GPU_MESH),
+    pytest.param(AxisType.Auto, (1, 2), marks=GPU_MESH),
+    pytest.param(AxisType.Auto, (2, 2), marks=GPU_MESH)],
+    ids=["auto-2x4", "explicit-2x4", "auto-2x1", "auto-1x2", "auto-2x2"])
 @pytest.mark.parametrize("name, fn, heads, kv_heads, head_axis, extra", CASES,
                          ids=[c[0] for c in CASES])
 def test_sharded_call_equals_unsharded_and_gathers_nothing(name, fn, heads, kv_heads, head_axis,
@@ -157,12 +159,14 @@ def _serving_case(name, ks):
   return fn, (q, k, v, state), (P("data", "model"),) * 3 + (P("data", "model"),), 4
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((1, 2), marks=GPU_MESH),
+                                        pytest.param((2, 2), marks=GPU_MESH)])
 @pytest.mark.parametrize("name", ["paged", "varlen", "retention_state", "retention_step"])
-def test_serving_ops_run_per_shard(name):
+def test_serving_ops_run_per_shard(name, mesh_shape):
   """Paged attention (its pool split over KV heads only), packed varlen rows (split
   over heads), retention from given states returning its final ones, and the
   retention step: outputs (and gradients) equal the unsharded call's, with no gather."""
-  mesh = _mesh(AxisType.Auto)
+  mesh = _mesh(AxisType.Auto, mesh_shape)
   fn, arrays, specs, n_diff = _serving_case(name, jax.random.split(jax.random.key(7), 4))
   sharded = tuple(_put(mesh, x, spec) for x, spec in zip(arrays, specs))
 
@@ -182,7 +186,8 @@ def test_serving_ops_run_per_shard(name):
   assert "all-gather" not in hlo and "all-to-all" not in hlo
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((1, 2), marks=TWO_DEVICES)])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((1, 2), marks=GPU_MESH),
+                                        pytest.param((2, 2), marks=GPU_MESH)])
 def test_fp8_forward_runs_per_shard(mesh_shape):
   from jattn.fp8 import quantize_attention_inputs
 

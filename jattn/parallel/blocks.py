@@ -1,11 +1,23 @@
 """Pieces shared by the rings (``ring``, ``dilated_ring``): one block's attention as
 partial results ``(o float32, lse)`` and its gradients given the final row statistics,
 both through the flash-attention op (so through the backend it resolves), the
-online-softmax merge of partial results, and the one-hop shift around a ring."""
+online-softmax merge of partial results, the one-hop shift around a ring, and the two
+ring passes (forward and backward) that move the blocks and the gradient accumulators.
+
+Two measured facts shape the passes (4 H100s, ``bench/results/ring_overlap_h100x4.md``).
+Sent as two arrays, K and V crossed as one asynchronous and one synchronous
+collective-permute, half the transfer on the critical path: every hop sends one byte
+buffer. A persistent forward kernel (one CTA per SM) beside a transfer ran about half
+as slow again, since the transfer's kernel holds SMs its static split counts on: ring
+blocks run the one-CTA-per-tile forward."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jattn.flash import FLASH, FlashProblem
@@ -27,12 +39,21 @@ def ring_backend(q, k, *, causal: bool, scale: float, backend: str,
   return FLASH.prepare(problem, backend).impl.backend.name
 
 
+def _beside_transfers(call):
+  """``call`` with its forward kernel one CTA per tile where the config has a
+  persistent choice (see the module docstring)."""
+  if getattr(call.config, "persistent", False) is False:
+    return call
+  return FLASH.prepare(call.problem, call.impl.backend.name,
+                       dataclasses.replace(call.config, persistent=False))
+
+
 def block_forward(q, k, v, q_seg=None, kv_seg=None, *, causal: bool, scale: float,
                   backend: str):
   """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k, v [b, sk, hk, d]``
   (segment ids ``[b, sq]`` / ``[b, sk]`` or None)."""
-  call = FLASH.prepare(block_problem(q, k, causal=causal, scale=scale,
-                                     segments=q_seg is not None), backend)
+  call = _beside_transfers(FLASH.prepare(
+      block_problem(q, k, causal=causal, scale=scale, segments=q_seg is not None), backend))
   return FLASH.partial(call, (q, k, v, q_seg, kv_seg, None, None, None))
 
 
@@ -70,6 +91,82 @@ def empty_rows(q, v):
   return o, jnp.moveaxis(o[..., 0], 1, 2) + EMPTY_ROW_LSE
 
 
-def shift(x, axis_name: str, perm):
-  """Sends ``x`` one hop along ``perm`` (``[(src, dst), ...]``) over ``axis_name``."""
-  return lax.ppermute(x, axis_name, perm)
+def _as_bytes(x):
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8).reshape(-1)
+  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b, shape, dtype):
+  if dtype == jnp.bool_:
+    return b.reshape(shape) != 0
+  width = np.dtype(dtype).itemsize
+  return lax.bitcast_convert_type(b.reshape(shape + ((width,) if width > 1 else ())), dtype)
+
+
+def pack(tree):
+  """``(buffer, unpack)``: the arrays of ``tree`` (None leaves allowed) in one uint8
+  buffer, and the function that restores the tree from such a buffer. One array is
+  its own buffer."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if len(leaves) == 1:
+    return leaves[0], lambda buf: treedef.unflatten([buf])
+  parts = [_as_bytes(x) for x in leaves]
+  metas = [(x.shape, x.dtype) for x in leaves]
+  cuts = np.cumsum([p.size for p in parts])[:-1].tolist()
+
+  def unpack(buf):
+    return treedef.unflatten([_from_bytes(b, *meta)
+                              for b, meta in zip(jnp.split(buf, cuts), metas)])
+
+  return jnp.concatenate(parts), unpack
+
+
+def shift(tree, axis_name: str, perm):
+  """Sends the arrays of ``tree`` one hop along ``perm`` (``[(src, dst), ...]``) over
+  ``axis_name``, as one transfer."""
+  buf, unpack = pack(tree)
+  return unpack(lax.ppermute(buf, axis_name, perm))
+
+
+def ring_forward(kv, steps: int, perm, attend, axis_name: str):
+  """The forward pass of a ring: ``kv`` (a tree of this device's blocks) travels
+  ``steps - 1`` hops, hop ``i`` along ``perm(i)``, sent before step ``i``'s work so
+  that the transfer overlaps it; returns the merge of ``attend(i, blocks held at step
+  i)``, each an ``(o, lse)`` partial result."""
+  buf, unpack = pack(kv)
+  acc = None
+  for step in range(steps):
+    nxt = lax.ppermute(buf, axis_name, perm(step)) if step + 1 < steps else None
+    block = attend(step, kv if step == 0 else unpack(buf))
+    acc = block if acc is None else merge(acc, block)  # (no merge with nothing first)
+    buf = nxt
+  return acc
+
+
+def ring_backward(kv, steps: int, perm, grads, axis_name: str):
+  """The backward pass of a ring: ``kv`` travels as in ``ring_forward``; ``grads(i,
+  blocks)`` gives ``(dq part, tree of float32 gradients of the blocks)``. Returns
+  ``(dq, gradients of this device's own blocks)``.
+
+  Each block's gradient accumulator follows it one step behind: the hop that carries
+  the blocks of step ``i + 1`` also carries the accumulators of step ``i - 1``'s blocks
+  (one transfer, overlapping step ``i``'s work; the receiver adds its part at the end
+  of step ``i``). After the last step the accumulators take one more hop, home."""
+  buf, unpack = pack(kv)
+  dq, out = None, None
+  for step in range(steps):
+    blocks = kv if step == 0 else unpack(buf)
+    nxt = arrived = None
+    if step + 1 < steps and out is not None and perm(step) == perm(step - 1):
+      nxt, arrived = shift((buf, out), axis_name, perm(step))
+    else:
+      if step + 1 < steps:
+        nxt = lax.ppermute(buf, axis_name, perm(step))
+      if out is not None:
+        arrived = shift(out, axis_name, perm(step - 1))
+    g_q, g_blocks = grads(step, blocks)
+    dq = g_q if dq is None else dq + g_q
+    out = g_blocks if arrived is None else jax.tree.map(jnp.add, arrived, g_blocks)
+    buf = nxt
+  return dq, shift(out, axis_name, perm(steps - 1))

@@ -34,7 +34,8 @@ from jattn.core.op import Call
 from jattn.core.validation import check_flag
 from jattn.dilated import DILATED
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
-from jattn.parallel.blocks import block_backward, block_forward, empty_rows, merge, shift
+from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
+                                   ring_backward, ring_forward)
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
 
 
@@ -173,16 +174,13 @@ def _attend_backward(st: _Static, q, k, v, o, lse, do, src, mine, real):
 def _pair_forward(st: _Static, pair: _Pair, q, k, v):
   """``(o, lse)`` of one spanning pair on the shard's positions: its group's ring."""
   qd = _queries(q, pair)
-  kv = (_sparse_kv(k, pair), _sparse_kv(v, pair))
-  acc = None
-  for step in range(pair.group):
-    # Send before use: the next block's transfer overlaps this block's attention.
-    nxt = (shift(kv, st.axis_name, _hop(st.devices, pair.group, step))
-           if step + 1 < pair.group else None)
+
+  def attend(step, blocks):
     mine, src, real = _position(st, pair, step)
-    block = _attend(st, qd, *(_per_head(x, pair) for x in kv), src, mine, real)
-    acc = block if acc is None else merge(acc, block)  # (no merge with nothing first)
-    kv = nxt
+    return _attend(st, qd, *(_per_head(x, pair) for x in blocks), src, mine, real)
+
+  acc = ring_forward((_sparse_kv(k, pair), _sparse_kv(v, pair)), pair.group,
+                     functools.partial(_hop, st.devices, pair.group), attend, st.axis_name)
   return _scatter(*acc, pair)
 
 
@@ -205,22 +203,16 @@ def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
   lsed = _row_stats(lse, pair)
   kc, vc = _sparse_kv(k, pair), _sparse_kv(v, pair)
   to_combos = jax.linear_transpose(lambda x: _per_head(x, pair), f32(kc))
-  dq = jnp.zeros(qd.shape, jnp.float32)
-  kv = (kc, vc)
-  dkv = (jnp.zeros(kc.shape, jnp.float32), jnp.zeros(vc.shape, jnp.float32))
-  for step in range(pair.group):
-    hop = _hop(st.devices, pair.group, step)
-    # As ``ring``'s backward: the next block goes before this step's work, the
-    # accumulators after it (overlapping the next step's work).
-    nxt = shift(kv, st.axis_name, hop) if step + 1 < pair.group else None
+
+  def grads(step, blocks):
     mine, src, real = _position(st, pair, step)
-    g_q, g_k, g_v = _attend_backward(st, qd, _per_head(kv[0], pair), _per_head(kv[1], pair),
-                                     od, lsed, dod, src, mine, real)
-    dq = dq + g_q
-    # After the last step the accumulators take one more hop: home.
-    dkv = shift((dkv[0] + to_combos(g_k)[0], dkv[1] + to_combos(g_v)[0]), st.axis_name, hop)
-    kv = nxt
-  dk, dv = dkv
+    g_q, g_k, g_v = _attend_backward(st, qd, _per_head(blocks[0], pair),
+                                     _per_head(blocks[1], pair), od, lsed, dod, src, mine, real)
+    return g_q, (to_combos(g_k)[0], to_combos(g_v)[0])
+
+  dq, (dk, dv) = ring_backward((kc, vc), pair.group,
+                               functools.partial(_hop, st.devices, pair.group), grads,
+                               st.axis_name)
   return pull_q(dq)[0], pull_kv(dk)[0], pull_kv(dv)[0]
 
 

@@ -6,8 +6,9 @@ Forward: each device keeps its query shard and an online-softmax merge of
 ``(o, lse)`` while the K/V shards travel; the next shard is sent before the current
 one is used, so XLA can overlap the transfer with the block's attention. Backward,
 also a ring: with the final ``(o, lse)``, every block's gradient is plain attention
-backward (``p = exp(s - lse)``); dK / dV accumulators travel with their K / V shard
-and arrive home after a full turn.
+backward (``p = exp(s - lse)``); dK / dV accumulators travel one step behind their
+K / V shard, in the same transfer, and arrive home after a full turn
+(``blocks.ring_forward`` / ``ring_backward``).
 
 Causal load balance (``layout="zigzag"``): the sequence is cut into ``2P`` chunks and
 device ``i`` holds chunks ``i`` and ``2P - 1 - i`` (``zigzag_order`` arranges a
@@ -28,8 +29,8 @@ from jax import lax
 from jattn.core.validation import (check_attention_inputs, check_choice, check_flag,
                                    check_positive_int, scale_of)
 from jattn.flash import FLASH
-from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
-                                   ring_backend, segments_meet, shift)
+from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, ring_backend,
+                                   ring_backward, ring_forward, segments_meet)
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -67,7 +68,7 @@ def _rows(x, rows: slice):
   return None if x is None else x[:, rows]
 
 
-def _step_forward(q, k, v, q_seg, kv_seg, src, me, *, causal, layout, scale, backend):
+def _step_forward(k, v, kv_seg, *, q, q_seg, src, me, causal, layout, scale, backend):
   """``(o, lse)`` of the local queries against the K/V shard of device ``src`` (segment
   ids of both, or None: a step whose segments cannot meet is skipped)."""
   block = functools.partial(block_forward, scale=scale, backend=backend)
@@ -141,17 +142,13 @@ def _ring_perm(devices: int):
 def _ring_forward(st, q, k, v, q_seg, kv_seg):
   axis_name, causal, layout, scale, backend = st
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-  acc = None
-  kv = (k, v, kv_seg)  # the key segment ids travel with their shard
-  for step in range(devices):
-    # Send before use: the transfer of the next shard overlaps this step's attention.
-    nxt = shift(kv, axis_name, _ring_perm(devices)) if step + 1 < devices else None
-    src = (me - step) % devices
-    block = _step_forward(q, kv[0], kv[1], q_seg, kv[2], src, me, causal=causal,
-                          layout=layout, scale=scale, backend=backend)
-    acc = block if acc is None else merge(acc, block)  # (no merge with nothing first)
-    kv = nxt
-  return acc
+
+  def attend(step, blocks):  # the key segment ids travel with their shard
+    return _step_forward(*blocks, q=q, q_seg=q_seg, src=(me - step) % devices, me=me,
+                         causal=causal, layout=layout, scale=scale, backend=backend)
+
+  return ring_forward((k, v, kv_seg), devices, lambda step: _ring_perm(devices), attend,
+                      axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -170,22 +167,15 @@ def _ring_bwd(st, res, do):
   axis_name, causal, layout, scale, backend = st
   q, k, v, q_seg, kv_seg, o, lse = res
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-  dq = jnp.zeros_like(q, jnp.float32)
-  kv = (k, v, kv_seg)
-  dkv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-  for step in range(devices):
-    # The next shard is sent before this step's work, as in the forward; the
-    # accumulators of the shard held follow it after, and are needed only at the end
-    # of the next step, so their transfer overlaps that step's work.
-    nxt = shift(kv, axis_name, _ring_perm(devices)) if step + 1 < devices else None
-    src = (me - step) % devices
-    g_q, g_k, g_v = _step_backward(q, kv[0], kv[1], o, lse, do, q_seg, kv[2], src, me,
-                                   causal=causal, layout=layout, scale=scale, backend=backend)
-    dq = dq + g_q
-    # After the last step the accumulators take one more hop: home to their shard.
-    dkv = shift((dkv[0] + g_k, dkv[1] + g_v), axis_name, _ring_perm(devices))
-    kv = nxt
-  dk, dv = dkv
+
+  def grads(step, blocks):
+    g_q, g_k, g_v = _step_backward(q, blocks[0], blocks[1], o, lse, do, q_seg, blocks[2],
+                                   (me - step) % devices, me, causal=causal, layout=layout,
+                                   scale=scale, backend=backend)
+    return g_q, (g_k, g_v)
+
+  dq, (dk, dv) = ring_backward((k, v, kv_seg), devices, lambda step: _ring_perm(devices),
+                               grads, axis_name)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
