@@ -85,24 +85,29 @@ def weak_scaling(args, env):
                      ms=seconds * 1e3, tflops_per_device=base_tflops, efficiency=1.0))
     print(rows[-1], flush=True)
     layouts = args.causal_layouts.split(",") if causal else ("contiguous",)
-    for devices, layout in itertools.product(map(int, args.devices.split(",")), layouts):
+    for devices, layout, exchange in itertools.product(
+        map(int, args.devices.split(",")), layouts, args.kv_exchanges.split(",")):
       if devices > len(jax.devices()):
         continue
       mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
       seq = devices * args.local
       q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
       ring = functools.partial(ring_attention, axis_name="sp", causal=causal, layout=layout,
-                               backend=args.backend)
+                               backend=args.backend, kv_exchange=exchange)
       fn, n = step_fn(ring, mesh, mode)
       seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
       flops = attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode)
       per_device = flops / seconds / devices / 1e12
-      rows.append(dict(impl=f"ring {layout}", devices=devices, seq=seq, causal=causal,
+      rows.append(dict(impl=_impl(exchange, layout), devices=devices, seq=seq, causal=causal,
                        mode=mode, ms=seconds * 1e3, tflops_per_device=per_device,
                        efficiency=per_device / base_tflops))
       print(rows[-1], flush=True)
       write_results(args.out, args.stem, {"env": env, "rows": rows}, _markdown(rows, env, args))
   return rows
+
+
+def _impl(exchange: str, layout: str) -> str:
+  return f"ring {layout}" if exchange == "ring" else f"{exchange} {layout}"
 
 
 def _markdown(rows, env, args):
@@ -135,8 +140,9 @@ def document_flops(ids: np.ndarray, heads, head_dim, causal, mode) -> float:
 def documents(args, env):
   rows = []
   ids_spec = PartitionSpec(None, "sp")
-  for causal, mode, devices in itertools.product((False, True), args.modes.split(","),
-                                                 map(int, args.devices.split(","))):
+  for causal, mode, devices, exchange in itertools.product(
+      (False, True), args.modes.split(","), map(int, args.devices.split(",")),
+      args.kv_exchanges.split(",")):
     if devices > len(jax.devices()):
       continue
     layout = "zigzag" if causal else "contiguous"
@@ -150,7 +156,7 @@ def documents(args, env):
       def attend(q, k, v, ids):
         segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if packed else {}
         return ring_attention(q, k, v, axis_name="sp", causal=causal, layout=layout,
-                              backend=args.backend, **segments)
+                              backend=args.backend, kv_exchange=exchange, **segments)
 
       fn = jax.shard_map(attend, mesh=mesh, in_specs=(SPEC,) * 3 + (ids_spec,), out_specs=SPEC,
                          check_vma=False)
@@ -162,7 +168,8 @@ def documents(args, env):
       seconds = _time(step, call_args, args.reps, args.inner)
       flops = (document_flops(np.asarray(ids), args.heads, args.head_dim, causal, mode) if packed
                else attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode))
-      rows.append(dict(impl=f"ring {layout}" + (f" {args.documents} documents" if packed else ""),
+      rows.append(dict(impl=_impl(exchange, layout) + (f" {args.documents} documents" if packed
+                                                        else ""),
                        devices=devices, seq=seq, causal=causal, mode=mode, ms=seconds * 1e3,
                        tflops_per_device=flops / seconds / devices / 1e12,
                        backend=args.backend))
@@ -282,6 +289,8 @@ def main():
   parser.add_argument("--inner", type=int, default=2)
   parser.add_argument("--causal-layouts", default="zigzag,contiguous",
                       help="the causal rings' layouts in the weak-scaling table")
+  parser.add_argument("--kv-exchanges", default="ring,allgather",
+                      help="ring_attention's kv_exchange values (weak scaling, --documents)")
   parser.add_argument("--longest", action="store_true")
   parser.add_argument("--max-seconds", type=float, default=15.0)
   parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")

@@ -1,5 +1,6 @@
 """jattn.parallel: ring attention over 4 simulated CPU devices (see conftest; one case
-over 8) equals single-device attention, forward and gradients, in both layouts."""
+over 8) equals single-device attention, forward and gradients, in both layouts and
+with both K/V exchanges (the ring, and one all-gather)."""
 
 import functools
 
@@ -32,13 +33,17 @@ def _check(fn, q, k, v, do, causal, tol=1e-5):
     assert rel_err(g, g_ref) < tol, name
 
 
+EXCHANGES = pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+
+
+@EXCHANGES
 @pytest.mark.parametrize("devices,causal,layout", [(4, False, "contiguous"),
                                                    (4, True, "contiguous"), (4, True, "zigzag"),
                                                    (8, True, "zigzag")])
-def test_ring_equals_single_device(devices, causal, layout):
+def test_ring_equals_single_device(devices, causal, layout, kv_exchange):
   q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=int(causal))
   fn = functools.partial(sharded_ring_attention, mesh=ring_mesh(devices), axis_name="sp",
-                         causal=causal, layout=layout, backend="xla")
+                         causal=causal, layout=layout, backend="xla", kv_exchange=kv_exchange)
   _check(fn, q, k, v, do, causal)
 
 
@@ -46,10 +51,11 @@ def test_ring_equals_single_device(devices, causal, layout):
 # may be longer than q.
 @pytest.mark.parametrize("causal,layout,kv_len", [(True, "contiguous", 32), (True, "zigzag", 32),
                                                   (False, "contiguous", 64)])
-def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len):
+@EXCHANGES
+def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len, kv_exchange):
   q, k, v, do = _inputs(1, 32, 2, 1, 16, seed=5, kv_len=kv_len, value_head_dim=8)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
-                         layout=layout, backend="xla")
+                         layout=layout, backend="xla", kv_exchange=kv_exchange)
   _check(fn, q, k, v, do, causal)
 
 
@@ -58,14 +64,15 @@ def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len):
 @pytest.mark.parametrize("causal,layout,backend", [(False, "contiguous", "xla"),
                                                    (True, "zigzag", "xla"),
                                                    (True, "contiguous", "pallas_triton")])
-def test_ring_with_segment_ids(mesh, causal, layout, backend):
+@EXCHANGES
+def test_ring_with_segment_ids(mesh, causal, layout, backend, kv_exchange):
   q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=7)
   ends = jnp.array([[5, 30, 41, 64], [16, 17, 50, 64]])  # documents' ends per row
   ids = jnp.sum(jnp.arange(64)[None, :, None] >= ends[:, None, :], axis=-1).astype(jnp.int32)
   q_ids = ids.at[1, 60:].set(9)  # queries of a segment without keys
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
                          layout=layout, backend=backend, q_segment_ids=q_ids,
-                         kv_segment_ids=ids)
+                         kv_segment_ids=ids, kv_exchange=kv_exchange)
   o, pull = jax.vjp(jax.jit(fn), q, k, v)
   reference = lambda q, k, v: flash_attention_reference(
       q, k, v, causal=causal, q_segment_ids=q_ids, kv_segment_ids=ids)[0]
@@ -75,10 +82,11 @@ def test_ring_with_segment_ids(mesh, causal, layout, backend):
     assert rel_err(g, g_ref) < 1e-5, name
 
 
-def test_ring_with_pallas_blocks(mesh):
+@EXCHANGES
+def test_ring_with_pallas_blocks(mesh, kv_exchange):
   q, k, v, do = _inputs(1, 64, 2, 1, 16, seed=3)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=True,
-                         layout="zigzag", backend="pallas_triton")
+                         layout="zigzag", backend="pallas_triton", kv_exchange=kv_exchange)
   _check(fn, q, k, v, do, True)
 
 
@@ -136,12 +144,15 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
      r"q's sequence length 28 must be a multiple of 8 \(4 devices on axis 'sp', 2 chunks"),
     (lambda m: _sharded(m, layout="striped")(_Q, _Q, _Q), ValueError,
      r"layout must be one of \('contiguous', 'zigzag'\), got 'striped'"),
+    (lambda m: _inside(m, axis_name="sp", kv_exchange="all_gather")(_Q, _Q, _Q), ValueError,
+     r"kv_exchange must be one of \('ring', 'allgather'\), got 'all_gather'"),
     (lambda m: sharded_ring_attention(_Q, _Q, _Q, mesh="sp", axis_name="sp"), TypeError,
      r"mesh must be a jax.sharding.Mesh, got str"),
     (lambda m: zigzag_order(_Q, 3), ValueError,
      r"x's length 32 along axis 1 must be a multiple of 2 \* devices = 6"),
 ], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
-        "causal-str", "rank", "k-split", "zigzag-split", "layout", "mesh", "zigzag_order"])
+        "causal-str", "rank", "k-split", "zigzag-split", "layout", "kv_exchange", "mesh",
+        "zigzag_order"])
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
@@ -149,8 +160,8 @@ def test_argument_errors_name_the_argument(mesh, call, error, match):
 
 def test_each_hop_is_one_transfer(mesh):
   """K, V and the key segment ids cross as one buffer, and in the backward a hop also
-  carries the accumulators of the step before (XLA overlaps one transfer at a time
-  with the work; a second would run synchronously). 4 devices: 3 forward hops, then
+  carries the accumulators of the step before (sent as separate arrays, XLA ran one of
+  them synchronously, before the step's work). 4 devices: 3 forward hops, then
   3 hops of the blocks (2 carrying accumulators; XLA may reuse the forward's first),
   one of the last accumulators, one home."""
   q, k, v, do = _inputs(1, 32, 2, 2, 8, seed=5)
@@ -161,3 +172,23 @@ def test_each_hop_is_one_transfer(mesh):
   hlo = step.lower(q, k, v, do).compile().as_text()
   hops = hlo.count(" collective-permute(") + hlo.count(" collective-permute-start(")
   assert 3 + 4 <= hops <= 3 + 5
+
+
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
+def test_allgather_exchange_gathers_once_and_reduce_scatters_home(mesh, causal, layout):
+  """kv_exchange="allgather": no hop; the forward gathers K, V and the key ids once
+  each, the backward gathers K and V again and reduce-scatters dK and dV."""
+  q, k, v, do = _inputs(1, 32, 2, 2, 8, seed=6)
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 8)[None]
+  spec, ids_spec = PartitionSpec(None, "sp", None, None), PartitionSpec(None, "sp")
+  # Inside shard_map on inputs already laid out (the sharded wrapper's zig-zag
+  # reordering of whole arrays would add transfers of its own).
+  fn = jax.shard_map(lambda q, k, v, ids: ring_attention(
+      q, k, v, axis_name="sp", backend="xla", causal=causal, layout=layout, q_segment_ids=ids,
+      kv_segment_ids=ids, kv_exchange="allgather"),
+      mesh=mesh, in_specs=(spec,) * 3 + (ids_spec,), out_specs=spec)
+  step = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: fn(*a, ids), q, k, v)[1](do))
+  hlo = step.lower(q, k, v, do).compile().as_text()
+  count = lambda op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(")
+  assert count("collective-permute") == 0
+  assert 3 <= count("all-gather") <= 5 and count("reduce-scatter") == 2

@@ -23,43 +23,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jattn.core.validation import (check_attention_inputs, check_choice, check_flag,
-                                   check_positive_int, scale_of)
+from jattn.core.validation import check_attention_inputs, check_choice, check_flag, scale_of
 from jattn.flash import FLASH
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, ring_backend,
                                    ring_backward, ring_forward, segments_meet)
+from jattn.parallel.allgather import allgather_attention
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
+from jattn.parallel.layout import LAYOUTS, zigzag_order, zigzag_restore
 
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def _zigzag_chunks(x, devices: int, axis: int):
-  """``x`` cut into ``2 * devices`` chunks along ``axis``, and the zig-zag order of
-  their indices: device ``i`` holds chunks ``i`` and ``2 * devices - 1 - i``."""
-  check_positive_int("devices", devices)
-  if x.shape[axis] % (2 * devices):
-    raise ValueError(f"x's length {x.shape[axis]} along axis {axis} must be a multiple of "
-                     f"2 * devices = {2 * devices}; x has shape {tuple(x.shape)}")
-  order = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
-  return jnp.split(x, 2 * devices, axis=axis), order
-
-
-def zigzag_order(x, devices: int, axis: int = 1):
-  """Reorders a full sequence so that sharding it evenly over ``devices`` gives device
-  ``i`` the chunks ``i`` and ``2 * devices - 1 - i``. ``x.shape[axis]`` must be a
-  multiple of ``2 * devices``."""
-  chunks, order = _zigzag_chunks(x, devices, axis)
-  return jnp.concatenate([chunks[c] for c in order], axis=axis)
-
-
-def zigzag_restore(x, devices: int, axis: int = 1):
-  """Inverse of ``zigzag_order``."""
-  chunks, order = _zigzag_chunks(x, devices, axis)
-  return jnp.concatenate([chunks[pos] for pos in np.argsort(order)], axis=axis)
-
+# How the K/V shards reach every device: around a ring, or in one all-gather.
+KV_EXCHANGES = ("ring", "allgather")
 
 # --- which work a step does -----------------------------------------------------------
 
@@ -196,7 +171,7 @@ def _check_causal_lengths(q, k, causal: bool, shards: str) -> None:
 
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: float | None = None,
                    layout: str = "contiguous", backend: str = "auto", q_segment_ids=None,
-                   kv_segment_ids=None):
+                   kv_segment_ids=None, kv_exchange: str = "ring"):
   """Exact attention over a sequence sharded on mesh axis ``axis_name``; call it
   inside ``shard_map`` with the sequence axis split over ``axis_name``.
 
@@ -218,13 +193,20 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       a query attends only to keys of its segment. The key ids travel with their K/V
       shard; a ring step whose ids cannot meet (their ranges per batch row do not
       overlap) is skipped, and the blocks skip the tiles no segment needs.
+    kv_exchange: ``"ring"`` (the K/V shards travel ``P - 1`` hops; each device holds
+      two shards at a time) or ``"allgather"`` (each device gathers the whole K/V in
+      one collective and attends its queries to it, one flash call per query chunk,
+      and the backward reduce-scatters dK / dV home: ``P`` times the K/V memory, one
+      collective instead of ``P - 1`` hops; see ``jattn.parallel.allgather``). Same
+      results, same layouts and segment ids.
 
   Returns:
     the local output shard ``[batch, seq / P, heads, head_dim_v]`` in q's dtype.
-    Differentiable: the backward runs as a ring too and returns each device's dK / dV
-    home.
+    Differentiable: the backward runs as a ring too (or gathers again and
+    reduce-scatters) and returns each device's dK / dV home.
   """
   check_choice("layout", layout, LAYOUTS)
+  check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
   causal = check_flag("causal", causal)
   _, arrays = FLASH.bind(q, k, v, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
                          kv_segment_ids=kv_segment_ids)  # the flash checks, on the local shards
@@ -234,6 +216,10 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
     raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
   bound_axis_size(axis_name, "ring_attention")  # now, so that an unknown axis is named
   scale = scale_of(scale, q.shape[-1])
+  if kv_exchange == "allgather":
+    # One flash call per query chunk: "auto" chooses for each as flash_attention would.
+    return allgather_attention((axis_name, causal, layout, scale, backend), q, k, v, q_seg,
+                               kv_seg)
   name = ring_backend(q, k, causal=causal, scale=scale, backend=backend,
                       segments=q_seg is not None)
   return _ring((axis_name, causal, layout, scale, name), q, k, v, q_seg, kv_seg)
@@ -241,7 +227,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
 
 def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False,
                            scale: float | None = None, layout: str = "contiguous",
-                           backend: str = "auto", q_segment_ids=None, kv_segment_ids=None):
+                           backend: str = "auto", q_segment_ids=None, kv_segment_ids=None,
+                           kv_exchange: str = "ring"):
   """``ring_attention`` on whole arrays (``q [batch, seq, heads, head_dim]``, k, v
   ``[batch, kv_len, kv_heads, head_dim(_v)]``): shards the sequence over ``mesh``'s
   ``axis_name`` with ``shard_map`` (zig-zag ordered first and restored after for
@@ -253,6 +240,7 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   ``check_vma=False``: Pallas calls inside it declare no per-axis variance.
   """
   check_choice("layout", layout, LAYOUTS)
+  check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
   causal = check_flag("causal", causal)
   check_attention_inputs(q, k, v, value_head_dim=True)  # on the whole arrays: errors name them
   _check_causal_lengths(q, k, causal, "")
@@ -266,7 +254,7 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   def local(q, k, v, *ids):
     segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
     return ring_attention(q, k, v, axis_name=axis_name, causal=causal, scale=scale,
-                          layout=layout, backend=backend, **segments)
+                          layout=layout, backend=backend, kv_exchange=kv_exchange, **segments)
 
   ids_spec = jax.sharding.PartitionSpec(None, axis_name)
   ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (ids_spec,) * len(ids),
