@@ -1,116 +1,172 @@
-"""Does a ring's transfer overlap its blocks' attention? (Measurement only; 2 and 4 GPUs.)
+"""Does a ring's transfer hide behind its blocks' attention? (Measurement only; 2 and 4 GPUs.)
 
 Per variant, in one process (XLA / NCCL flags come from the environment, so run one
-process per flag set): flash_attention on each GPU's 32k tokens (``flash_P{n}``); a
-ppermute of K and V alone; the two side by side in one program, independent of each
-other (``flash+ppermute``: flash's time if the transfer hides, their sum if it runs
-after, more if it slows the kernel); ring fwd at P = 2, 4; ring fwd+bwd and zig-zag
-causal fwd at P = 4 (not with --quick). Variants: ``nonpersistent`` (Hopper forward
-one CTA per tile), ``fewer_sms`` (persistent on 16 SMs fewer); any other name runs as
-is (name the flags you set). --trace DIR: a profile of the ring and of
-flash+ppermute at P = 2, with their compiled HLO.
+process per flag set), 32k tokens per GPU, 8 heads, hd128, bf16, milliseconds:
+``flash_P{n}``: flash_attention on each GPU's shard; ``ppermute_P{n}``: one hop of K
+and V alone; ``flash+ppermute_P{n}``: the two side by side in one program, independent
+of each other (flash's time if the transfer hides, their sum if it runs after the
+kernel, more if the two slow each other); ``ring_fwd_P{n}`` and ``allgather_fwd_P{n}``:
+``ring_attention`` with ``kv_exchange="ring"`` / ``"allgather"``; at P = 4 (not with
+--quick) also fwd+bwd and zig-zag causal fwd of both.
 
-    python bench/ring_overlap.py --variant default --out bench/results
+Variants: ``default`` (the library as is: ring blocks one CTA per tile),
+``persistent`` (ring blocks with flash_attention's own config: the persistent Hopper
+forward where it takes it), ``nonpersistent`` (every Hopper forward one CTA per tile),
+``reserve<N>`` (persistent Hopper forwards, ring blocks too, on N SMs fewer than the
+GPU has); any other name runs as ``default`` (name it after the flags you set).
+--trace DIR: a profile of the ring and of flash+ppermute at P = 2, and their compiled
+HLO, under --out.
+
+    python bench/ring_overlap.py --variant default --out OUT
     XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true python bench/ring_overlap.py --variant memcpy_p2p
+    python bench/ring_overlap.py --table --out OUT   # ring_overlap.md from OUT's JSON files
 
-Writes ring_overlap_<variant>.json (milliseconds) under --out."""
+Writes ring_overlap_<variant>.json under --out.
+"""
+
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import functools
+import glob
 import json
 import os
+import shutil
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from bench.common import time_jax
-import jattn
-from jattn.flash import FLASH
-from jattn.parallel import ring_attention
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--variant", default="default")
-ap.add_argument("--backend", default="auto")
-ap.add_argument("--trace")
-ap.add_argument("--quick", action="store_true")
-ap.add_argument("--out", default=".")
-a = ap.parse_args()
-if a.variant.startswith("nonpersistent"):
-  orig = FLASH.prepare
-  def prepare(problem, backend="auto", config=None, info=None):
-    call = orig(problem, backend, config, info)
-    if call.impl.backend.name == "pallas_mosaic" and config is None:
-      call = orig(problem, call.impl.backend.name,
-                  dataclasses.replace(call.config, persistent=False), info)
-    return call
-  FLASH.prepare = prepare
+from bench.common import environment, time_jax  # noqa: E402
+import jattn  # noqa: E402
+from jattn.flash import FLASH  # noqa: E402
+from jattn.parallel import blocks, ring_attention  # noqa: E402
 
-if a.variant.startswith("fewer_sms"):
-  import jattn.kernels.hopper.pipeline as mp
-  full = mp.num_sms
-  mp.num_sms = lambda: full() - 16
-L, H, D = int(os.environ.get("PROBE_L", 32768)), 8, 128
-SPEC = P(None, "sp")
-res = dict(variant=a.variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
-           nccl={k: v for k, v in os.environ.items() if k.startswith("NCCL")})
+SPEC = PartitionSpec(None, "sp")
+COLUMNS = ("flash_P2", "ppermute_P2", "flash+ppermute_P2", "ring_fwd_P2", "allgather_fwd_P2",
+           "flash_P4", "ppermute_P4", "flash+ppermute_P4", "ring_fwd_P4", "allgather_fwd_P4",
+           "ring_fwdbwd_P4", "allgather_fwdbwd_P4", "zigzag_fwd_P4", "allgather_zigzag_fwd_P4")
 
-def mesh_of(n):
-  return Mesh(np.array(jax.devices()[:n]), ("sp",))
 
-def inputs(mesh, seq):
-  sh = NamedSharding(mesh, SPEC)
-  @functools.partial(jax.jit, out_shardings=(sh,) * 4)
-  def make():
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    return tuple(jax.random.normal(k, (1, seq, H, D), jnp.bfloat16) for k in ks)
-  return make()
+def apply_variant(name: str) -> None:
+  """Patches the Hopper forward's persistence (and SM count) as the variant says."""
+  if name == "persistent":
+    blocks._beside_transfers = lambda call: call
+  elif name == "nonpersistent":
+    prepare = FLASH.prepare
 
-def t(fn, *x):
-  return time_jax(fn, *x, reps=5, inner=3, warmup=1) * 1e3
+    def one_cta_per_tile(problem, backend="auto", config=None, info=None):
+      call = prepare(problem, backend, config, info)
+      if getattr(call.config, "persistent", False) is not False:
+        call = prepare(problem, call.impl.backend.name,
+                       dataclasses.replace(call.config, persistent=False), info)
+      return call
 
-def smap(f, mesh, n_in, n_out=1):
-  return jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * n_in,
-                       out_specs=SPEC if n_out == 1 else (SPEC,) * n_out, check_vma=False)
+    FLASH.prepare = one_cta_per_tile
+  elif name.startswith("reserve"):
+    import jattn.kernels.hopper.pipeline as pipeline
 
-flash = lambda q, k, v: jattn.flash_attention(q, k, v, backend=a.backend)
-for n in (2, 4):
-  mesh = mesh_of(n)
-  q, k, v, do = inputs(mesh, n * L)
-  perm = [(i, (i + 1) % n) for i in range(n)]
-  send = lambda q, k, v: jax.lax.ppermute((k, v), "sp", perm)
-  res[f"flash_P{n}"] = t(jax.jit(smap(flash, mesh, 3)), q, k, v)
-  res[f"ppermute_P{n}"] = t(jax.jit(smap(send, mesh, 3, 2)), q, k, v)
-  both = lambda q, k, v: (flash(q, k, v),) + send(q, k, v)
-  res[f"flash+ppermute_P{n}"] = t(jax.jit(smap(both, mesh, 3, 3)), q, k, v)
-  ring = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", backend=a.backend)
-  res[f"ring_fwd_P{n}"] = t(jax.jit(smap(ring, mesh, 3)), q, k, v)
-  if n == 2 and a.trace:
-    with open(os.path.join(a.out, f"hlo_{a.variant}.txt"), "w") as f:
-      f.write(jax.jit(smap(both, mesh, 3, 3)).lower(q, k, v).compile().as_text())
-      f.write("\n\n=== ring ===\n")
-      f.write(jax.jit(smap(ring, mesh, 3)).lower(q, k, v).compile().as_text())
-  if n == 4 and not a.quick:
-    f = smap(ring, mesh, 3)
-    res["ring_fwdbwd_P4"] = t(jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), q, k, v, do)
-    zz = lambda q, k, v: ring_attention(q, k, v, axis_name="sp", causal=True, layout="zigzag",
-                                        backend=a.backend)
-    res["zigzag_fwd_P4"] = t(jax.jit(smap(zz, mesh, 3)), q, k, v)
-  print(json.dumps(res), flush=True)
-if a.trace:
-  mesh = mesh_of(2)
-  q, k, v, do = inputs(mesh, 2 * L)
-  fn = jax.jit(smap(lambda q, k, v: ring_attention(q, k, v, axis_name="sp", backend=a.backend), mesh, 3))
-  jax.block_until_ready(fn(q, k, v))
-  both = jax.jit(smap(lambda q, k, v: (flash(q, k, v),) + jax.lax.ppermute(
-      (k, v), "sp", [(0, 1), (1, 0)]), mesh, 3, 3))
-  jax.block_until_ready(both(q, k, v))
-  with jax.profiler.trace(a.trace, create_perfetto_trace=True):
-    for _ in range(2):
-      jax.block_until_ready(fn(q, k, v))
-      jax.block_until_ready(both(q, k, v))
-  import glob, shutil
-  for path in glob.glob(os.path.join(a.trace, "**", "perfetto_trace.json.gz"), recursive=True):
-    shutil.copy(path, os.path.join(a.out, f"perfetto_{a.variant}.json.gz"))
-with open(os.path.join(a.out, f"ring_overlap_{a.variant}.json"), "w") as f:
-  json.dump(res, f)
+    reserve, full = int(name[len("reserve"):]), pipeline.num_sms
+    pipeline.num_sms = lambda: full() - reserve
+    blocks._beside_transfers = lambda call: call
+
+
+def measure(args) -> dict:
+  length, heads, head_dim = args.local, 8, 128
+  res = dict(variant=args.variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
+             nccl={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
+  t = lambda fn, *x: time_jax(fn, *x, reps=5, inner=3, warmup=1) * 1e3
+
+  def smap(f, mesh, n_in, n_out=1):
+    return jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * n_in,
+                         out_specs=SPEC if n_out == 1 else (SPEC,) * n_out, check_vma=False)
+
+  flash = lambda q, k, v: jattn.flash_attention(q, k, v, backend=args.backend)
+  for n in (2, 4):
+    if n > len(jax.devices()):
+      continue
+    mesh = Mesh(np.array(jax.devices()[:n]), ("sp",))
+    sharding = NamedSharding(mesh, SPEC)
+    make = jax.jit(lambda: tuple(jax.random.normal(key, (1, n * length, heads, head_dim),
+                                                   jnp.bfloat16)
+                                 for key in jax.random.split(jax.random.PRNGKey(0), 4)),
+                   out_shardings=(sharding,) * 4)
+    q, k, v, do = make()
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    send = lambda q, k, v: jax.lax.ppermute((k, v), "sp", perm)
+    both = lambda q, k, v: (flash(q, k, v),) + send(q, k, v)
+    res[f"flash_P{n}"] = t(jax.jit(smap(flash, mesh, 3)), q, k, v)
+    res[f"ppermute_P{n}"] = t(jax.jit(smap(send, mesh, 3, 2)), q, k, v)
+    res[f"flash+ppermute_P{n}"] = t(jax.jit(smap(both, mesh, 3, 3)), q, k, v)
+    for exchange in ("ring", "allgather"):
+      attend = functools.partial(ring_attention, axis_name="sp", backend=args.backend,
+                                 kv_exchange=exchange)
+      res[f"{exchange}_fwd_P{n}"] = t(jax.jit(smap(attend, mesh, 3)), q, k, v)
+      if n == 4 and not args.quick:
+        f = smap(attend, mesh, 3)
+        res[f"{exchange}_fwdbwd_P4"] = t(
+            jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), q, k, v, do)
+        zigzag = functools.partial(attend, causal=True, layout="zigzag")
+        res["zigzag_fwd_P4" if exchange == "ring" else "allgather_zigzag_fwd_P4"] = t(
+            jax.jit(smap(zigzag, mesh, 3)), q, k, v)
+    if n == 2 and args.trace:
+      ring = jax.jit(smap(functools.partial(ring_attention, axis_name="sp",
+                                            backend=args.backend), mesh, 3))
+      together = jax.jit(smap(both, mesh, 3, 3))
+      with open(os.path.join(args.out, f"hlo_{args.variant}.txt"), "w") as f:
+        f.write(together.lower(q, k, v).compile().as_text())
+        f.write("\n\n=== ring ===\n")
+        f.write(ring.lower(q, k, v).compile().as_text())
+      with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+        for _ in range(2):
+          jax.block_until_ready(ring(q, k, v))
+          jax.block_until_ready(together(q, k, v))
+      for path in glob.glob(os.path.join(args.trace, "**", "perfetto_trace.json.gz"),
+                            recursive=True):
+        shutil.copy(path, os.path.join(args.out, f"perfetto_{args.variant}.json.gz"))
+    print(json.dumps(res), flush=True)
+  return res
+
+
+def table(out: str) -> str:
+  """A markdown table of every ``ring_overlap_*.json`` under ``out``."""
+  rows = [json.load(open(path)) for path in sorted(glob.glob(
+      os.path.join(out, "ring_overlap_*.json")))]
+  env = rows[0].get("env", {}) if rows else {}
+  lines = [f"# Ring transfers beside the blocks, {env.get('device', '?')} ({env.get('time', '')})",
+           "", "Milliseconds (`bench/ring_overlap.py`; its docstring says what each column "
+           "times).", "", "| variant | " + " | ".join(COLUMNS) + " |",
+           "|---|" + "---|" * len(COLUMNS)]
+  lines += [f"| {r['variant']} | " + " | ".join(
+      f"{r[c]:.2f}" if c in r else "" for c in COLUMNS) + " |" for r in rows]
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--variant", default="default")
+  parser.add_argument("--backend", default="auto")
+  parser.add_argument("--local", type=int, default=32768, help="tokens per GPU")
+  parser.add_argument("--trace", help="profile directory (P = 2)")
+  parser.add_argument("--quick", action="store_true", help="P = 4: forward rings only")
+  parser.add_argument("--table", action="store_true", help="only write ring_overlap.md")
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args()
+  if args.table:
+    with open(os.path.join(args.out, "ring_overlap.md"), "w") as f:
+      f.write(table(args.out))
+    return
+  apply_variant(args.variant)
+  res = measure(args)
+  res["env"] = environment()
+  with open(os.path.join(args.out, f"ring_overlap_{args.variant}.json"), "w") as f:
+    json.dump(res, f)
+
+
+if __name__ == "__main__":
+  main()
