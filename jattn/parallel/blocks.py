@@ -129,25 +129,40 @@ def shift(tree, axis_name: str, perm):
   return unpack(lax.ppermute(buf, axis_name, perm))
 
 
-def ring_forward(kv, steps: int, perm, attend, axis_name: str):
+def _needed(needed, step: int, blocks):
+  """The step's work predicate, or None where it always runs (the first step, on the
+  device's own blocks, always does)."""
+  return None if needed is None or step == 0 else needed(step, blocks)
+
+
+def ring_forward(kv, steps: int, perm, attend, axis_name: str, needed=None):
   """The forward pass of a ring: ``kv`` (a tree of this device's blocks) travels
   ``steps - 1`` hops, hop ``i`` along ``perm(i)``, sent before step ``i``'s work so
   that the transfer overlaps it; returns the merge of ``attend(i, blocks held at step
-  i)``, each an ``(o, lse)`` partial result."""
+  i)``, each an ``(o, lse)`` partial result. ``needed(i, blocks)``: whether step ``i``
+  has work (a bool array, or None: it has); without, its attention and merge are
+  skipped."""
   buf, unpack = pack(kv)
   acc = None
   for step in range(steps):
     nxt = lax.ppermute(buf, axis_name, perm(step)) if step + 1 < steps else None
-    block = attend(step, kv if step == 0 else unpack(buf))
-    acc = block if acc is None else merge(acc, block)  # (no merge with nothing first)
+    blocks = kv if step == 0 else unpack(buf)
+    pred = _needed(needed, step, blocks)
+    if acc is None:  # (no merge with nothing first)
+      acc = attend(step, blocks)
+    elif pred is None:
+      acc = merge(acc, attend(step, blocks))
+    else:
+      acc = lax.cond(pred, lambda acc: merge(acc, attend(step, blocks)), lambda acc: acc, acc)
     buf = nxt
   return acc
 
 
-def ring_backward(kv, steps: int, perm, grads, axis_name: str):
+def ring_backward(kv, steps: int, perm, grads, axis_name: str, needed=None):
   """The backward pass of a ring: ``kv`` travels as in ``ring_forward``; ``grads(i,
-  blocks)`` gives ``(dq part, tree of float32 gradients of the blocks)``. Returns
-  ``(dq, gradients of this device's own blocks)``.
+  blocks)`` gives ``(dq part, tree of float32 gradients of the blocks)``, skipped where
+  ``needed(i, blocks)`` is False. Returns ``(dq, gradients of this device's own
+  blocks)``.
 
   Each block's gradient accumulator follows it one step behind: the hop that carries
   the blocks of step ``i + 1`` also carries the accumulators of step ``i - 1``'s blocks
@@ -165,8 +180,16 @@ def ring_backward(kv, steps: int, perm, grads, axis_name: str):
         nxt = lax.ppermute(buf, axis_name, perm(step))
       if out is not None:
         arrived = shift(out, axis_name, perm(step - 1))
-    g_q, g_blocks = grads(step, blocks)
-    dq = g_q if dq is None else dq + g_q
-    out = g_blocks if arrived is None else jax.tree.map(jnp.add, arrived, g_blocks)
+    pred = _needed(needed, step, blocks)
+    if pred is None:
+      g_q, g_blocks = grads(step, blocks)
+      dq = g_q if dq is None else dq + g_q
+      out = g_blocks if arrived is None else jax.tree.map(jnp.add, arrived, g_blocks)
+    else:  # (not the first step: dq and the arrived accumulators exist)
+      def add(dq, arrived):
+        g_q, g_blocks = grads(step, blocks)
+        return dq + g_q, jax.tree.map(jnp.add, arrived, g_blocks)
+
+      dq, out = lax.cond(pred, add, lambda dq, arrived: (dq, arrived), dq, arrived)
     buf = nxt
   return dq, shift(out, axis_name, perm(steps - 1))

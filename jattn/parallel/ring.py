@@ -43,69 +43,64 @@ def _rows(x, rows: slice):
   return None if x is None else x[:, rows]
 
 
+def _step_needed(q_seg, kv_seg, src, me, *, causal: bool, layout: str):
+  """Whether the step against device ``src``'s shard has work (None: every step has):
+  not for a later source of a contiguous causal ring, nor where the segment ids of the
+  two shards cannot meet. The drivers skip such a step's attention and merge."""
+  needed = [src <= me] if causal and layout == "contiguous" else []
+  if q_seg is not None:
+    needed.append(segments_meet(q_seg, kv_seg))
+  return functools.reduce(jnp.logical_and, needed) if needed else None
+
+
 def _step_forward(k, v, kv_seg, *, q, q_seg, src, me, causal, layout, scale, backend):
-  """``(o, lse)`` of the local queries against the K/V shard of device ``src`` (segment
-  ids of both, or None: a step whose segments cannot meet is skipped)."""
+  """``(o, lse)`` of the local queries against the K/V shard of device ``src``, a step
+  with work (``_step_needed``)."""
   block = functools.partial(block_forward, scale=scale, backend=backend)
-  empty = lambda: empty_rows(q, v)
+  whole = lambda causal: lambda: block(q, k, v, q_seg, kv_seg, causal=causal)
   if not causal:
-    work = lambda: block(q, k, v, q_seg, kv_seg, causal=False)
-  elif layout == "contiguous":
-    work = lambda: lax.cond(
-        src == me, lambda: block(q, k, v, q_seg, kv_seg, causal=True),
-        lambda: lax.cond(src < me, lambda: block(q, k, v, q_seg, kv_seg, causal=False), empty))
-  else:
-    half = slice(None, q.shape[1] // 2)
-    rest = slice(q.shape[1] // 2, None)
+    return whole(False)()
+  if layout == "contiguous":
+    return lax.cond(src == me, whole(True), whole(False))
+  half = slice(None, q.shape[1] // 2)
+  rest = slice(q.shape[1] // 2, None)
 
-    def earlier():  # every local query sees the source's first chunk
-      return block(q, k[:, half], v[:, half], q_seg, _rows(kv_seg, half), causal=False)
+  def earlier():  # every local query sees the source's first chunk
+    return block(q, k[:, half], v[:, half], q_seg, _rows(kv_seg, half), causal=False)
 
-    def later():  # only the local second chunk sees the source, all of it
-      o, lse = block(q[:, rest], k, v, _rows(q_seg, rest), kv_seg, causal=False)
-      o0, l0 = empty_rows(q[:, half], v)
-      return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
+  def later():  # only the local second chunk sees the source, all of it
+    o, lse = block(q[:, rest], k, v, _rows(q_seg, rest), kv_seg, causal=False)
+    o0, l0 = empty_rows(q[:, half], v)
+    return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
 
-    work = lambda: lax.cond(src == me, lambda: block(q, k, v, q_seg, kv_seg, causal=True),
-                            lambda: lax.cond(src < me, earlier, later))
-  if q_seg is None:
-    return work()
-  return lax.cond(segments_meet(q_seg, kv_seg), work, empty)
+  return lax.cond(src == me, whole(True), lambda: lax.cond(src < me, earlier, later))
 
 
 def _step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layout, scale,
                    backend):
-  """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard."""
+  """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard, a
+  step with work."""
   grads = functools.partial(block_backward, scale=scale, backend=backend)
-  zeros = lambda: tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+  whole = lambda causal: lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=causal)
   if not causal:
-    work = lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=False)
-  elif layout == "contiguous":
-    work = lambda: lax.cond(
-        src == me, lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=True),
-        lambda: lax.cond(src < me, lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg,
-                                                 causal=False), zeros))
-  else:
-    half = slice(None, q.shape[1] // 2)
-    rest = slice(q.shape[1] // 2, None)
+    return whole(False)()
+  if layout == "contiguous":
+    return lax.cond(src == me, whole(True), whole(False))
+  half = slice(None, q.shape[1] // 2)
+  rest = slice(q.shape[1] // 2, None)
 
-    def earlier():
-      dq, dk, dv = grads(q, k[:, half], v[:, half], o, lse, do, q_seg, _rows(kv_seg, half),
-                         causal=False)
-      pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-      return dq, pad(dk), pad(dv)
+  def earlier():
+    dq, dk, dv = grads(q, k[:, half], v[:, half], o, lse, do, q_seg, _rows(kv_seg, half),
+                       causal=False)
+    pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+    return dq, pad(dk), pad(dv)
 
-    def later():
-      dq, dk, dv = grads(q[:, rest], k, v, o[:, rest], lse[:, :, rest], do[:, rest],
-                         _rows(q_seg, rest), kv_seg, causal=False)
-      return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+  def later():
+    dq, dk, dv = grads(q[:, rest], k, v, o[:, rest], lse[:, :, rest], do[:, rest],
+                       _rows(q_seg, rest), kv_seg, causal=False)
+    return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
-    work = lambda: lax.cond(src == me,
-                            lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=True),
-                            lambda: lax.cond(src < me, earlier, later))
-  if q_seg is None:
-    return work()
-  return lax.cond(segments_meet(q_seg, kv_seg), work, zeros)
+  return lax.cond(src == me, whole(True), lambda: lax.cond(src < me, earlier, later))
 
 
 # --- the ring -------------------------------------------------------------------------
@@ -122,8 +117,12 @@ def _ring_forward(st, q, k, v, q_seg, kv_seg):
     return _step_forward(*blocks, q=q, q_seg=q_seg, src=(me - step) % devices, me=me,
                          causal=causal, layout=layout, scale=scale, backend=backend)
 
+  def needed(step, blocks):
+    return _step_needed(q_seg, blocks[2], (me - step) % devices, me, causal=causal,
+                        layout=layout)
+
   return ring_forward((k, v, kv_seg), devices, lambda step: _ring_perm(devices), attend,
-                      axis_name)
+                      axis_name, needed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -149,8 +148,12 @@ def _ring_bwd(st, res, do):
                                    scale=scale, backend=backend)
     return g_q, (g_k, g_v)
 
+  def needed(step, blocks):
+    return _step_needed(q_seg, blocks[2], (me - step) % devices, me, causal=causal,
+                        layout=layout)
+
   dq, (dk, dv) = ring_backward((k, v, kv_seg), devices, lambda step: _ring_perm(devices),
-                               grads, axis_name)
+                               grads, axis_name, needed)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
