@@ -148,27 +148,30 @@ def _position(st: _Static, pair: _Pair, step: int):
   return mine, (mine - step) % group_size, step < group_size
 
 
-def _attend(st: _Static, q, k, v, src, mine, real):
-  """One block's ``(o, lse)``: causal against itself, full against earlier devices of
-  the group (or all of them when not causal), nothing otherwise."""
+def _needed(st: _Static, pair: _Pair, step: int):
+  """Whether a step of the pair's group ring has work: it is real (in a short group the
+  steps past its size are not: their source index wraps onto blocks already counted)
+  and, if causal, its source is not a later device of the group."""
+  mine, src, real = _position(st, pair, step)
+  return real & (src <= mine) if st.causal else real
+
+
+def _attend(st: _Static, q, k, v, src, mine):
+  """One block's ``(o, lse)`` of a step with work: causal against itself, full
+  against earlier devices of the group (or all of them when not causal)."""
   block = functools.partial(block_forward, scale=st.scale, backend=st.backend)
   if not st.causal:
-    return lax.cond(real, lambda: block(q, k, v, causal=False), lambda: empty_rows(q, v))
-  # In a short group the steps past its size are not real: their source index wraps
-  # onto blocks already counted.
-  return lax.cond(real & (src == mine), lambda: block(q, k, v, causal=True),
-                  lambda: lax.cond(real & (src < mine), lambda: block(q, k, v, causal=False),
-                                   lambda: empty_rows(q, v)))
+    return block(q, k, v, causal=False)
+  return lax.cond(src == mine, lambda: block(q, k, v, causal=True),
+                  lambda: block(q, k, v, causal=False))
 
 
-def _attend_backward(st: _Static, q, k, v, o, lse, do, src, mine, real):
+def _attend_backward(st: _Static, q, k, v, o, lse, do, src, mine):
   grads = functools.partial(block_backward, scale=st.scale, backend=st.backend)
-  zeros = lambda: tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
   if not st.causal:
-    return lax.cond(real, lambda: grads(q, k, v, o, lse, do, causal=False), zeros)
-  return lax.cond(real & (src == mine), lambda: grads(q, k, v, o, lse, do, causal=True),
-                  lambda: lax.cond(real & (src < mine),
-                                   lambda: grads(q, k, v, o, lse, do, causal=False), zeros))
+    return grads(q, k, v, o, lse, do, causal=False)
+  return lax.cond(src == mine, lambda: grads(q, k, v, o, lse, do, causal=True),
+                  lambda: grads(q, k, v, o, lse, do, causal=False))
 
 
 def _pair_forward(st: _Static, pair: _Pair, q, k, v):
@@ -176,11 +179,12 @@ def _pair_forward(st: _Static, pair: _Pair, q, k, v):
   qd = _queries(q, pair)
 
   def attend(step, blocks):
-    mine, src, real = _position(st, pair, step)
-    return _attend(st, qd, *(_per_head(x, pair) for x in blocks), src, mine, real)
+    mine, src, _ = _position(st, pair, step)
+    return _attend(st, qd, *(_per_head(x, pair) for x in blocks), src, mine)
 
   acc = ring_forward((_sparse_kv(k, pair), _sparse_kv(v, pair)), pair.group,
-                     functools.partial(_hop, st.devices, pair.group), attend, st.axis_name)
+                     functools.partial(_hop, st.devices, pair.group), attend, st.axis_name,
+                     lambda step, blocks: _needed(st, pair, step))
   return _scatter(*acc, pair)
 
 
@@ -205,14 +209,14 @@ def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
   to_combos = jax.linear_transpose(lambda x: _per_head(x, pair), f32(kc))
 
   def grads(step, blocks):
-    mine, src, real = _position(st, pair, step)
+    mine, src, _ = _position(st, pair, step)
     g_q, g_k, g_v = _attend_backward(st, qd, _per_head(blocks[0], pair),
-                                     _per_head(blocks[1], pair), od, lsed, dod, src, mine, real)
+                                     _per_head(blocks[1], pair), od, lsed, dod, src, mine)
     return g_q, (to_combos(g_k)[0], to_combos(g_v)[0])
 
   dq, (dk, dv) = ring_backward((kc, vc), pair.group,
                                functools.partial(_hop, st.devices, pair.group), grads,
-                               st.axis_name)
+                               st.axis_name, lambda step, blocks: _needed(st, pair, step))
   return pull_q(dq)[0], pull_kv(dk)[0], pull_kv(dv)[0]
 
 
