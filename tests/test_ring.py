@@ -53,11 +53,10 @@ def test_ring_equals_single_device(devices, causal, layout, kv_exchange):
 # may be longer than q.
 @pytest.mark.parametrize("causal,layout,kv_len", [(True, "contiguous", 32), (True, "zigzag", 32),
                                                   (False, "contiguous", 64)])
-@EXCHANGES
-def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len, kv_exchange):
+def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len):
   q, k, v, do = _inputs(1, 32, 2, 1, 16, seed=5, kv_len=kv_len, value_head_dim=8)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
-                         layout=layout, backend="xla", kv_exchange=kv_exchange)
+                         layout=layout, backend="xla")
   _check(fn, q, k, v, do, causal)
 
 
