@@ -178,7 +178,8 @@ def test_each_hop_is_one_transfer(mesh):
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
 def test_allgather_exchange_gathers_once_and_reduce_scatters_home(mesh, causal, layout):
   """kv_exchange="allgather": no hop; the forward gathers K, V and the key ids once
-  each, the backward gathers K and V again and reduce-scatters dK and dV."""
+  each, the backward gathers them again (XLA may reuse the forward's) and
+  reduce-scatters dK and dV."""
   q, k, v, do = _inputs(1, 32, 2, 2, 8, seed=6)
   ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 8)[None]
   spec, ids_spec = PartitionSpec(None, "sp", None, None), PartitionSpec(None, "sp")

@@ -3,7 +3,7 @@ each device gathers the whole sequence's K/V (and key segment ids) over the mesh
 in one collective each, then attends its query shard to them with one flash call per
 query chunk. A causal chunk's rows are bounded by a per-row key length (the flash
 kernels' ``kv_lengths``, which align causal masks on it), so no step is merged with
-another and no tile past a chunk's last key runs. The backward gathers again, runs
+another and, on the Pallas backends, no tile past a chunk's last key runs. The backward gathers again, runs
 the kernels' float32 dK / dV of the whole sequence and reduce-scatters them home.
 
 Against a ring it trades memory (each device holds the whole K/V during the call) for
@@ -44,8 +44,8 @@ def _query_chunks(q_len: int, devices: int, me, *, causal: bool, layout: str):
 
 
 def _chunk_calls(st, q, q_seg, k, v, kv_seg):
-  """The gathered ``(k, v, key ids)`` and per query chunk ``(rows, prepared flash
-  call, its arrays)``."""
+  """Per query chunk ``(rows, prepared flash call, its arrays)``, the arrays holding
+  the gathered K, V and key ids."""
   axis_name, causal, layout, scale, backend = st
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
   natural = causal and layout == "zigzag"

@@ -40,8 +40,9 @@ def ring_backend(q, k, *, causal: bool, scale: float, backend: str,
 
 
 def _beside_transfers(call):
-  """``call`` with its forward kernel one CTA per tile where the config has a
-  persistent choice (see the module docstring)."""
+  """``call`` with its forward kernel one CTA per tile where its config could run
+  persistent (``persistent`` True, or None: the kernel's own choice; see the module
+  docstring)."""
   if getattr(call.config, "persistent", False) is False:
     return call
   return FLASH.prepare(call.problem, call.impl.backend.name,

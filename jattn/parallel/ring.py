@@ -190,7 +190,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       ``i`` holds chunk ``i``) or ``"zigzag"`` (chunks ``i`` and ``2P - 1 - i``, see
       ``zigzag_order``; balances causal work, needs an even local length).
     backend: the blocks' backend, one of ``jattn.flash_attention``'s that gives the
-      row statistics (``"auto"``: the first such that runs here).
+      row statistics (``"auto"``: the first such that runs here; with
+      ``kv_exchange="allgather"``, chosen per query chunk as ``flash_attention`` would).
     q_segment_ids, kv_segment_ids: the local shards ``[batch, seq / P]`` / ``[batch,
       kv_len / P]`` of integer segment ids (packed sequences, laid out as q and k are):
       a query attends only to keys of its segment. The key ids travel with their K/V
