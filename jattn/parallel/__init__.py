@@ -18,7 +18,7 @@ from jattn.parallel.hilbert import (hilbert_curve, hilbert_flatten, hilbert_perm
 from jattn.parallel.layout import LAYOUTS, zigzag_order, zigzag_restore
 from jattn.parallel.ring import KV_EXCHANGES, ring_attention, sharded_ring_attention
 
-__all__ = ["KV_EXCHANGES", "LAYOUTS", "dilated_ring_attention", "hilbert_curve", "hilbert_flatten",
-           "hilbert_permutation", "hilbert_unflatten", "inverse_permutation", "ring_attention",
-           "sharded_dilated_ring_attention", "sharded_ring_attention", "zigzag_order",
-           "zigzag_restore"]
+__all__ = ["KV_EXCHANGES", "LAYOUTS", "dilated_ring_attention", "hilbert_curve",
+           "hilbert_flatten", "hilbert_permutation", "hilbert_unflatten", "inverse_permutation",
+           "ring_attention", "sharded_dilated_ring_attention", "sharded_ring_attention",
+           "zigzag_order", "zigzag_restore"]

@@ -3,8 +3,9 @@ each device gathers the whole sequence's K/V (and key segment ids) over the mesh
 in one collective each, then attends its query shard to them with one flash call per
 query chunk. A causal chunk's rows are bounded by a per-row key length (the flash
 kernels' ``kv_lengths``, which align causal masks on it), so no step is merged with
-another and, on the Pallas backends, no tile past a chunk's last key runs. The backward gathers again, runs
-the kernels' float32 dK / dV of the whole sequence and reduce-scatters them home.
+another and, on the Pallas backends, no tile past a chunk's last key runs. The
+backward gathers again, runs the kernels' float32 dK / dV of the whole sequence and
+reduce-scatters them home.
 
 Against a ring it trades memory (each device holds the whole K/V during the call) for
 one collective per pass instead of ``P - 1`` hops, which pays where a hop's transfer

@@ -27,9 +27,9 @@ from jax import lax
 
 from jattn.core.validation import check_attention_inputs, check_choice, check_flag, scale_of
 from jattn.flash import FLASH
+from jattn.parallel.allgather import allgather_attention
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, ring_backend,
                                    ring_backward, ring_forward, segments_meet)
-from jattn.parallel.allgather import allgather_attention
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
 from jattn.parallel.layout import LAYOUTS, zigzag_order, zigzag_restore
 
@@ -105,8 +105,17 @@ def _step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layou
 
 # --- the ring -------------------------------------------------------------------------
 
-def _ring_perm(devices: int):
+def _ring_hop(devices: int, step: int):
+  """The ``ppermute`` pairs of every hop: one step along the ring."""
+  del step
   return [(i, (i + 1) % devices) for i in range(devices)]
+
+
+def _needed(st, q_seg, devices: int, me):
+  """The drivers' ``needed(step, blocks)``: ``_step_needed`` of the step's source."""
+  _, causal, layout = st[:3]
+  return lambda step, blocks: _step_needed(q_seg, blocks[2], (me - step) % devices, me,
+                                           causal=causal, layout=layout)
 
 
 def _ring_forward(st, q, k, v, q_seg, kv_seg):
@@ -117,12 +126,8 @@ def _ring_forward(st, q, k, v, q_seg, kv_seg):
     return _step_forward(*blocks, q=q, q_seg=q_seg, src=(me - step) % devices, me=me,
                          causal=causal, layout=layout, scale=scale, backend=backend)
 
-  def needed(step, blocks):
-    return _step_needed(q_seg, blocks[2], (me - step) % devices, me, causal=causal,
-                        layout=layout)
-
-  return ring_forward((k, v, kv_seg), devices, lambda step: _ring_perm(devices), attend,
-                      axis_name, needed)
+  return ring_forward((k, v, kv_seg), devices, functools.partial(_ring_hop, devices), attend,
+                      axis_name, _needed(st, q_seg, devices, me))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -148,12 +153,8 @@ def _ring_bwd(st, res, do):
                                    scale=scale, backend=backend)
     return g_q, (g_k, g_v)
 
-  def needed(step, blocks):
-    return _step_needed(q_seg, blocks[2], (me - step) % devices, me, causal=causal,
-                        layout=layout)
-
-  dq, (dk, dv) = ring_backward((k, v, kv_seg), devices, lambda step: _ring_perm(devices),
-                               grads, axis_name, needed)
+  dq, (dk, dv) = ring_backward((k, v, kv_seg), devices, functools.partial(_ring_hop, devices),
+                               grads, axis_name, _needed(st, q_seg, devices, me))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
