@@ -4,12 +4,10 @@ both through the flash-attention op (so through the backend it resolves), the
 online-softmax merge of partial results, the one-hop shift around a ring, and the two
 ring passes (forward and backward) that move the blocks and the gradient accumulators.
 
-Two measured facts shape the passes (4 H100s, ``bench/results/ring_overlap_h100x4.md``).
-Sent as two arrays, K and V crossed as one asynchronous and one synchronous
-collective-permute, half the transfer on the critical path: every hop sends one byte
-buffer. A persistent forward kernel (one CTA per SM) beside a transfer ran about half
-as slow again, since the transfer's kernel holds SMs its static split counts on: ring
-blocks run the one-CTA-per-tile forward."""
+Every hop sends one byte buffer, since XLA may run a second transfer of the same hop
+synchronously, and ring blocks run the one-CTA-per-tile Hopper forward, since a
+transfer's kernel holds SMs that a persistent kernel's static split counts on (the
+measurements: docs/ring.md)."""
 
 from __future__ import annotations
 
