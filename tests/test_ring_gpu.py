@@ -41,13 +41,30 @@ def _compare(fn, ref, q, k, v, do, tol=2e-2):
     assert rel_err(g, g_ref) < tol, name
 
 
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
 @pytest.mark.parametrize("backend", ["pallas_triton", "auto"])  # auto: Hopper blocks on an H100
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
-def test_ring(mesh, causal, layout, backend):
+def test_ring(mesh, causal, layout, backend, kv_exchange):
   q, k, v, do = _inputs(8192 * mesh.size, 8, 2, 128)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
-                         layout=layout, backend=backend)
+                         layout=layout, backend=backend, kv_exchange=kv_exchange)
   ref = functools.partial(jattn.flash_attention, causal=causal, backend="pallas_triton")
+  _compare(fn, ref, q, k, v, do)
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
+def test_ring_documents(mesh, causal, layout, kv_exchange):
+  """Packed sequences: uneven documents that cross shard boundaries."""
+  seq = 4096 * mesh.size
+  q, k, v, do = _inputs(seq, 8, 2, 128, seed=2)
+  cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, seq), 7, replace=False))
+  ids = jnp.asarray(np.searchsorted(cuts, np.arange(seq), side="right")[None], jnp.int32)
+  fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
+                         layout=layout, backend="auto", kv_exchange=kv_exchange,
+                         q_segment_ids=ids, kv_segment_ids=ids)
+  ref = functools.partial(jattn.flash_attention, causal=causal, backend="pallas_triton",
+                          q_segment_ids=ids, kv_segment_ids=ids)
   _compare(fn, ref, q, k, v, do)
 
 
