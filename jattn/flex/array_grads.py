@@ -1,10 +1,12 @@
 """Gradients of the arrays a ``score_mod`` closes over, for the kernel backends.
 
 ``d loss / d array = sum over (b, h, i, j) of dS_ij * d score_mod(x_ij) / d array``,
-with ``dS = P * (dP - delta)`` the gradient of the transformed scores. The kernels do
-not keep dS, so it is recomputed here in XLA one block of query rows at a time (a
-``scan``), from the saved log-sum-exp, with the products in the inputs' dtype as the
-kernels take them. It costs about one dense attention pass; when the arrays'
+with ``dS = P * (dP - delta)`` the gradient of the transformed scores. For a dense
+bias (``bias_score``) the Triton backward writes dS out and the gradient is its sum
+over the bias's broadcast axes (``summed_over_broadcast``). For any other function the
+kernels do not keep dS, so it is recomputed here in XLA one block of query rows at a
+time (a ``scan``), from the saved log-sum-exp, with the products in the inputs' dtype
+as the kernels take them. It costs about one dense attention pass; when the arrays'
 gradients are not used (the common case: a fixed ALiBi or table), the compiler drops
 it.
 """
@@ -36,10 +38,15 @@ def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -
   wanted = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
   if not any(wanted):
     return [None] * len(consts)
-  blocks = _RowBlocks(problem, mask_consts, q, k, v, o, lse, do, dlse)
-  if problem.score_mod.dense_bias:
-    return [blocks.bias_grad(consts)]
-  return blocks.array_grads(consts, wanted)
+  return _RowBlocks(problem, mask_consts, q, k, v, o, lse, do, dlse).array_grads(consts, wanted)
+
+
+def summed_over_broadcast(ds, bias_shape: tuple):
+  """A bias's gradient from dS ``[batch, heads, q_len, kv_len]``: summed over the axes
+  the bias (3-d or 4-d, ``bias_score``'s) broadcasts, float32, shaped as the bias."""
+  shape = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+  axes = tuple(a for a in range(4) if shape[a] == 1)
+  return jnp.sum(ds.astype(jnp.float32), axis=axes, keepdims=True).reshape(bias_shape)
 
 
 class _RowBlocks:
@@ -108,31 +115,3 @@ class _RowBlocks:
     grads, _ = self._scan(step, zeros)
     it = iter(grads)
     return [next(it) if w else None for w in wanted]
-
-  def bias_grad(self, consts):
-    """``bias_score``'s bias (``consts[0]``, 3-d or 4-d): dS summed over the axes the
-    bias broadcasts, each block written once (pulling dS back through the read would
-    add a bias-sized array per block)."""
-    (bias,) = consts
-    shape = (1,) * (4 - bias.ndim) + bias.shape
-    axes = tuple(a for a in range(4) if shape[a] == 1)
-    # The function is ``score + bias`` broadcast: each block adds its rows of the bias,
-    # sliced (not gathered at every index as the function would read it).
-    bias = bias.reshape(shape)
-    padded = self.steps * self.rows
-    if shape[2] > 1 and padded != self.q_len:
-      bias = jnp.pad(bias, ((0, 0), (0, 0), (0, padded - self.q_len), (0, 0)))
-
-    def step(_, i):
-      rows = (lax.dynamic_slice_in_dim(bias, i * self.rows, self.rows, 2) if shape[2] > 1
-              else bias)
-      scores = lambda x, index: ((x + rows).astype(jnp.float32), None)
-      return None, jnp.sum(self.ds(i, scores)[0], axis=axes, keepdims=True)
-
-    _, blocks = self._scan(step, None)  # [steps, b, h, rows or 1, kv_len or 1]
-    if shape[2] == 1:
-      grad = jnp.sum(blocks, axis=0)
-    else:
-      grad = jnp.moveaxis(blocks, 0, 2).reshape(blocks.shape[1:3] + (-1, blocks.shape[-1]))
-      grad = grad[:, :, :self.q_len]
-    return grad.reshape(consts[0].shape)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jattn.core.op import AttentionProblem, MosaicImpl, SoftmaxOp, XlaImpl
 from jattn.core.sharding import KV_HEADS, Q_HEADS, REPLICATED, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
-from jattn.flex.array_grads import score_array_grads
+from jattn.flex.array_grads import score_array_grads, summed_over_broadcast
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
@@ -110,14 +111,28 @@ class _FlexKernels:
     o, lse = self._kernel_forward(call, q, k, v, mods)
     return (o, lse), ((q, k, v), call.problem.split_arrays(rest)[0], mods, o, lse)
 
+  # Whether the backward kernels can write dS out (``_kernel_backward``'s ``ds_dtype``).
+  writes_ds = False
+
   def backward(self, call, residuals, cotangents):
     (q, k, v), consts, mods, o, lse = residuals
     p = call.problem
-    dq, dk, dv = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods)
     score_consts, mask_consts = p.split_consts(consts)
-    array_grads = []
-    if score_consts:
-      array_grads = score_array_grads(p, score_consts, mask_consts, q, k, v, o, lse, *cotangents)
+    if self.writes_ds and p.score_mod is not None and p.score_mod.dense_bias and (
+        jnp.issubdtype(score_consts[0].dtype, jnp.inexact)):
+      # A dense bias's gradient is dS summed over its broadcast axes: the kernels
+      # write dS as they compute it (16-bit for a 16-bit bias).
+      bias = score_consts[0]
+      ds_dtype = bias.dtype if bias.dtype.itemsize <= 2 else jnp.float32
+      dq, dk, dv, ds = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods,
+                                             ds_dtype=ds_dtype)
+      array_grads = [summed_over_broadcast(ds, bias.shape)]
+    else:
+      dq, dk, dv = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods)
+      array_grads = []
+      if score_consts:
+        array_grads = score_array_grads(p, score_consts, mask_consts, q, k, v, o, lse,
+                                        *cotangents)
     kinds = (None,) if p.block_mask is not None else ()
     return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
 
@@ -161,10 +176,13 @@ class TritonFlex(_FlexKernels, AttentionTritonImpl):
                                 local_window=None, softcap=None, config=call.config,
                                 interpret=call.interpret, mods=mods)
 
-  def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods):
+  writes_ds = True
+
+  def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods, ds_dtype=None):
     return flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
                                  scale=call.problem.scale, local_window=None, softcap=None,
-                                 config=call.config, interpret=call.interpret, mods=mods)
+                                 config=call.config, interpret=call.interpret, mods=mods,
+                                 ds_dtype=ds_dtype)
 
 
 class MosaicFlex(_FlexKernels, MosaicImpl):

@@ -135,10 +135,11 @@ def flash_triton_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
 def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: bool, scale: float,
                           local_window, softcap, config: BlockConfig, interpret: bool,
                           mods: FlexMods = FlexMods(), dropout_rate: float = 0.0,
-                          dropout_seed=None, lengths=None):
+                          dropout_seed=None, lengths=None, ds_dtype=None):
   """Gradients ``(dq, dk, dv)`` (like q, k, v) given the rows' ``o`` and ``lse``, the
   output's cotangent ``do`` and the lse's ``dlse``. Shapes and ``lengths`` as
-  ``flash_triton_forward`` (sinks need nothing here: ``lse`` holds them)."""
+  ``flash_triton_forward`` (sinks need nothing here: ``lse`` holds them). With
+  ``ds_dtype``, also dS ``[batch, q_heads, q_len, kv_len]`` (``flash_backward``)."""
   q_len, kv_len, head_dim, dv_width = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   segments = q_seg is not None
   bq, bk, q_len_p, kv_len_p = kernel_tiles(config, q_len, kv_len)
@@ -150,16 +151,17 @@ def flash_triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   if mods.block_kinds is not None:
     lists = (mods.lists((bq[1], bk[1]), padded, true, transpose=True),
              mods.lists((bq[2], bk[2]), padded, true))
-  dq, dk, dv = flash_backward(
+  dq, dk, dv, *ds = flash_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
       pad_to(do.astype(q.dtype), q_len_p, dv_p), lse2, pad_rows(delta, q_len_p),
       pad_to(q_seg, q_len_p) if segments else None, pad_to(kv_seg, kv_len_p) if segments else None,
       spec=_mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods, lengths),
       scale=scale, score=_score(softcap, mods), config=config,
       blocks=(bq[1], bk[1], bq[2], bk[2]), interpret=interpret, arrays=mods.arrays,
-      lists=lists, dropout_rate=dropout_rate, dropout_seed=dropout_seed, lengths=lengths)
+      lists=lists, dropout_rate=dropout_rate, dropout_seed=dropout_seed, lengths=lengths,
+      ds_dtype=ds_dtype)
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
-          dv[:, :kv_len, :, :dv_width])
+          dv[:, :kv_len, :, :dv_width]) + tuple(x[:, :, :q_len, :kv_len] for x in ds)
 
 
 def _packed_spec(max_q: int, max_k: int, causal: bool, local_window) -> MaskSpec:

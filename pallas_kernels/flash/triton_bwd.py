@@ -107,8 +107,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
                seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
-               block_k: int, lists: bool, dropout_rate: float, layout):
-  spec, score, tile_lists, (dq_ref,) = split_extra_refs(refs, spec, score, lists)
+               block_k: int, lists: bool, dropout_rate: float, layout, writes_ds: bool = False):
+  spec, score, tile_lists, outs = split_extra_refs(refs, spec, score, lists)
+  # With ``writes_ds``: dS ``[block_q, kv_len_p]`` rows out too (after dQ; before them,
+  # where skipped tiles must read zeros, the zeros aliased to them).
+  dq_ref, ds_ref = (outs[-2], outs[-1]) if writes_ds else (outs[0], None)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
   q_start = pl.program_id(0) * block_q
   bh = (pl.program_id(1), pl.program_id(2))
@@ -139,6 +142,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     ds = logit_grad(p * (dp - delta[:, None]), g)
     if mask is not None:
       ds = jnp.where(mask, ds, 0.0)
+    if ds_ref is not None:
+      ds_ref[:, k_slice] = ds.astype(ds_ref.dtype)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
   if lists:
@@ -152,7 +157,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
 def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, scale: float,
                    score, config: BlockConfig, blocks, interpret: bool, arrays=(),
                    lists=None, dropout_rate: float = 0.0, dropout_seed=None, lengths=None,
-                   layout=BATCH_ROWS):
+                   layout=BATCH_ROWS, ds_dtype=None):
   """Runs the dK/dV and dQ kernels on padded inputs.
 
   Args:
@@ -172,9 +177,13 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     layout: where the rows lie (``triton_rows``; ``PackedRows`` as ``flash_forward``
       takes it: ``lse``, ``delta`` ``[q_heads, total_q_p]``, ``lengths`` the cumulative
       lengths; rows no sequence covers are left unwritten).
+    ds_dtype: also return dS, the gradient of the (transformed) scores, ``[batch,
+      q_heads, q_len_p, kv_len_p]`` of this dtype (a dense bias's gradient, before
+      its broadcast axes are summed): the dQ kernel writes each tile it computes,
+      zeros elsewhere. Batch rows only (not ``PackedRows``).
 
   Returns:
-    ``(dq, dk, dv)`` shaped like ``(q, k, v)``.
+    ``(dq, dk, dv)`` shaped like ``(q, k, v)`` (and ``ds`` with ``ds_dtype``).
   """
   if isinstance(layout, PackedRows):
     return _packed_backward(q, k, v, do, lse, delta, lengths, spec=spec, scale=scale,
@@ -218,20 +227,32 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   if spec.segments:
     seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
-  dq = triton_call(
+  inputs = (q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dq_lists)
+  in_specs = [tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
+              whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
+              row_tile, row_tile, *seg_specs, *scalar_specs, *extra,
+              *list_specs(dq_lists, per_head=True)]
+  out_specs, out_shape = [tile_spec(bq_dq, d)], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  aliases = {}
+  if ds_dtype is not None:
+    ds_shape = jax.ShapeDtypeStruct((batch, q_heads, q_len_p, kv_len_p), ds_dtype)
+    ds_rows = pl.BlockSpec((None, None, bq_dq, kv_len_p), lambda i, b, h: (b, h, i, 0))
+    out_specs.append(ds_rows)
+    out_shape.append(ds_shape)
+    if dq_lists or spec.left is not None or spec.right is not None or spec.lengths:
+      # Some tiles are skipped: their dS is the zeros it starts as.
+      aliases = {len(jax.tree.leaves(inputs)): 1}
+      inputs += (jnp.zeros(ds_shape.shape, ds_dtype),)
+      in_specs.append(ds_rows)
+  outs = triton_call(
       functools.partial(_dq_kernel, spec=spec, scale=scale, score=score,
                         block_q=bq_dq, block_k=bk_dq, lists=bool(dq_lists),
-                        dropout_rate=dropout_rate, layout=layout),
-      grid=(q_len_p // bq_dq, batch, q_heads),
-      in_specs=[tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
-                whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
-                row_tile, row_tile, *seg_specs, *scalar_specs, *extra,
-                *list_specs(dq_lists, per_head=True)],
-      out_specs=tile_spec(bq_dq, d),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      name="jattn_flash_bwd_dq", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dq_lists)
-  return dq, dk, dv
+                        dropout_rate=dropout_rate, layout=layout,
+                        writes_ds=ds_dtype is not None),
+      grid=(q_len_p // bq_dq, batch, q_heads), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, input_output_aliases=aliases, name="jattn_flash_bwd_dq", **launch,
+  )(*inputs)
+  return (outs[0], dk, dv) + tuple(outs[1:])
 
 
 def _packed_backward(q, k, v, do, lse, delta, cu, *, spec, scale, score, blocks,
