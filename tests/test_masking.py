@@ -27,7 +27,7 @@ def _definition(spec: MaskSpec, q_idx, k_idx, q_seg, k_seg):
   return allowed
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(q_len=st.integers(1, 12), kv_len=st.integers(1, 12), left=bounds, right=bounds,
        kv_padded=st.booleans(), segments=st.booleans(), lengths=st.booleans(),
        keys_on_rows=st.booleans(), data=st.data())
@@ -37,7 +37,7 @@ def test_element_mask_is_its_definition(q_len, kv_len, left, right, kv_padded, s
   if lengths:  # bound as a kernel binds them: traced scalars within the arrays' lengths
     spec = spec.with_lengths(jnp.int32(data.draw(st.integers(0, q_len))),
                              jnp.int32(data.draw(st.integers(0, kv_len))))
-  rows, cols = q_len + 3, kv_len + 4  # padded tiles
+  rows, cols = 16, 20  # padded tiles, one shape for all examples (eager ops compile once)
   # The Triton dK/dV kernel lays keys along rows: the mask only needs broadcasting.
   q_shape, k_shape = ((1, rows), (cols, 1)) if keys_on_rows else ((rows, 1), (1, cols))
   q_idx, k_idx = np.arange(rows).reshape(q_shape), np.arange(cols).reshape(k_shape)
