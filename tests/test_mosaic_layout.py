@@ -5,6 +5,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from jattn.kernels.common.masking import segment_block_ranges
+from jattn.kernels.hopper.inputs import segment_ranges
 from jattn.kernels.flash import MosaicBlockConfig
 from jattn.kernels.flash.mosaic import mosaic_layout
 
@@ -65,3 +66,59 @@ def test_segment_block_ranges_cover_every_block_that_shares_a_segment(
         c = col_seg[b, j * col_block:min((j + 1) * col_block, cols)]
         assert c.size and c.min() <= hi and lo <= c.max(), (b, i, j)
       assert 0 <= first and end <= n_col_blocks
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 300), row_block=st.sampled_from([16, 64]),
+       col_block=st.sampled_from([16, 128]), n_ids=st.integers(1, 4), sorted_ids=st.booleans(),
+       seed=st.integers(0, 99))
+def test_uniform_segment_blocks_hold_one_id_and_no_padding(rows, cols, row_block, col_block,
+                                                           n_ids, sorted_ids, seed):
+  """Where the kernels drop the segment mask (``[full_lo, full_hi)``), both blocks hold one
+  and the same id and no padding; for sorted ids no such block lies outside the run."""
+  rng = np.random.default_rng(seed)
+  rows_p, cols_p = -(-rows // row_block) * row_block, -(-cols // col_block) * col_block
+  # Long runs of one id, so that uniform blocks occur.
+  row_seg = np.repeat(rng.integers(0, n_ids, (2, rows_p // 8 + 1)), 8, axis=1)[:, :rows_p]
+  col_seg = np.repeat(rng.integers(0, n_ids, (2, cols_p // 8 + 1)), 8, axis=1)[:, :cols_p]
+  if sorted_ids:
+    row_seg, col_seg = np.sort(row_seg, axis=1), np.sort(col_seg, axis=1)
+  row_seg, col_seg = row_seg.astype(np.int32), col_seg.astype(np.int32)
+  ranges = np.asarray(segment_block_ranges(jnp.asarray(row_seg), jnp.asarray(col_seg), rows,
+                                           cols, row_block, col_block, uniform=True))
+  plain = np.asarray(segment_block_ranges(jnp.asarray(row_seg), jnp.asarray(col_seg), rows,
+                                          cols, row_block, col_block))
+  np.testing.assert_array_equal(ranges[..., [0, 3]], plain)
+  n_col_blocks = cols_p // col_block
+  for b in range(2):
+    for i in range(rows_p // row_block):
+      first, full_lo, full_hi, end = ranges[b, i]
+      assert full_lo <= full_hi and (full_lo == full_hi or first <= full_lo and full_hi <= end)
+      r = row_seg[b, i * row_block:(i + 1) * row_block]
+      one = lambda x, n, j, block: (j + 1) * block <= n and (x == x[0]).all()
+      uniform = [j for j in range(n_col_blocks)
+                 if one(r, rows, i, row_block)
+                 and one(c := col_seg[b, j * col_block:(j + 1) * col_block], cols, j, col_block)
+                 and c[0] == r[0]]
+      assert set(range(full_lo, full_hi)) <= set(uniform), (b, i)
+      if sorted_ids:
+        assert set(uniform) == set(range(full_lo, full_hi)), (b, i)
+
+
+def test_a_documents_interior_runs_without_the_segment_mask():
+  ids = jnp.asarray(np.repeat(np.arange(2, dtype=np.int32), 256)[None])  # two documents
+  ranges = np.asarray(segment_block_ranges(ids, ids, 500, 500, 64, 128, uniform=True))[0]
+  # Query blocks 0-3 lie in document 0 (key blocks 0-1), 4-6 in document 1 (key block 2;
+  # block 3 holds padding), block 7 holds padding.
+  np.testing.assert_array_equal(ranges[:, 1:3], [[0, 2]] * 4 + [[2, 3]] * 3 + [[4, 4]])
+
+
+def test_retention_keeps_every_segment_block_masked():
+  """The retention kernel's decay rule joins its per-row factor at the first masked
+  block, so its packed ranges must leave no block unmasked (a run inside one sequence
+  would apply the factor twice)."""
+  ids = jnp.asarray(np.repeat(np.arange(2, dtype=np.int32), 256)[None])
+  ranges = np.asarray(segment_ranges(ids, ids, 512, 512, 64, 64, uniform=False))[0, 0]
+  np.testing.assert_array_equal(ranges[:, 1], ranges[:, 0])
+  np.testing.assert_array_equal(ranges[:, 2], ranges[:, 0])
+  assert (ranges[:, 3] > ranges[:, 0]).all()

@@ -35,8 +35,9 @@ class MaskSpec:
     kv_padded: whether keys past ``kv_len`` exist in the padded buffers.
     segments: whether segment ids restrict attention further.
     segment_tiles: with ``segments``, the block ranges the kernel is given say which
-      tiles lie wholly inside one segment (packed sequences: ``packed_ranges``), and
-      only the others need the element mask; without, every tile is masked.
+      tiles lie wholly inside one segment (``segment_block_ranges(..., uniform=True)``,
+      or for packed sequences ``packed_ranges``), and only the others need the element
+      mask; without, every tile is masked.
     element_fn: a user mask ``(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
       ``mask_mod``) evaluated on each tile, reading ``element_arrays`` (refs inside
       a kernel); every tile is then masked, unless a block-sparse schedule says
@@ -58,6 +59,12 @@ class MaskSpec:
   @property
   def every_tile_masked(self) -> bool:
     return (self.segments and not self.segment_tiles) or self.element_fn is not None
+
+  @property
+  def bounds_rows(self) -> bool:
+    """Whether the element mask bounds rows by their query positions (else its
+    ``q_idx`` may be None)."""
+    return self.right is not None or self.left is not None or self.lengths
 
   @property
   def unbound_lengths(self) -> bool:
@@ -93,35 +100,56 @@ def bind_lengths(spec: MaskSpec, lengths_ref) -> MaskSpec:
   return spec.with_lengths(lengths_ref[0], lengths_ref[1]) if spec.lengths else spec
 
 
-def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None):
-  """Boolean mask for broadcastable query-row and key indices (and segment ids; and
-  ``bh = (batch row, query head)`` for ``element_fn``), or None when the spec
-  restricts nothing."""
+def element_mask(spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None,
+                 rows=lambda x: x, q_tile=None):
+  """Boolean mask for a tile's query-row indices ``q_idx`` and key indices ``k_idx``
+  (and segment ids; and ``bh = (batch row, query head)`` for ``element_fn``), or None
+  when the spec restricts nothing.
+
+  ``q_idx`` is one index per query row: shaped to broadcast against ``k_idx``, or a
+  vector that ``rows`` broadcasts to the tile (the Hopper kernels' layouts), which
+  then pass the tile-shaped index ``q_tile`` for ``element_fn``; None where
+  ``spec.bounds_rows`` is False. The window, causal, key-padding and per-row-length
+  conditions fold into one key bound per row on each side, so a tile pays one
+  comparison per side, not up to four: the element mask is on a masked tile's
+  critical path."""
   assert not spec.unbound_lengths, "bind the lengths first (MaskSpec.with_lengths)"
-  q_abs = q_idx + spec.offset
+  hi = lo = None  # per row: the last and first key it sees
+  if spec.bounds_rows:
+    q_abs = q_idx + spec.offset
+    if spec.right is not None:
+      hi = q_abs + spec.right
+    if spec.left is not None:
+      lo = q_abs - spec.left
+    if spec.lengths or (spec.kv_padded and hi is not None):
+      last = spec.kv_len - 1
+      hi = q_abs * 0 + last if hi is None else jnp.minimum(hi, last)
+    if spec.lengths:  # rows at or past q_len see nothing
+      hi = jnp.where(q_idx < spec.q_len, hi, -1)
   mask = None
 
   def conj(m, new):
     return new if m is None else jnp.logical_and(m, new)
 
-  if spec.lengths:
-    mask = conj(mask, q_idx < spec.q_len)
-  if spec.kv_padded:
+  if hi is not None:
+    mask = conj(mask, k_idx <= rows(hi))
+  elif spec.kv_padded:
     mask = conj(mask, k_idx < spec.kv_len)
-  if spec.right is not None:
-    mask = conj(mask, k_idx <= q_abs + spec.right)
-  if spec.left is not None:
-    mask = conj(mask, k_idx >= q_abs - spec.left)
+  if lo is not None:
+    mask = conj(mask, k_idx >= rows(lo))
   if spec.segments:
     mask = conj(mask, q_seg == k_seg)
   if spec.element_fn is not None:
-    mask = conj(mask, spec.element_fn(spec.element_arrays, *bh, q_idx, k_idx))
+    q_tile = q_idx if q_tile is None else q_tile
+    mask = conj(mask, spec.element_fn(spec.element_arrays, *bh, q_tile, k_idx))
   return mask
 
 
-def apply_mask(x, fill, spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None):
-  """``x`` where the pattern allows attention, ``fill`` elsewhere."""
-  mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh)
+def apply_mask(x, fill, spec: MaskSpec, q_idx, k_idx, q_seg=None, k_seg=None, bh=None,
+               rows=lambda x: x, q_tile=None):
+  """``x`` where the pattern allows attention, ``fill`` elsewhere (``element_mask``'s
+  arguments)."""
+  mask = element_mask(spec, q_idx, k_idx, q_seg, k_seg, bh, rows, q_tile)
   return x if mask is None else jnp.where(mask, x, fill)
 
 
@@ -300,17 +328,22 @@ def split_extra_refs(refs, spec: MaskSpec, score, lists: bool):
 
 
 def segment_block_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block: int,
-                         col_block: int):
+                         col_block: int, *, uniform: bool = False):
   """Per row block, the column blocks whose segment ids can meet its own (host side).
 
   ``row_seg: [batch, rows_p]``, ``col_seg: [batch, cols_p]`` int32 (padded; ids past
   ``row_len`` / ``col_len`` are ignored). A column block is visited when its id range
   ``[min, max]`` overlaps the row block's: every block that shares a segment, and for
-  sorted ids (packed sequences) few others; the kernels still apply the element
-  mask. Returns ``[batch, n_row_blocks, 2]`` int32
+  sorted ids (packed sequences) few others. Returns ``[batch, n_row_blocks, 2]`` int32
   ``(first, last + 1)``; ``(n_col_blocks, 0)`` where none can meet, so that the union
   of several rows' ranges is ``(min firsts, max ends)``. Symmetric: swap the
   arguments for the column blocks each row block reaches.
+
+  ``uniform``: ``[batch, n_row_blocks, 4]`` ``(first, full_lo, full_hi, end)`` instead,
+  where ``[full_lo, full_hi)`` is the first run of column blocks in which every id
+  equals the row block's one id (empty where the row block holds several): there the
+  segment ids mask nothing (the kernels' ``MaskSpec.segment_tiles``). For sorted ids
+  that run is a document's interior. Blocks holding padding are never uniform.
   """
   def block_min_max(seg, length, block):
     valid = jnp.arange(seg.shape[1]) < length
@@ -322,7 +355,21 @@ def segment_block_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block
   r_lo, r_hi = block_min_max(row_seg, row_len, row_block)
   c_lo, c_hi = block_min_max(col_seg, col_len, col_block)
   meets = (r_lo[:, :, None] <= c_hi[:, None, :]) & (c_lo[:, None, :] <= r_hi[:, :, None])
-  cols = jnp.arange(meets.shape[2], dtype=jnp.int32)
-  first = jnp.min(jnp.where(meets, cols, meets.shape[2]), axis=2)
+  n_cols = meets.shape[2]
+  cols = jnp.arange(n_cols, dtype=jnp.int32)
+  first = jnp.min(jnp.where(meets, cols, n_cols), axis=2)
   end = jnp.max(jnp.where(meets, cols + 1, 0), axis=2)
-  return jnp.stack([first, end], axis=2).astype(jnp.int32)
+  if not uniform:
+    return jnp.stack([first, end], axis=2).astype(jnp.int32)
+  # One id on both sides, in blocks without padding: a padding row's statistics may
+  # be those of a row that sees nothing, which only the element mask keeps out.
+  r_one = (r_lo == r_hi) & (jnp.arange(1, r_lo.shape[1] + 1) * row_block <= row_len)
+  c_one = (c_lo == c_hi) & (jnp.arange(1, n_cols + 1) * col_block <= col_len)
+  same = r_one[:, :, None] & c_one[:, None, :] & (r_lo[:, :, None] == c_lo[:, None, :])
+  full_lo = jnp.min(jnp.where(same, cols, n_cols), axis=2)
+  broken = ~same & (cols >= full_lo[:, :, None])
+  full_hi = jnp.min(jnp.where(broken, cols, n_cols), axis=2)
+  full_lo, full_hi = jnp.minimum(full_lo, end), jnp.minimum(full_hi, end)
+  full_lo = jnp.clip(full_lo, first, jnp.maximum(end, first))
+  full_hi = jnp.clip(full_hi, full_lo, jnp.maximum(end, first))
+  return jnp.stack([first, full_lo, full_hi, end], axis=2).astype(jnp.int32)

@@ -32,8 +32,7 @@ from jattn.kernels.hopper.pipeline import CONSUMERS, eight_bit_values
 
 
 def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: int, *,
-                  causal: bool, local_window, segments: bool = False, lengths: bool = False,
-                  packed: bool = False):
+                  causal: bool, local_window, segments: bool = False, lengths: bool = False):
   """``(q_len_p, kv_len_p, d_p, spec)``: padded lengths every tile divides (a CTA
   covers ``CONSUMERS`` per-warpgroup blocks; blocks are multiples of 64 but not
   always powers of two, hence the lcm), the padded head dim and the mask."""
@@ -44,7 +43,7 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
                           clamp=False)
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
                         kv_padded=kv_len_p != kv_len, segments=segments, lengths=lengths)
-  if packed:  # packed sequences: their ranges say which tiles need no mask
+  if segments:  # the segment ranges say which tiles need no mask
     spec = dataclasses.replace(spec, segment_tiles=True)
   return q_len_p, kv_len_p, mosaic_head_dim(head_dim), spec
 
@@ -121,8 +120,7 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None,
-                                               lengths=lengths is not None,
-                                               packed=packed is not None)
+                                               lengths=lengths is not None)
   positions = _positions(q_seg, mods, dropout_rate, lengths)
   padded = (q_len_p, kv_len_p)
   inputs = _kernel_inputs(positions, q_seg, kv_seg, mods, (config.block_q, config.block_kv),
@@ -194,8 +192,7 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   q_len_p, kv_len_p, d_p, spec = mosaic_layout(config, q_len, kv_len, head_dim, causal=causal,
                                                local_window=local_window,
                                                segments=q_seg is not None,
-                                               lengths=lengths is not None,
-                                               packed=packed is not None)
+                                               lengths=lengths is not None)
   c = config
   positions = _positions(q_seg, mods, dropout_rate, lengths)
   padded = (q_len_p, kv_len_p)

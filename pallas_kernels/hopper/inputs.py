@@ -62,6 +62,18 @@ class Tile(NamedTuple):
     rows = mp.iota(self.shape, self.q_axis, self.q_start)
     return rows if self.row_group == 1 else lax.div(rows, jnp.int32(self.row_group))
 
+  def q_rows(self):
+    """The query positions of the tile's rows along ``q_axis``: one vector, which
+    ``broadcast_rows`` spreads over the tile (a row's bounds cost one value, not a
+    tile row)."""
+    layout = mp.ROW if self.q_axis == 0 else mp.COL
+    rows = plgpu.broadcasted_iota(jnp.int32, (self.shape[self.q_axis],), 0,
+                                  layout=layout) + self.q_start
+    return rows if self.row_group == 1 else lax.div(rows, jnp.int32(self.row_group))
+
+  def broadcast_rows(self, x):
+    return lax.broadcast_in_dim(x, self.shape, [self.q_axis])
+
   def k_idx(self):
     return mp.iota(self.shape, 1 - self.q_axis, self.k_start)
 
@@ -175,8 +187,12 @@ class PositionInputs:
     if self.mask is not None:
       spec = dataclasses.replace(spec, element_fn=self.mask,
                                  element_arrays=self._parts(self.mask, tile))
-    return apply_mask(s, -jnp.inf, spec, tile.q_idx(), tile.k_idx(), *segments,
-                      bh=(tile.b, tile.h))
+    # Row positions only where a bound reads them: an unused value leaves Mosaic's
+    # layout inference unconstrained choices (it ran out of search on the H100).
+    q_rows = tile.q_rows() if spec.bounds_rows else None
+    q_tile = tile.q_idx() if spec.element_fn is not None else None
+    return apply_mask(s, -jnp.inf, spec, q_rows, tile.k_idx(), *segments,
+                      bh=(tile.b, tile.h), rows=tile.broadcast_rows, q_tile=q_tile)
 
 
 def given_range(ranges_ref, b, heads, first_block, n_blocks: int):
@@ -200,9 +216,15 @@ def given_range(ranges_ref, b, heads, first_block, n_blocks: int):
 # --- host side -------------------------------------------------------------------------------
 
 def segment_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block: int,
-                   col_block: int):
-  """``ranges`` ``[batch, 1, row_blocks, 4]`` of segment ids (every visited block masked;
-  ``(n, n, n, 0)`` where none can meet, so that unions skip it)."""
+                   col_block: int, *, uniform: bool = True):
+  """``ranges`` ``[batch, 1, row_blocks, 4]`` of segment ids: the blocks ids can meet,
+  unmasked where both blocks hold one and the same id (``segment_block_ranges``;
+  only a spec with ``segment_tiles`` runs them so; ``uniform=False``: every block
+  masked, ``(first, first, first, end)``); ``(n, n, n, 0)`` where none can meet, so
+  that unions skip it."""
+  if uniform:
+    return segment_block_ranges(row_seg, col_seg, row_len, col_len, row_block, col_block,
+                                uniform=True)[:, None]
   first_end = segment_block_ranges(row_seg, col_seg, row_len, col_len, row_block, col_block)
   first, end = first_end[..., 0], first_end[..., 1]
   return jnp.stack([first, first, first, end], axis=-1)[:, None]

@@ -132,8 +132,11 @@ def retention_mosaic_forward(q, k, v, log2_decay, *, scale: float, normalize: bo
   if packed:
     ids = sequence_ids(cu_seqlens, q_len)[None]
     segments = (pad_to(ids, q_len_p), pad_to(ids, kv_len_p))
+    # Every visited block masked: the decay rule joins its per-row factor at the first
+    # masked block (DecayRows), which must be the first block visited.
     inputs = position_arrays(positions, segments, ranges=segment_ranges(
-        *segments, q_len, kv_len, block_q, block_kv), padded=(q_len_p, kv_len_p))
+        *segments, q_len, kv_len, block_q, block_kv, uniform=False),
+        padded=(q_len_p, kv_len_p))
   dk_p, dv_p = mosaic_head_dim(dk), mosaic_head_dim(dv)
   o, den = rows_forward(pad_to(q, q_len_p, dk_p), pad_to(k, kv_len_p, dk_p),
                         pad_to(v, kv_len_p, dv_p), inputs + (log2_decay.astype(jnp.float32),),
