@@ -4,6 +4,7 @@ against dense formulas written without any function, block masks against brute
 force, and the errors. (The op-wide guarantees are tests/test_contract.py's.)"""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax import lax
@@ -108,6 +109,39 @@ def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name, x64, monke
   _assert_close(ours, ref, 2e-5)
   # A dense bias's gradient is the kernels' dS summed: no pass of its own.
   assert steps == [] if name == "bias" else steps and min(steps) == 4
+
+
+@pytest.mark.parametrize("name", ["alibi", "bias"])
+def test_arrays_that_are_not_differentiated_cost_no_gradient_work(name, monkeypatch):
+  # Differentiating q, k, v only: no arrays' pass, and no dS written for a dense bias
+  # (it would be a [batch, heads, q, kv] output of the backward kernels, padded to tiles).
+  steps, scan = [], jattn.flex.array_grads._RowBlocks._scan
+  monkeypatch.setattr(jattn.flex.array_grads._RowBlocks, "_scan",
+                      lambda self, *a: steps.append(self.steps) or scan(self, *a))
+  jax.clear_caches()
+  q, k, v, do = _inputs(2)
+  if name == "alibi":
+    param, make = flex.alibi_slopes(HQ), flex.alibi_score
+    dense = lambda s: jnp.broadcast_to(s[:, None, None] * DIST, (B, HQ, SQ, SK))
+  else:
+    param, make = jax.random.normal(jax.random.PRNGKey(6), (1, HQ, SQ, SK)), flex.bias_score
+    dense = lambda b: b
+  f = lambda q, k, v: jattn.flex_attention(q, k, v, score_mod=make(param), return_lse=True)
+  ours = _out_and_grads(f, q, k, v, do)
+  ref = _out_and_grads(lambda q, k, v: _bias_ref(dense)(q, k, v, param), q, k, v, do)
+  _assert_close(ours, ref, 2e-5)
+  assert steps == []
+  jaxpr = jax.make_jaxpr(lambda *a: _out_and_grads(f, *a))(q, k, v, do)
+  shapes = [o.aval.shape for eqn in _all_eqns(jaxpr.jaxpr)
+            if eqn.primitive.name == "pallas_call" for o in eqn.outvars]
+  assert shapes and not any(len(s) == 4 and s[:2] == (B, HQ) for s in shapes)  # dS: padded
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _all_eqns(getattr(sub, "jaxpr", sub))
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 import numpy as np
 
 from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUInfo,
@@ -287,6 +288,13 @@ class Call:
   problem: Any
   config: Any
   interpret: bool
+  # In a backward: which of the op's arrays are differentiated (None: all). An
+  # implementation may skip the work of a gradient nobody asked for.
+  differentiated: tuple[bool, ...] | None = None
+
+  def wants_grad(self, index: int) -> bool:
+    """Whether the gradient of the op's array ``index`` is used."""
+    return self.differentiated is None or self.differentiated[index]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -297,22 +305,33 @@ def _with_vjp(call: Call, dtypes, *arrays):
 
 
 def _with_vjp_fwd(call: Call, dtypes, *arrays):
+  # Symbolic zeros: each array comes as ``CustomVJPPrimal`` (its value and whether it is
+  # differentiated). The flags ride in the residuals' structure (``()``: differentiated).
+  flags = tuple(() if a is not None and a.perturbed else None for a in arrays)
+  arrays = tuple(None if a is None else a.value for a in arrays)
   if sharding.partitions(call):  # the residuals are rebuilt per shard (``residuals_of``)
     outputs = sharding.forward(call, arrays)
-    return outputs, (arrays, outputs)
-  return call.impl.forward(call, *arrays)
+    return outputs, (flags, (arrays, outputs))
+  outputs, residuals = call.impl.forward(call, *arrays)
+  return outputs, (flags, residuals)
 
 
 def _with_vjp_bwd(call: Call, dtypes, residuals, cotangents):
+  flags, residuals = residuals
+  call = dataclasses.replace(call, differentiated=tuple(f is not None for f in flags))
+  cotangents = jax.tree.map(
+      lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c, cotangents,
+      is_leaf=lambda c: isinstance(c, SymbolicZero))
   if sharding.partitions(call):
     grads = sharding.backward(call, *residuals, cotangents)
   else:
     grads = call.impl.backward(call, residuals, cotangents)
   # Implementations may return float32 gradients; each takes its array's dtype here.
-  return tuple(None if g is None else g.astype(d) for g, d in zip(grads, dtypes))
+  return tuple(None if g is None or not f else g.astype(d)
+               for g, d, f in zip(grads, dtypes, call.differentiated))
 
 
-_with_vjp.defvjp(_with_vjp_fwd, _with_vjp_bwd)
+_with_vjp.defvjp(_with_vjp_fwd, _with_vjp_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -6,9 +6,9 @@ bias (``bias_score``) the Triton backward writes dS out and the gradient is its 
 over the bias's broadcast axes (``summed_over_broadcast``). For any other function the
 kernels do not keep dS, so it is recomputed here in XLA one block of query rows at a
 time (a ``scan``), from the saved log-sum-exp, with the products in the inputs' dtype
-as the kernels take them. It costs about one dense attention pass; when the arrays'
-gradients are not used (the common case: a fixed ALiBi or table), the compiler drops
-it.
+as the kernels take them. It costs about one dense attention pass, paid only for
+arrays that are differentiated (a fixed ALiBi table or a bias under ``stop_gradient``
+costs nothing: ``Call.wants_grad``).
 """
 
 from __future__ import annotations
@@ -24,18 +24,20 @@ from jattn.kernels.common.softmax import backward_delta
 _STEP_ELEMENTS = 1 << 25
 
 
-def score_array_grads(problem, consts, mask_consts, q, k, v, o, lse, do, dlse) -> list:
-  """One gradient per array ``problem.score_mod`` closes over (``consts``; None for
-  integer and boolean ones), float32.
+def score_array_grads(problem, consts, wanted, mask_consts, q, k, v, o, lse, do,
+                      dlse) -> list:
+  """One gradient per array ``problem.score_mod`` closes over (``consts``; None where
+  ``wanted`` is False), float32.
 
   Args:
     problem: the ``FlexProblem`` (its ``score_mod``, ``mask_mod`` and ``scale``).
     consts, mask_consts: the arrays the score and mask functions close over.
+    wanted: per array of ``consts``, whether its gradient is used (float and
+      differentiated).
     q: ``[batch, q_len, heads, d]``; k, v: ``[batch, kv_len, kv_heads, d]``.
     o, lse, do, dlse: the forward's output and row log-sum-exp ``[batch, heads,
       q_len]``, and their cotangents.
   """
-  wanted = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
   if not any(wanted):
     return [None] * len(consts)
   return _RowBlocks(problem, mask_consts, q, k, v, o, lse, do, dlse).array_grads(consts, wanted)

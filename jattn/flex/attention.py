@@ -118,8 +118,11 @@ class _FlexKernels:
     (q, k, v), consts, mods, o, lse = residuals
     p = call.problem
     score_consts, mask_consts = p.split_consts(consts)
-    if self.writes_ds and p.score_mod is not None and p.score_mod.dense_bias and (
-        jnp.issubdtype(score_consts[0].dtype, jnp.inexact)):
+    # The score function's arrays follow q, k, v; a fixed one (a constant ALiBi table,
+    # a bias under stop_gradient) gets no gradient and costs nothing.
+    wanted = [call.wants_grad(3 + i) and jnp.issubdtype(c.dtype, jnp.inexact)
+              for i, c in enumerate(score_consts)]
+    if self.writes_ds and p.score_mod is not None and p.score_mod.dense_bias and wanted[0]:
       # A dense bias's gradient is dS summed over its broadcast axes: the kernels
       # write dS as they compute it (16-bit for a 16-bit bias).
       bias = score_consts[0]
@@ -129,10 +132,8 @@ class _FlexKernels:
       array_grads = [summed_over_broadcast(ds, bias.shape)]
     else:
       dq, dk, dv = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods)
-      array_grads = []
-      if score_consts:
-        array_grads = score_array_grads(p, score_consts, mask_consts, q, k, v, o, lse,
-                                        *cotangents)
+      array_grads = score_array_grads(p, score_consts, wanted, mask_consts, q, k, v, o, lse,
+                                      *cotangents)
     kinds = (None,) if p.block_mask is not None else ()
     return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
 
