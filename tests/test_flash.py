@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import jattn
 from conftest import ON_GPU, rel_err
 from jattn.kernels.flash.config import default_mosaic_config
+from jattn.kernels.common.masking import segment_block_ranges
 from jattn.reference import flash_attention_reference
 
 
@@ -54,6 +55,9 @@ def check_against_reference(q, k, v, do, *, config=SMALL, backend="pallas_triton
 
   def ref(q, k, v):
     f32 = lambda x: x.astype(jnp.float32)
+    if "kv_lengths" in ref_kwargs:  # the op's own dense path takes per-row lengths
+      return jattn.flash_attention(f32(q), f32(k), f32(v), backend="xla", return_lse=True,
+                                   **ref_kwargs)
     return flash_attention_reference(f32(q), f32(k), f32(v), **ref_kwargs)
 
   # jitted: eagerly every op of the kernel (and of the reference) compiles on its own.
@@ -118,6 +122,31 @@ def test_segment_ids_with_empty_rows():
   o, _ = check_against_reference(q, k, v, do, causal=True, q_segment_ids=q_seg,
                                  kv_segment_ids=kv_seg)
   assert np.all(np.asarray(o[:, -5:]) == 0.0)
+
+
+SEGMENT_CASES = {
+    # Sorted documents of 20 to 30 tokens: tiles inside one run unmasked, cross attention
+    # with ids only the queries hold (rows that see nothing), GQA, causal.
+    "packed-cross-causal": (48, 64, lambda i, n: i * 3 // n + (i >= n - 4) * 7,
+                            dict(causal=True)),
+    # Repeating, unsorted ids (0, 1, 0, 1 in runs of 17) with a window and per-row lengths.
+    "repeating-window-lengths": (70, 70, lambda i, n: (i // 17) % 2,
+                                 dict(local_window=(24, 5),
+                                      kv_lengths=jnp.asarray([70, 51], jnp.int32))),
+}
+
+
+@pytest.mark.parametrize("sq,sk,ids_of,kwargs", SEGMENT_CASES.values(), ids=SEGMENT_CASES)
+def test_segment_ids_skip_and_unmask_tiles(sq, sk, ids_of, kwargs):
+  q, k, v, do = make_inputs(jax.random.PRNGKey(sq), 2, sq, sk, 4, 2, 16, jnp.float32)
+  ids = lambda n, shift: jnp.stack([ids_of(jnp.arange(n), n),
+                                    ids_of((jnp.arange(n) + shift) % n, n)])
+  q_seg, kv_seg = ids(sq, 0), ids(sk, 5)
+  # The kernels' path under test: some tiles lie inside one segment (run unmasked).
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, -x.shape[1] % 16)))
+  ranges = segment_block_ranges(pad(q_seg), pad(kv_seg), sq, sk, 16, 16, uniform=True)
+  assert np.any(ranges[..., 2] > ranges[..., 1])
+  check_against_reference(q, k, v, do, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
 
 
 def test_default_config_and_single_block():

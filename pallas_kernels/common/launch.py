@@ -12,6 +12,9 @@ HEAD_SCALAR = pl.BlockSpec((1,), lambda i, b, h: (h,))
 
 # A ``[batch, 2]`` int32 array's row of the program's batch row: its (q_len, kv_len).
 LENGTHS = pl.BlockSpec((None, 2), lambda i, b, h: (b, 0))
+# A program's row of ``masking.segment_block_ranges(..., uniform=True)``: its tile's
+# ``(first, full_lo, full_hi, end)`` in its batch row (grid: tile, batch row, head).
+SEGMENT_RANGE = pl.BlockSpec((None, None, 4), lambda t, b, h: (b, t, 0))
 
 
 def tile_spec(block: int, d: int):

@@ -250,6 +250,15 @@ def narrow(block_range, given):
   return lo, full_lo, full_hi, hi
 
 
+def with_segment_range(spec: MaskSpec, block_range, range_ref):
+  """Inside a kernel, ``block_range`` narrowed to the tile's segment range
+  (``segment_block_ranges(..., uniform=True)``'s ``[4]`` row, in ``range_ref``) when
+  ``spec`` has segment tiles; as it is otherwise."""
+  if not (spec.segments and spec.segment_tiles):
+    return block_range
+  return narrow(block_range, tuple(range_ref[i] for i in range(4)))
+
+
 def split_block_range(block_range, split, split_blocks: int):
   """``block_range`` restricted to split ``split`` of the key blocks: blocks
   ``[split * split_blocks, (split + 1) * split_blocks)``."""

@@ -11,6 +11,7 @@ lists (FlexAttention's block masks), each visits only the listed tiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,11 +23,12 @@ from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
 from jattn.kernels.common.element_functions import kernel_array
-from jattn.kernels.common.launch import (LENGTHS, row_stat_spec, tile_spec, triton_call,
-                                         whole_array_spec, whole_sequence_spec)
-from jattn.kernels.common.masking import (MaskSpec, element_mask,
-                                          kv_block_range, q_block_range, range_tiles,
-                                          run_tiles, split_extra_refs)
+from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, row_stat_spec, tile_spec,
+                                         triton_call, whole_array_spec, whole_sequence_spec)
+from jattn.kernels.common.masking import (MaskSpec, element_mask, kv_block_range,
+                                          q_block_range, range_tiles, run_tiles,
+                                          segment_block_ranges, split_extra_refs,
+                                          with_segment_range)
 from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
 from jattn.kernels.flash.triton_rows import BATCH_ROWS, PackedRows
@@ -43,7 +45,7 @@ def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-                seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
+                seg_range_ref, seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
                 block_k: int, group: int, lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
@@ -85,7 +87,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
     return dk, dv
 
   if not lists:
-    ranges = range_tiles(*q_block_range(spec, k_start, block_k, block_q))
+    ranges = range_tiles(*with_segment_range(
+        spec, q_block_range(spec, k_start, block_k, block_q), seg_range_ref))
   # Read here: interpret mode has no program ids inside loops.
   key_tile = pl.program_id(0) if lists else None
 
@@ -106,7 +109,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-               seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
+               seg_range_ref, seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
                block_k: int, lists: bool, dropout_rate: float, layout, writes_ds: bool = False):
   spec, score, tile_lists, outs = split_extra_refs(refs, spec, score, lists)
   # With ``writes_ds``: dS ``[block_q, kv_len_p]`` rows out too (after dQ; before them,
@@ -149,7 +152,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
   if lists:
     schedule = listed_tiles(tile_lists, pl.program_id(0))
   else:
-    schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
+    schedule = range_tiles(*with_segment_range(
+        spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref))
   dq = run_tiles(schedule, body, jnp.zeros(q.shape, jnp.float32))
   rows_at.store(dq_ref, q_start, (dq * scale).astype(dq_ref.dtype))
 
@@ -204,10 +208,16 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
                                       lambda j, b, h: (b, 0, 0, 0))
   full_rows = pl.BlockSpec((None, q_heads, q_len_p), lambda j, b, h: (b, 0, 0))
   k_tile, v_tile = tile_spec(bk_dkv, d), tile_spec(bk_dkv, dv_width)
-  seg_specs = [None, None]
-  if spec.segments:
+  segments = (q_seg, kv_seg)
+  seg_specs = [None, None, None]
+  if spec.segments:  # tiles inside one segment run unmasked, those no id meets not at all
+    spec = dataclasses.replace(spec, segment_tiles=True)
+    segments += (segment_block_ranges(kv_seg, q_seg, spec.kv_len, spec.q_len, bk_dkv, bq_dkv,
+                                      uniform=True),)
     seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),
-                 pl.BlockSpec((None, bk_dkv), lambda j, b, h: (b, j))]
+                 pl.BlockSpec((None, bk_dkv), lambda j, b, h: (b, j)), SEGMENT_RANGE]
+  else:
+    segments += (None,)
   extra = [whole_array_spec(x) for x in arrays]
   dkv_lists, dq_lists = lists if lists is not None else ((), ())
   dk, dv = triton_call(
@@ -220,14 +230,17 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
       out_specs=[k_tile, v_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_flash_bwd_dkv", **launch,
-  )(q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dkv_lists)
+  )(q, k, v, do, lse, delta, *segments, seed, lengths, *arrays, *dkv_lists)
 
   row_tile = row_stat_spec(bq_dq)
-  seg_specs = [None, None]
+  segments = (q_seg, kv_seg, None)
+  seg_specs = [None, None, None]
   if spec.segments:
+    segments = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
+                                                    bq_dq, bk_dq, uniform=True))
     seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
-  inputs = (q, k, v, do, lse, delta, q_seg, kv_seg, seed, lengths, *arrays, *dq_lists)
+                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)), SEGMENT_RANGE]
+  inputs = (q, k, v, do, lse, delta, *segments, seed, lengths, *arrays, *dq_lists)
   in_specs = [tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
               whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
               row_tile, row_tile, *seg_specs, *scalar_specs, *extra,
@@ -239,7 +252,8 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     ds_rows = pl.BlockSpec((None, None, bq_dq, kv_len_p), lambda i, b, h: (b, h, i, 0))
     out_specs.append(ds_rows)
     out_shape.append(ds_shape)
-    if dq_lists or spec.left is not None or spec.right is not None or spec.lengths:
+    if dq_lists or spec.left is not None or spec.right is not None or spec.lengths or (
+        spec.segments):
       # Some tiles are skipped: their dS is the zeros it starts as.
       aliases = {len(jax.tree.leaves(inputs)): 1}
       inputs += (jnp.zeros(ds_shape.shape, ds_dtype),)
@@ -275,20 +289,20 @@ def _packed_backward(q, k, v, do, lse, delta, cu, *, spec, scale, score, blocks,
       kernel(_dkv_kernel, block_q=bq_dkv, block_k=bk_dkv, group=group),
       grid=(-(-layout.max_k // bk_dkv), seqs, kv_heads),
       in_specs=[whole(q), rows(total_k, d, own_kv), rows(total_k, dv_width, own_kv), whole(do),
-                whole(lse), whole(delta), None, None, None, whole_array_spec(cu)],
+                whole(lse), whole(delta), None, None, None, None, whole_array_spec(cu)],
       out_specs=[rows(total_k, d, own_kv), rows(total_k, dv_width, own_kv)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="jattn_flash_varlen_bwd_dkv", **launch,
-  )(q, k, v, do, lse, delta, None, None, None, cu)
+  )(q, k, v, do, lse, delta, None, None, None, None, cu)
   kv_of = lambda h: h // group
   dq = triton_call(
       kernel(_dq_kernel, block_q=bq_dq, block_k=bk_dq),
       grid=(-(-layout.max_q // bq_dq), seqs, q_heads),
       in_specs=[rows(total_q, d, own_kv), rows(total_k, d, kv_of), rows(total_k, dv_width, kv_of),
-                rows(total_q, dv_width, own_kv), stats, stats, None, None, None,
+                rows(total_q, dv_width, own_kv), stats, stats, None, None, None, None,
                 whole_array_spec(cu)],
       out_specs=rows(total_q, d, own_kv),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="jattn_flash_varlen_bwd_dq", **launch,
-  )(q, k, v, do, lse, delta, None, None, None, cu)
+  )(q, k, v, do, lse, delta, None, None, None, None, cu)
   return dq, dk, dv

@@ -5,11 +5,14 @@ registers and streams key/value tiles with an online softmax. Key blocks are
 visited in three runs (masked, unmasked, masked) so that tiles wholly inside
 the attention pattern skip the element mask; or, given block-sparse tile lists
 (FlexAttention's block masks), the listed partial tiles masked and the full ones
-unmasked.
+unmasked. With segment ids, the runs are narrowed to the key blocks whose ids can meet
+the query tile's, and tiles wholly inside one segment are unmasked
+(``masking.segment_block_ranges``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,19 +23,20 @@ from jax.experimental import pallas as pl
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
-from jattn.kernels.common.launch import (LENGTHS, row_stat_spec, tile_spec, triton_call,
-                                         whole_array_spec, whole_sequence_spec)
+from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, row_stat_spec, tile_spec,
+                                         triton_call, whole_array_spec, whole_sequence_spec)
 from jattn.kernels.common.element_functions import kernel_array
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
-                                          run_tiles, split_extra_refs)
+                                          run_tiles, segment_block_ranges, split_extra_refs,
+                                          with_segment_range)
 from jattn.kernels.common.nonfinite import guard_values
 from jattn.kernels.common.softmax import (dot, log2_logits, log2_units, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
 from jattn.kernels.flash.triton_rows import BATCH_ROWS, PackedRows
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_ref, lengths_ref,
-                    *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, seg_range_ref, sink_ref,
+                    seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
                     lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
@@ -59,7 +63,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, sink_ref, seed_r
   if lists:
     schedule = listed_tiles(tile_lists, pl.program_id(0))
   else:
-    schedule = range_tiles(*kv_block_range(spec, q_start, block_q, block_k))
+    schedule = range_tiles(*with_segment_range(
+        spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref))
   sink = None if sink_ref is None else sink_ref[bh[1]]
   c = log2_units(scale, score is not None)
   carry = run_tiles(schedule, body, online_softmax_init(block_q, v_ref.shape[-1], sink, c))
@@ -107,11 +112,16 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
   group = q_heads // kv_heads
   in_specs = [tile_spec(block_q, d), whole_sequence_spec(kv_len_p, d, group),
               whole_sequence_spec(kv_len_p, dv, group)]
-  if spec.segments:
+  seg_ranges = None
+  if spec.segments:  # tiles inside one segment run unmasked, those no id meets not at all
+    spec = dataclasses.replace(spec, segment_tiles=True)
+    seg_ranges = segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len, block_q,
+                                      block_k, uniform=True)
     in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0))]
+                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)),
+                 SEGMENT_RANGE]
   else:
-    in_specs += [None, None]
+    in_specs += [None, None, None]
   seed = dropout_seed if dropout_rate else None
   in_specs += [None if x is None else whole_array_spec(x) for x in (sinks, seed)]
   in_specs += [LENGTHS if spec.lengths else None]
@@ -130,7 +140,7 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
                  jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)],
       name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
       num_stages=config.num_stages,
-  )(q, k, v, q_seg, kv_seg, sinks, seed, lengths, *arrays, *(lists or ()))
+  )(q, k, v, q_seg, kv_seg, seg_ranges, sinks, seed, lengths, *arrays, *(lists or ()))
 
 
 def _packed_forward(q, k, v, cu, *, spec, scale, score, config, block_q, block_k, interpret,
@@ -150,7 +160,7 @@ def _packed_forward(q, k, v, cu, *, spec, scale, score, config, block_q, block_k
       kernel,
       grid=(-(-layout.max_q // block_q), seqs, q_heads),
       in_specs=[rows(total_q, d, lambda h: h), rows(total_k, d, lambda h: h // group),
-                rows(total_k, dv, lambda h: h // group), None, None,
+                rows(total_k, dv, lambda h: h // group), None, None, None,
                 None if sinks is None else whole_array_spec(sinks), None,
                 whole_array_spec(cu)],
       out_specs=[rows(total_q, dv, lambda h: h),
@@ -159,4 +169,4 @@ def _packed_forward(q, k, v, cu, *, spec, scale, score, config, block_q, block_k
                  jax.ShapeDtypeStruct((q_heads, total_q), jnp.float32)],
       name="jattn_flash_varlen_fwd", interpret=interpret, num_warps=config.num_warps,
       num_stages=config.num_stages,
-  )(q, k, v, None, None, sinks, None, cu)
+  )(q, k, v, None, None, None, sinks, None, cu)
