@@ -48,6 +48,7 @@ def assert_close(ours, theirs, tol=2e-5):
     dict(bias="per head"),
     dict(bias="per row", mask=True, is_causal=True),
     dict(bias="per key", lengths=(10, 12)),       # broadcast over the queries too
+    dict(bias="one element", mask="one element"),  # constants the kernels read as such
 ])
 def test_matches_jax_nn_outputs_and_gradients(case):
   case = dict(case)
@@ -57,16 +58,19 @@ def test_matches_jax_nn_outputs_and_gradients(case):
   bias = case.pop("bias", None)
   if bias is not None:  # broadcast over the batch, the heads, or the batch and queries
     shape = {"per head": (1, 4, q_len, kv_len), "per row": (2, 1, q_len, kv_len),
-             "per key": (1, 4, 1, kv_len)}[bias]
+             "per key": (1, 4, 1, kv_len), "one element": (1, 1, 1, 1)}[bias]
     case["bias"] = jax.random.normal(kb, shape)
-  if case.pop("mask", False):  # random, with the diagonal kept so that no row is empty
+  mask = case.pop("mask", None)
+  if mask == "one element":
+    case["mask"] = jnp.ones((1, 1, 1, 1), bool)
+  elif mask:  # random, with the diagonal kept so that no row is empty
     keep = jax.random.bernoulli(km, 0.6, (2, 4, q_len, kv_len))
     case["mask"] = keep | jnp.eye(q_len, kv_len, dtype=bool)
   for name in ("query_seq_lengths", "key_value_seq_lengths"):
     if name in case:
       case[name] = jnp.asarray(case[name], jnp.int32)
   assert_close(*both(q, k, v, **case))
-  if bias is not None:  # the kernels, whose bias gradient is a pass of its own
+  if bias is not None or mask:  # the kernels, whose bias gradient is a pass of its own
     assert_close(*both(q, k, v, implementation="pallas_triton", **case))
 
 

@@ -546,8 +546,16 @@ def _bad_mask_mod(b, h, i, j):
           block_mask=jattn.create_block_mask(flex.causal_mask(), None, None, SQ, SK)),
      ValueError, "pass mask_mod or a block_mask made from it"),
     (dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
+    # jattn.flex's functions check the arrays they index (a read past the end is clamped)
+    (dict(score_mod=flex.bias_score(jnp.zeros((HQ, SQ - 3, SK)))), ValueError,
+     r"bias_score's bias must be \[1 or heads = 4, 1 or q_len = 11, 1 or kv_len = 13\]"),
+    (dict(mask_mod=flex.document_mask(DOCS[:5], DOCS)), ValueError,
+     r"document_mask's q_documents must be \[q_len = 11\] for this call, got shape \(5,\)"),
+    (dict(score_mod=flex.alibi_score(flex.alibi_slopes(HQ - 1))), ValueError,
+     r"alibi_score's slopes must be \[heads = 4\]"),
 ], ids=["score-not-callable", "score-arity", "mask-not-bool", "score-not-elementwise",
-        "block-mask-type", "block-mask-lengths", "block-mask-batch", "two-masks", "scale"])
+        "block-mask-type", "block-mask-lengths", "block-mask-batch", "two-masks", "scale",
+        "bias-shape", "document-ids-length", "alibi-heads"])
 def test_errors_name_the_argument(kwargs, error, match):
   q, k, v, _ = _inputs()
   with pytest.raises(error, match=match):

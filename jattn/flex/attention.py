@@ -259,6 +259,9 @@ class FlexAttention(SoftmaxOp):
     if block_mask is not None:
       mask_mod = _check_block_mask(block_mask, mask_mod, batch, q_heads, q_len, k.shape[1])
       kinds = (block_mask.kinds,)
+    sizes = dict(batch=batch, heads=q_heads, q_len=q_len, kv_len=k.shape[1])
+    for fn in (score_mod, mask_mod):  # jattn.flex's functions know their arrays' shapes
+      getattr(fn, "check_shapes", lambda sizes: None)(sizes)
     score_fn, score_consts = trace(score_mod, "score_mod")
     mask_fn, mask_consts = trace(mask_mod, "mask_mod")
     problem = FlexProblem.of(

@@ -17,6 +17,29 @@ from typing import Callable
 import jax.numpy as jnp
 
 
+def _checked(fn: Callable, *expected) -> Callable:
+  """``fn`` with the shapes of the arrays it closes over: ``(name, array, dims)`` with
+  ``dims`` naming each axis (``"batch"``, ``"heads"``, ``"q_len"``, ``"kv_len"``) or
+  None (any size); an axis named with a leading ``"1|"`` may also have size 1
+  (broadcast). ``flex_attention`` checks them against its call (``check_shapes``): an
+  index past an array's end would be clamped, a wrong answer that looks right."""
+
+  def check_shapes(sizes: dict):
+    for name, array, dims in expected:
+      want = tuple(None if d is None else sizes[d.removeprefix("1|")] for d in dims)
+      ok = len(dims) == array.ndim and all(
+          w is None or n == w or (n == 1 and d.startswith("1|"))
+          for n, w, d in zip(array.shape, want, dims))
+      if not ok:
+        wanted = ", ".join("any" if d is None else d.replace("1|", "1 or ") + f" = {w}"
+                           for d, w in zip(dims, want))
+        raise ValueError(f"{name} must be [{wanted}] for this call, got shape "
+                         f"{tuple(array.shape)}")
+
+  fn.check_shapes = check_shapes
+  return fn
+
+
 # --- masks: (b, h, q_idx, kv_idx) -> bool ---------------------------------------------------
 
 def causal_mask(offset: int = 0) -> Callable:
@@ -45,15 +68,21 @@ def document_mask(q_documents, kv_documents=None) -> Callable:
   def ids(documents, b, i):
     return documents[i] if documents.ndim == 1 else documents[b, i]
 
-  return lambda b, h, q_idx, kv_idx: ids(q_documents, b, q_idx) == ids(kv_documents, b, kv_idx)
+  dims = lambda x, length: (length,) if x.ndim == 1 else ("1|batch", length)
+  return _checked(
+      lambda b, h, q_idx, kv_idx: ids(q_documents, b, q_idx) == ids(kv_documents, b, kv_idx),
+      ("document_mask's q_documents", q_documents, dims(q_documents, "q_len")),
+      ("document_mask's kv_documents", kv_documents, dims(kv_documents, "kv_len")))
 
 
 def prefix_lm_mask(prefix_length) -> Callable:
   """Prefix LM: every query sees the first ``prefix_length`` keys (an int, or per batch
   row ``[batch]``) and, past them, causally."""
   prefix = jnp.asarray(prefix_length, jnp.int32)
-  return lambda b, h, q_idx, kv_idx: (kv_idx < (prefix if prefix.ndim == 0 else prefix[b])) | (
+  fn = lambda b, h, q_idx, kv_idx: (kv_idx < (prefix if prefix.ndim == 0 else prefix[b])) | (
       kv_idx <= q_idx)
+  return fn if prefix.ndim == 0 else _checked(
+      fn, ("prefix_lm_mask's prefix_length", prefix, ("batch",)))
 
 
 def and_masks(*masks: Callable) -> Callable:
@@ -77,7 +106,9 @@ def alibi_slopes(heads: int):
 def alibi_score(slopes) -> Callable:
   """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)`` (a penalty growing with distance
   to earlier keys). ``slopes``: ``[q_heads]``; it gets a gradient."""
-  return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+  slopes = jnp.asarray(slopes)
+  return _checked(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx),
+                  ("alibi_score's slopes", slopes, ("heads",)))
 
 
 def softcap_score(cap: float) -> Callable:
@@ -92,7 +123,9 @@ def relative_position_score(table) -> Callable:
   if table.ndim != 2 or table.shape[1] % 2 == 0:
     raise ValueError(f"table must be [heads, 2 m + 1], got shape {tuple(table.shape)}")
   m = (table.shape[1] - 1) // 2
-  return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(kv_idx - q_idx, -m, m) + m]
+  return _checked(
+      lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(kv_idx - q_idx, -m, m) + m],
+      ("relative_position_score's table", table, ("heads", None)))
 
 
 def broadcast_at(x, b, h, q_idx, kv_idx):
@@ -116,4 +149,6 @@ def bias_score(bias) -> Callable:
 
   # flex_attention then takes the bias's gradient as dS summed over its broadcast axes.
   score_mod.dense_bias_shape = tuple(bias.shape)
-  return score_mod
+  dims = ("1|heads", "1|q_len", "1|kv_len")
+  return _checked(score_mod, ("bias_score's bias", bias,
+                              dims if bias.ndim == 3 else ("1|batch",) + dims))

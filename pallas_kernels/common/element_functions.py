@@ -117,13 +117,18 @@ class TileFunction:
                                reach=tuple(reach) if reach is not None else (),
                                clamped=tuple(clamped) if clamped is not None else (False,) * n)
 
+  def _kernel_arrays(self) -> list:
+    """The arrays it reads, abstract, as ``kernel_array`` stores them."""
+    return [jax.eval_shape(kernel_array, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
+            for v in self._array_vars]
+
   @functools.cached_property
   def unit_slope(self) -> bool:
     """Whether the derivative in the first argument (a score) is 1 everywhere, as for
     ``score + g(b, h, q_idx, kv_idx)`` (a bias, ALiBi): then kernels take it as 1 with
     no forward-mode pass. Found by tracing that derivative once: it must depend on
     no input and come out 1."""
-    arrays = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self._array_vars]
+    arrays = self._kernel_arrays()
     args = [jax.ShapeDtypeStruct((), v.aval.dtype) for v in self.jaxpr.invars[self.num_arrays:]]
 
     def slope(arrays, score, *rest):
@@ -145,8 +150,7 @@ class TileFunction:
   def check(self) -> str | None:
     """Why the evaluator cannot run this function (None: it can), by evaluating it
     abstractly on small tiles."""
-    arrays = [jax.eval_shape(kernel_array, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
-              for v in self._array_vars]
+    arrays = self._kernel_arrays()
     args = [jax.ShapeDtypeStruct((2, 1) if i % 2 else (1, 2), v.aval.dtype)
             for i, v in enumerate(self.jaxpr.invars[self.num_arrays:])]
     try:
@@ -296,7 +300,9 @@ def evaluate_jaxpr(jaxpr: Jaxpr, consts: list, args: list, bounds: list | None =
   tiles, scalars, or ``_Array`` reads of closed-over arrays; ``bounds``: per argument,
   ``(where results count, where evaluated)`` bounds or Nones, as ``index_bounds``
   propagates them)."""
-  return evaluate_with_bounds(jaxpr, consts, args, bounds or [(None, None)] * len(args))[0]
+  outs = evaluate_with_bounds(jaxpr, consts, args, bounds or [(None, None)] * len(args))[0]
+  # A function may return a closed-over one-element array as it is (a constant mask).
+  return [x.scalar() if isinstance(x, _Array) else x for x in outs]
 
 
 def _parts(pair, n: int) -> list:
