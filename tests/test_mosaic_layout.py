@@ -1,13 +1,18 @@
 """Host-side tiling of the Hopper kernels (the kernels themselves run with ``-m gpu``)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from jattn.kernels.common.masking import segment_block_ranges
+from jattn.kernels.common.masking import segment_block_ranges as _segment_block_ranges
 from jattn.kernels.hopper.inputs import segment_ranges
 from jattn.kernels.flash import MosaicBlockConfig
 from jattn.kernels.flash.mosaic import mosaic_layout
+
+# Jitted: eagerly, every primitive compiles anew for each example's shapes.
+segment_block_ranges = jax.jit(_segment_block_ranges, static_argnums=(2, 3, 4, 5),
+                               static_argnames=("uniform",))
 
 blocks = st.sampled_from([64, 128, 192, 256])
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn.core.op import Call
-from jattn.core.validation import check_flag
+from jattn.core.validation import check_flag, scale_of
 from jattn.dilated import DILATED
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
@@ -299,10 +299,18 @@ def sharded_dilated_ring_attention(q, k, v, *, mesh, axis_name: str, segment_len
                causal=check_flag("causal", causal), scale=scale)
   devices = mesh_axis_size(mesh, axis_name)
   check_split({"q": q}, devices=devices, axis_name=axis_name)
+  scale = scale_of(scale, q.shape[-1])  # a number: the compiled program's key
+  return _sharded_dilated_ring((mesh, axis_name, tuple(segment_lengths),
+                                tuple(dilation_rates), causal, scale, backend), q, k, v)
+
+
+# One program per call, also when called eagerly (shard_map alone runs op by op).
+@functools.partial(jax.jit, static_argnums=0)
+def _sharded_dilated_ring(options, q, k, v):
+  mesh, axis_name, segment_lengths, dilation_rates, causal, scale, backend = options
   spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
   fn = functools.partial(dilated_ring_attention, axis_name=axis_name,
-                         segment_lengths=tuple(segment_lengths),
-                         dilation_rates=tuple(dilation_rates), causal=causal, scale=scale,
-                         backend=backend)
+                         segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                         causal=causal, scale=scale, backend=backend)
   return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                        check_vma=False)(q, k, v)

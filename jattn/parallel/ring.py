@@ -252,9 +252,19 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   devices = mesh_axis_size(mesh, axis_name)
   check_split({"q": q, "k": k}, devices=devices, axis_name=axis_name,
               chunks=2 if layout == "zigzag" else 1)
-  spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
+  scale = scale_of(scale, q.shape[-1])  # a number: the compiled program's key
   ids = () if q_segment_ids is None and kv_segment_ids is None else (
       q_segment_ids, kv_segment_ids)
+  return _sharded_ring((mesh, axis_name, causal, scale, layout, backend, kv_exchange),
+                       q, k, v, ids)
+
+
+# One program per call, also when called eagerly (shard_map alone runs op by op).
+@functools.partial(jax.jit, static_argnums=0)
+def _sharded_ring(options, q, k, v, ids):
+  mesh, axis_name, causal, scale, layout, backend, kv_exchange = options
+  devices = mesh_axis_size(mesh, axis_name)
+  spec = jax.sharding.PartitionSpec(None, axis_name, None, None)
 
   def local(q, k, v, *ids):
     segments = dict(zip(("q_segment_ids", "kv_segment_ids"), ids))
