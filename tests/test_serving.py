@@ -293,8 +293,8 @@ def test_varlen_forward_and_gradients_match_a_loop_over_sequences(backend, dtype
       q, k, v, cu(lq), cu(lk), max_seqlen_q=max_q, max_seqlen_k=max_k, backend=backend,
       **kwargs(sinks))
   o, pull = jax.vjp(ours, q, k, v, sinks)
-  o_ref, pull_ref = jax.vjp(
-      lambda q, k, v, sinks: _per_sequence(q, k, v, lq, lk, max_q, max_k, **kwargs(sinks)),
+  o_ref, pull_ref = jax.vjp(jax.jit(  # jitted: eagerly its loop compiles op by op
+      lambda q, k, v, sinks: _per_sequence(q, k, v, lq, lk, max_q, max_k, **kwargs(sinks))),
       q, k, v, sinks)
   tol = 1e-4 if dtype == jnp.float32 else 3e-2
   assert rel_err(o, o_ref) < tol
@@ -509,13 +509,19 @@ def test_varlen_as_a_batch_with_lengths_is_the_varlen_result(case):
   sinks = jax.random.normal(jax.random.PRNGKey(1), (4,)) if with_sinks else None
   kwargs = dict(causal=causal, local_window=window, softcap=softcap, sinks=sinks, scale=0.3)
   lengths = jnp.stack([jnp.minimum(jnp.diff(cu_q), max_q), jnp.minimum(jnp.diff(cu_k), max_k)], 1)
-  o_b, lse_b = flash_attention_reference(to_batch(q, cu_q, max_q), to_batch(k, cu_k, max_k),
-                                         to_batch(v, cu_k, max_k), lengths=lengths, **kwargs)
-  o, lse = flash_attention_varlen_reference(
-      q, k, v, cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **kwargs)
+
+  @jax.jit  # eagerly, every op compiles on its own
+  def both(q, k, v, cu_q, cu_k, lengths):
+    o_b, lse_b = flash_attention_reference(to_batch(q, cu_q, max_q), to_batch(k, cu_k, max_k),
+                                           to_batch(v, cu_k, max_k), lengths=lengths, **kwargs)
+    o, lse = flash_attention_varlen_reference(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **kwargs)
+    lse_p = to_packed(jnp.swapaxes(lse_b, 1, 2), cu_q, q.shape[0], max_q).T
+    return to_packed(o_b, cu_q, q.shape[0], max_q), o, lse_p, lse
+
+  o_p, o, lse_p, lse = both(q, k, v, cu_q, cu_k, lengths)
   valid = packed_positions(cu_q, q.shape[0], max_q)[2]
-  np.testing.assert_allclose(to_packed(o_b, cu_q, q.shape[0], max_q), o, atol=1e-5)
-  lse_p = to_packed(jnp.swapaxes(lse_b, 1, 2), cu_q, q.shape[0], max_q).T
+  np.testing.assert_allclose(o_p, o, atol=1e-5)
   np.testing.assert_allclose(jnp.where(valid[None], lse_p, 0), jnp.where(valid[None], lse, 0),
                              atol=1e-5)
-  assert np.all(np.asarray(to_packed(o_b, cu_q, q.shape[0], max_q))[sum(lq):] == 0)
+  assert np.all(np.asarray(o_p)[sum(lq):] == 0)
