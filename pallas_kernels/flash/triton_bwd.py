@@ -252,9 +252,7 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
     ds_rows = pl.BlockSpec((None, None, bq_dq, kv_len_p), lambda i, b, h: (b, h, i, 0))
     out_specs.append(ds_rows)
     out_shape.append(ds_shape)
-    if dq_lists or spec.left is not None or spec.right is not None or spec.lengths or (
-        spec.segments):
-      # Some tiles are skipped: their dS is the zeros it starts as.
+    if dq_lists or spec.skips_tiles:  # skipped tiles' dS is the zeros it starts as
       aliases = {len(jax.tree.leaves(inputs)): 1}
       inputs += (jnp.zeros(ds_shape.shape, ds_dtype),)
       in_specs.append(ds_rows)
