@@ -85,6 +85,33 @@ def test_unbatched_inputs_and_the_default_implementation():
   assert_close(ours, jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 1)), tol=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["bias", "mask", "bias causal"])
+def test_the_default_gpu_path_with_one_element_bias_or_mask(case):
+  """On a GPU with 16-bit inputs ``implementation=None`` picks our fastest kernels (Hopper
+  where they run: a one-element bias or mask reads no index): against jax.nn's XLA path
+  in float32 on the same values, outputs and gradients (the bias's too)."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in inputs(7, q_len=256, kv_len=256, d=64))
+  options = dict(is_causal="causal" in case)
+  if "bias" in case:
+    options["bias"] = jnp.full((1, 1, 1, 1), 0.7, jnp.bfloat16)
+  else:
+    options["mask"] = jnp.ones((1, 1, 1, 1), bool)
+  ours, theirs = both(q, k, v, implementation=None, **options)
+  f32 = lambda t: jax.tree.map(lambda x: None if x is None else x.astype(jnp.float32), t,
+                               is_leaf=lambda x: x is None)
+  _, reference = both(*(x.astype(jnp.float32) for x in (q, k, v)), **{
+      n: x.astype(jnp.float32) if n == "bias" else x for n, x in options.items()})
+  del theirs
+  ours = f32(ours)
+  assert_close(ours[0], reference[0], tol=3e-2)  # the loss
+  assert_close(ours[1][:3], reference[1][:3], tol=3e-2)  # q, k, v
+  if "bias" in case:
+    # Exactly 0 (a constant shift of every score), summed here from 2048 rows whose
+    # delta = rowsum(o * do) takes o rounded to 16 bits, as flash backwards do.
+    assert abs(float(ours[1][3].reshape(()))) < 0.1
+
+
 def test_bad_arguments_are_named():
   q, k, v = inputs(4)
   with pytest.raises(ValueError, match="implementation must be one of"):
