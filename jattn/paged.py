@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.core.op import Impl, MosaicImpl, Op, TritonImpl, XlaImpl
 from jattn.core.sharding import PER_Q_HEAD, PER_ROW, Q_HEADS, ROW_STATS, Axes, ShardRule
@@ -211,7 +212,10 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_
     The updated ``(k_pages, v_pages)``. Jitted; donate the pools (``jax.jit(...,
     donate_argnums=(0, 1))`` around a step) and the update happens in place. Tokens
     past a sequence's block table, or past ``num_new``, or whose table entry is not a
-    page of the pool (a negative id, say), are not written.
+    page of the pool (a negative id, say), are not written. Two tokens must not write
+    one slot of one page (rows sharing a page they write, a table listing a page twice):
+    which write lands would be unspecified. Checked where the tables, positions and
+    ``num_new`` are concrete; under ``jit`` that is the caller's to keep.
   """
   check_array("k_pages", k_pages, "num_pages, page_size, kv_heads, head_dim")
   check_array("v_pages", v_pages, "num_pages, page_size, kv_heads, head_dim_v")
@@ -225,7 +229,33 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_
   check_integer_array("positions", positions, (k_new.shape[0],), "batch")
   if num_new is not None:
     check_integer_array("num_new", num_new, (k_new.shape[0],), "batch")
+  if not any(isinstance(x, jax.core.Tracer) for x in (block_tables, positions, num_new)):
+    _check_distinct_slots(np.asarray(block_tables), np.asarray(positions),
+                          None if num_new is None else np.asarray(num_new),
+                          k_new.shape[1], *k_pages.shape[:2])
   return _write_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_new)
+
+
+def _check_distinct_slots(tables, positions, num_new, new_tokens: int, num_pages: int,
+                          page_size: int):
+  """Raises unless the tokens ``_write_pages`` writes land in distinct (page, slot)s."""
+  t = positions.astype(np.int64)[:, None] + np.arange(new_tokens)[None]
+  in_table = (t >= 0) & (t < tables.shape[1] * page_size)
+  page = np.take_along_axis(tables.astype(np.int64),
+                            np.clip(t // page_size, 0, tables.shape[1] - 1), axis=1)
+  written = in_table & (page >= 0) & (page < num_pages)
+  if num_new is not None:
+    written &= np.arange(new_tokens)[None] < num_new[:, None]
+  rows, tokens = np.nonzero(written)
+  targets = page[rows, tokens] * page_size + t[rows, tokens] % page_size
+  unique, counts = np.unique(targets, return_counts=True)
+  if np.any(counts > 1):
+    target = unique[counts > 1][0]
+    who = [(int(r), int(p)) for r, p, x in zip(rows, t[rows, tokens], targets) if x == target]
+    raise ValueError(
+        f"block_tables send two new tokens to slot {target % page_size} of page "
+        f"{target // page_size} ((row, position) {who[0]} and {who[1]}): rows may not share "
+        "a slot they write, nor a table list a page twice where the write covers both")
 
 
 @jax.jit

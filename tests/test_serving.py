@@ -165,6 +165,16 @@ def test_write_kv_pages_then_gather_gives_the_cache():
                                     jnp.array([2, 2]))
   written = np.flatnonzero(np.any(np.asarray(k_pages) != 0, axis=(1, 2, 3)))
   np.testing.assert_array_equal(written, [1, 2])  # tokens 2-3 of each row; the rest dropped
+  # Two tokens aimed at one slot: refused where the tables are known (which would land is
+  # unspecified); a shared page is fine where the slots differ.
+  shared = jnp.array([[3, 0, 5], [3, 1, 2]], jnp.int32)
+  jattn.write_kv_pages(pages, pages, k_new, v_new, shared, jnp.array([0, 2]), jnp.array([2, 2]))
+  for tables, positions, message in (
+      (shared, jnp.array([0, 1]), r"slot 1 of page 3 \(\(row, position\) \(0, 1\) and \(1, 1\)\)"),
+      (jnp.array([[4, 4, 5], [1, 6, 2]], jnp.int32), jnp.array([0, 0]),
+       r"slot 0 of page 4 \(\(row, position\) \(0, 0\) and \(0, 4\)\)")):
+    with pytest.raises(ValueError, match=message):
+      jattn.write_kv_pages(pages, pages, k_new, v_new, tables, positions)
 
 
 def test_paged_attention_matches_flash_on_the_gathered_cache():
