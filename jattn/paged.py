@@ -255,7 +255,8 @@ def _check_distinct_slots(tables, positions, num_new, new_tokens: int, num_pages
     raise ValueError(
         f"block_tables send two new tokens to slot {target % page_size} of page "
         f"{target // page_size} ((row, position) {who[0]} and {who[1]}): rows may not share "
-        "a slot they write, nor a table list a page twice where the write covers both")
+        "a slot they write, nor a table list a page twice where the write covers both (a row "
+        "that writes nothing takes num_new 0 or negative page ids)")
 
 
 @jax.jit
