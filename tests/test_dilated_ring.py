@@ -6,9 +6,12 @@ sequence; causal; GQA / MQA."""
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+import jattn
 from jattn.parallel import dilated_ring_attention, sharded_dilated_ring_attention
 from jattn.parallel.dilated_ring import plan_pair
 from jattn.reference import dilated_attention_reference
@@ -66,6 +69,13 @@ def test_inside_user_shard_map_on_sharded_inputs(mesh):
       q, k, v, segment_lengths=(16, 64), dilation_rates=(1, 4))[0])(q, k, v)
   assert rel_err(o, o_ref) < 1e-5
   assert o.sharding.spec == spec
+
+
+def test_pairs_given_as_arrays_of_ints(mesh):
+  # As the single-device op takes them (the compiled program is keyed on Python ints).
+  pairs = dict(segment_lengths=np.array([4, 16]), dilation_rates=jnp.array([1, 2]))
+  o = _dilated(mesh, **pairs)(_X, _X, _X)
+  assert rel_err(o, jattn.dilated_attention(_X, _X, _X, backend="xla", **pairs)) < 1e-5
 
 
 def test_sparsified_rows_sent():

@@ -300,8 +300,8 @@ def sharded_dilated_ring_attention(q, k, v, *, mesh, axis_name: str, segment_len
   devices = mesh_axis_size(mesh, axis_name)
   check_split({"q": q}, devices=devices, axis_name=axis_name)
   scale = scale_of(scale, q.shape[-1])  # a number: the compiled program's key
-  return _sharded_dilated_ring((mesh, axis_name, tuple(segment_lengths),
-                                tuple(dilation_rates), causal, scale, backend), q, k, v)
+  pairs = tuple(tuple(int(x) for x in xs) for xs in (segment_lengths, dilation_rates))
+  return _sharded_dilated_ring((mesh, axis_name, *pairs, causal, scale, backend), q, k, v)
 
 
 # One program per call, also when called eagerly (shard_map alone runs op by op).
