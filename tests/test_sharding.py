@@ -246,6 +246,20 @@ def test_dropout_refuses_a_split():
                           backend=BACKEND)
 
 
+def test_inside_a_users_shard_map():
+  """The kernels run per shard in a user's ``shard_map`` with ``check_vma=False``; with
+  its default (varying axes checked, which Pallas calls do not declare) the call says so."""
+  mesh = _mesh(AxisType.Auto)
+  x = _normal(jax.random.key(0), (2, SEQ, 4, HEAD_DIM))
+  attend = functools.partial(jattn.flash_attention, causal=True, backend=BACKEND)
+  mapped = lambda **kw: jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=P("data"),
+                                              out_specs=P("data"), **kw))
+  assert rel_err(mapped(check_vma=False)(x, x, x), attend(x, x, x)) < TOL
+  with pytest.raises(ValueError, match=r"inside a jax.shard_map that checks varying axes "
+                                       r"\(here \['data'\].*Pass check_vma=False"):
+    mapped()(x, x, x)
+
+
 def test_one_device_runs_as_before():
   x = _normal(jax.random.key(0), (2, SEQ, 4, HEAD_DIM))
   ref = jattn.flash_attention(x, x, x, backend="xla")

@@ -35,6 +35,7 @@ from jattn.core.device import (PALLAS_MOSAIC, PALLAS_TRITON, XLA, Backend, GPUIn
                                current_device, interpret_mode)
 from jattn.core.validation import FLOAT_DTYPES
 from jattn.kernels.common.config import MAX_HEAD_DIM
+from jattn.kernels.common.varying import varying_axes
 from jattn.core.cache import RANKING, TuningKey, backend_times, lookup
 from jattn.core import sharding
 
@@ -349,6 +350,14 @@ def run(call: Call, arrays: tuple):
   ops together), so an eager call does not compile op by op; under an outer ``jit``
   it is inlined. Arrays sharded over batch or heads run per shard
   (``jattn.core.sharding``)."""
+  axes = varying_axes(arrays)
+  if axes and call.impl.backend != XLA:
+    raise ValueError(
+        f"{call.op.name} on the {call.impl.backend.name} kernels cannot run inside a "
+        f"jax.shard_map that checks varying axes (here {sorted(axes)}; check_vma=True is "
+        "its default): the kernels declare none. Pass check_vma=False to jax.shard_map, "
+        "or call the op under jax.jit on arrays sharded over batch or heads "
+        "(docs/sharding.md)")
   split = sharding.explicit_split(call, tuple(arrays))
   if split is not None:
     return sharding.run_explicit(_run, split, tuple(arrays))
