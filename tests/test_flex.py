@@ -111,6 +111,23 @@ def test_closed_over_arrays_get_the_gradients_of_the_dense_bias(name, x64, monke
   assert steps == [] if name == "bias" else steps and min(steps) == 4
 
 
+def test_a_bias_broadcast_far_takes_the_row_blocks_pass(monkeypatch):
+  # dS [batch, heads, q, kv] would be 88 times this [1, 1, 1, kv] bias (and "large": the
+  # small-dS allowance patched to 0): its gradient comes from the pass over row blocks.
+  monkeypatch.setattr(jattn.flex.attention, "_DS_SMALL_BYTES", 0)
+  steps, scan = [], jattn.flex.array_grads._RowBlocks._scan
+  monkeypatch.setattr(jattn.flex.array_grads._RowBlocks, "_scan",
+                      lambda self, *a: steps.append(self.steps) or scan(self, *a))
+  jax.clear_caches()
+  q, k, v, do = _inputs(3)
+  bias = jax.random.normal(jax.random.PRNGKey(8), (1, 1, 1, SK))
+  ours = _out_and_grads(lambda q, k, v, b: jattn.flex_attention(
+      q, k, v, score_mod=flex.bias_score(b), return_lse=True), q, k, v, do, bias)
+  ref = _out_and_grads(_bias_ref(lambda b: b), q, k, v, do, bias)
+  _assert_close(ours, ref, 2e-5)
+  assert steps
+
+
 @pytest.mark.parametrize("name", ["alibi", "bias"])
 def test_arrays_that_are_not_differentiated_cost_no_gradient_work(name, monkeypatch):
   # Differentiating q, k, v only: no arrays' pass, and no dS written for a dense bias

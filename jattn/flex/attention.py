@@ -122,7 +122,8 @@ class _FlexKernels:
     # a bias under stop_gradient) gets no gradient and costs nothing.
     wanted = [call.wants_grad(3 + i) and jnp.issubdtype(c.dtype, jnp.inexact)
               for i, c in enumerate(score_consts)]
-    if self.writes_ds and p.score_mod is not None and p.score_mod.dense_bias and wanted[0]:
+    if (self.writes_ds and p.score_mod is not None and p.score_mod.dense_bias and wanted[0]
+        and _ds_fits(p, score_consts[0])):
       # A dense bias's gradient is dS summed over its broadcast axes: the kernels
       # write dS as they compute it (16-bit for a 16-bit bias).
       bias = score_consts[0]
@@ -136,6 +137,18 @@ class _FlexKernels:
                                       *cotangents)
     kinds = (None,) if p.block_mask is not None else ()
     return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
+
+
+# dS is [batch, heads, q_len, kv_len] whatever the bias's shape: written out only while
+# it is at most this many times the bias, or small, else the bias's gradient takes the
+# pass that walks blocks of rows (bounded memory, one more dense pass).
+_DS_BROADCAST_LIMIT = 8
+_DS_SMALL_BYTES = 1 << 30
+
+
+def _ds_fits(p, bias) -> bool:
+  ds = p.batch * p.q_heads * p.q_len * p.kv_len
+  return ds <= _DS_BROADCAST_LIMIT * bias.size or ds * bias.dtype.itemsize <= _DS_SMALL_BYTES
 
 
 class TritonFlex(_FlexKernels, AttentionTritonImpl):
