@@ -236,18 +236,29 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_
   return _write_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_new)
 
 
+def _write_targets(xp, tables, positions, num_new, new_tokens: int, num_pages: int,
+                   page_size: int):
+  """Where ``_write_pages`` puts each new token, ``[batch, new_tokens]`` each: its
+  position ``t``, its page, and whether it is written. ``xp``: ``jnp`` in the write,
+  ``np`` in the host check of concrete tables."""
+  t = positions.astype(xp.int32)[:, None] + xp.arange(new_tokens, dtype=xp.int32)[None]
+  slot_of_table = xp.clip(t // page_size, 0, tables.shape[1] - 1)
+  page = xp.take_along_axis(tables.astype(xp.int32), slot_of_table, axis=1)
+  # A page id outside the pool (-1 for "none yet", say) is never written: negative
+  # indices would wrap around to another sequence's page.
+  written = (t < tables.shape[1] * page_size) & (t >= 0) & (page >= 0) & (page < num_pages)
+  if num_new is not None:
+    written &= xp.arange(new_tokens)[None] < num_new[:, None]
+  return t, page, written
+
+
 def _check_distinct_slots(tables, positions, num_new, new_tokens: int, num_pages: int,
                           page_size: int):
   """Raises unless the tokens ``_write_pages`` writes land in distinct (page, slot)s."""
-  t = positions.astype(np.int64)[:, None] + np.arange(new_tokens)[None]
-  in_table = (t >= 0) & (t < tables.shape[1] * page_size)
-  page = np.take_along_axis(tables.astype(np.int64),
-                            np.clip(t // page_size, 0, tables.shape[1] - 1), axis=1)
-  written = in_table & (page >= 0) & (page < num_pages)
-  if num_new is not None:
-    written &= np.arange(new_tokens)[None] < num_new[:, None]
+  t, page, written = _write_targets(np, tables, positions, num_new, new_tokens, num_pages,
+                                    page_size)
   rows, tokens = np.nonzero(written)
-  targets = page[rows, tokens] * page_size + t[rows, tokens] % page_size
+  targets = page[rows, tokens].astype(np.int64) * page_size + t[rows, tokens] % page_size
   unique, counts = np.unique(targets, return_counts=True)
   if np.any(counts > 1):
     target = unique[counts > 1][0]
@@ -261,17 +272,10 @@ def _check_distinct_slots(tables, positions, num_new, new_tokens: int, num_pages
 
 @jax.jit
 def _write_pages(k_pages, v_pages, k_new, v_new, block_tables, positions, num_new):
-  batch, new_tokens = k_new.shape[:2]
+  new_tokens = k_new.shape[1]
   num_pages, page_size = k_pages.shape[:2]
-  t = positions.astype(jnp.int32)[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]
-  slot_of_table = jnp.clip(t // page_size, 0, block_tables.shape[1] - 1)
-  page = jnp.take_along_axis(block_tables.astype(jnp.int32), slot_of_table, axis=1)
-  # A page id outside the pool (-1 for "none yet", say) is never written: negative
-  # indices would wrap around to another sequence's page.
-  valid = ((t < block_tables.shape[1] * page_size) & (t >= 0) & (page >= 0)
-           & (page < num_pages))
-  if num_new is not None:
-    valid &= jnp.arange(new_tokens)[None] < num_new[:, None]
+  t, page, valid = _write_targets(jnp, block_tables, positions, num_new, new_tokens,
+                                  num_pages, page_size)
   page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
   slot = t % page_size
   k_pages = k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop")

@@ -61,16 +61,16 @@ class MaskSpec:
     return (self.segments and not self.segment_tiles) or self.element_fn is not None
 
   @property
-  def skips_tiles(self) -> bool:
-    """Whether ``kv_block_range`` / ``q_block_range`` (narrowed by segment ranges) may
-    leave tiles of the padded grid unvisited."""
-    return self.left is not None or self.right is not None or self.lengths or self.segments
-
-  @property
   def bounds_rows(self) -> bool:
     """Whether the element mask bounds rows by their query positions (else its
     ``q_idx`` may be None)."""
     return self.right is not None or self.left is not None or self.lengths
+
+  @property
+  def skips_tiles(self) -> bool:
+    """Whether ``kv_block_range`` / ``q_block_range`` (narrowed by segment ranges) may
+    leave tiles of the padded grid unvisited: the bounds the rows have, or segments."""
+    return self.bounds_rows or self.segments
 
   @property
   def unbound_lengths(self) -> bool:

@@ -45,8 +45,9 @@ def _dropped(p, dp, rows, seed_ref, k_idx, rate: float):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-                seg_range_ref, seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
-                block_k: int, group: int, lists: bool, dropout_rate: float, layout):
+                seg_range_ref, seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float,
+                score, block_q: int, block_k: int, group: int, lists: bool,
+                dropout_rate: float, layout):
   spec, score, tile_lists, (dk_ref, dv_ref) = split_extra_refs(refs, spec, score, lists)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
   k_start = pl.program_id(0) * block_k
@@ -109,8 +110,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref,
-               seg_range_ref, seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int,
-               block_k: int, lists: bool, dropout_rate: float, layout, writes_ds: bool = False):
+               seg_range_ref, seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float,
+               score, block_q: int, block_k: int, lists: bool, dropout_rate: float, layout,
+               writes_ds: bool = False):
   spec, score, tile_lists, outs = split_extra_refs(refs, spec, score, lists)
   # With ``writes_ds``: dS ``[block_q, kv_len_p]`` rows out too (after dQ; before them,
   # where skipped tiles must read zeros, the zeros aliased to them).

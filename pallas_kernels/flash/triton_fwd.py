@@ -36,8 +36,8 @@ from jattn.kernels.flash.triton_rows import BATCH_ROWS, PackedRows
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, seg_range_ref, sink_ref,
-                    seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score, block_q: int, block_k: int,
-                    lists: bool, dropout_rate: float, layout):
+                    seed_ref, lengths_ref, *refs, spec: MaskSpec, scale: float, score,
+                    block_q: int, block_k: int, lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
   q_start = pl.program_id(0) * block_q
