@@ -13,9 +13,10 @@ keep them. Per-device TFLOP/s = attention FLOPs / time / P; efficiency = that ov
 single-GPU ``flash_attention`` on --local tokens (same mode, causal or not).
 
 Documents: the same rings with the sequence packed with --documents documents of random
-lengths (segment ids, laid out as q and k), against the ring without ids; TFLOP/s count
-the real FLOPs (attention within each document), so their ratio says how much of the
-skipped work the ring turns into time saved.
+lengths (multiples of 2P; segment ids, laid out as q and k, in the plain layout and in
+the per-document zig-zag), against the ring without ids; TFLOP/s count the real FLOPs
+(attention within each document), so their ratio says how much of the skipped work the
+ring turns into time saved.
 
 Writes ring.json / ring.md (ring_longest.*, ring_dilated.*, ring_documents.*) under --out.
 """
@@ -40,7 +41,8 @@ from bench.common import (attention_flops, document_ids, environment, time_jax, 
                           write_results)
 from bench.dilated import RATES, SEGMENTS, dilated_flops  # noqa: E402
 import jattn  # noqa: E402
-from jattn.parallel import dilated_ring_attention, ring_attention, zigzag_order  # noqa: E402
+from jattn.parallel import (dilated_ring_attention, ring_attention,  # noqa: E402
+                            segment_zigzag_order, zigzag_order)
 
 SPEC = PartitionSpec(None, "sp", None, None)
 
@@ -137,21 +139,31 @@ def document_flops(ids: np.ndarray, heads, head_dim, causal, mode) -> float:
              for n in lengths if n)
 
 
-def split_ceiling(ids: np.ndarray, devices: int, causal: bool) -> float:
+def split_ceiling(ids: np.ndarray, devices: int, causal: bool, layout: str) -> float:
   """The best ratio the document split allows: mean over max of the devices' real work
-  (query-key pairs within documents), for ``ids [seq]`` laid out as the bench lays them
-  (zig-zag when causal, contiguous otherwise). The busiest device sets a step's time."""
+  (query-key pairs within documents), for ``ids [seq]`` (sorted) in the natural order,
+  laid out on the devices by ``layout``. The busiest device sets a step's time."""
   seq = ids.shape[0]
   start = np.searchsorted(ids, ids, side="left")  # each token's document start (sorted ids)
   end = np.searchsorted(ids, ids, side="right")
   pairs = np.arange(seq) - start + 1 if causal else end - start  # keys each query sees
-  chunks = np.array_split(pairs, 2 * devices if causal else devices)
-  work = [chunks[d].sum() + (chunks[2 * devices - 1 - d].sum() if causal else 0)
-          for d in range(devices)]
+  laid = {"contiguous": lambda x: x, "zigzag": lambda x: zigzag_order(x, devices),
+          "segment_zigzag": lambda x: segment_zigzag_order(x, ids[None], devices)}[layout]
+  work = np.asarray(laid(pairs[None]))[0].reshape(devices, -1).sum(axis=1)
   return float(np.mean(work) / np.max(work))
 
 
+def _laid_out(x, ids, devices: int, layout: str):
+  """``x [batch, seq, ...]`` in the natural order, in ``layout`` (ids: natural order)."""
+  if layout == "zigzag":
+    return zigzag_order(x, devices)
+  return segment_zigzag_order(x, ids, devices) if layout == "segment_zigzag" else x
+
+
 def documents(args, env):
+  """Per (causal, mode, GPUs, exchange): the ring without ids in the plain layout, then
+  with ids in each of --document-layouts (documents' lengths multiples of 2P, so that
+  every layout takes the same documents)."""
   rows = []
   ids_spec = PartitionSpec(None, "sp")
   for causal, mode, devices, exchange in itertools.product(
@@ -159,17 +171,21 @@ def documents(args, env):
       args.kv_exchanges.split(",")):
     if devices > len(jax.devices()):
       continue
-    layout = "zigzag" if causal else "contiguous"
+    plain = "zigzag" if causal else "contiguous"
+    layouts = [plain if layout == "plain" else layout
+               for layout in args.document_layouts.split(",")]
     mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
     seq = devices * args.local
     q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
-    ids = jnp.asarray(document_ids(1, seq, args.documents))
-    laid = zigzag_order(ids, devices) if layout == "zigzag" else ids
-    laid = jax.device_put(laid, NamedSharding(mesh, ids_spec))
-    for packed in (False, True):
+    grain = 2 * devices
+    ids = document_ids(1, seq // grain, args.documents).repeat(grain, axis=1)
+    for layout in [None] + layouts:  # None: without ids
+      laid = jax.device_put(_laid_out(jnp.asarray(ids), ids, devices, layout or plain),
+                            NamedSharding(mesh, ids_spec))
+
       def attend(q, k, v, ids):
-        segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if packed else {}
-        return ring_attention(q, k, v, axis_name="sp", causal=causal, layout=layout,
+        segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if layout else {}
+        return ring_attention(q, k, v, axis_name="sp", causal=causal, layout=layout or plain,
                               backend=args.backend, kv_exchange=exchange, **segments)
 
       fn = jax.shard_map(attend, mesh=mesh, in_specs=(SPEC,) * 3 + (ids_spec,), out_specs=SPEC,
@@ -180,17 +196,18 @@ def documents(args, env):
         step = jax.jit(lambda q, k, v, ids, do: jax.vjp(lambda *a: fn(*a, ids), q, k, v)[1](do))
         call_args = (q, k, v, laid, do)
       seconds = _time(step, call_args, args.reps, args.inner)
-      flops = (document_flops(np.asarray(ids), args.heads, args.head_dim, causal, mode) if packed
+      flops = (document_flops(ids, args.heads, args.head_dim, causal, mode) if layout
                else attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode))
-      rows.append(dict(impl=_impl(exchange, layout) + (f" {args.documents} documents" if packed
-                                                        else ""),
-                       devices=devices, seq=seq, causal=causal, mode=mode, ms=seconds * 1e3,
-                       tflops_per_device=flops / seconds / devices / 1e12,
-                       backend=args.backend))
-      if packed:
-        rows[-1]["ratio"] = rows[-1]["tflops_per_device"] / rows[-2]["tflops_per_device"]
-        rows[-1]["ceiling"] = split_ceiling(np.asarray(ids)[0], devices, causal)
-      print(rows[-1], flush=True)
+      row = dict(impl=_impl(exchange, layout or plain) + (
+          f" {args.documents} documents" if layout else ""), devices=devices, seq=seq,
+          causal=causal, mode=mode, ms=seconds * 1e3,
+          tflops_per_device=flops / seconds / devices / 1e12, backend=args.backend)
+      if layout:
+        dense = next(r for r in reversed(rows) if "ratio" not in r)
+        row["ratio"] = row["tflops_per_device"] / dense["tflops_per_device"]
+        row["ceiling"] = split_ceiling(ids[0], devices, causal, layout)
+      rows.append(row)
+      print(row, flush=True)
       write_results(args.out, f"{args.stem}_documents", {"env": env, "rows": rows},
                     _documents_markdown(rows, env, args))
   return rows
@@ -312,6 +329,9 @@ def main():
   parser.add_argument("--max-seconds", type=float, default=15.0)
   parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")
   parser.add_argument("--documents", type=int, help="packed sequences of this many documents")
+  parser.add_argument("--document-layouts", default="plain,segment_zigzag",
+                      help="--documents' layouts with ids (plain: zigzag when causal, else "
+                           "contiguous)")
   parser.add_argument("--backend", default="auto",
                       help="the blocks' backend (rings, the 1-GPU baseline, the dilated op)")
   args = parser.parse_args()

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn.parallel import ring_attention, sharded_ring_attention, zigzag_order, zigzag_restore
+from jattn.parallel import (ring_attention, segment_zigzag_order, segment_zigzag_restore,
+                            sharded_ring_attention, zigzag_order, zigzag_restore)
 from jattn.reference import flash_attention_reference
 from conftest import rel_err, ring_mesh
 
@@ -62,15 +63,21 @@ def test_value_head_dim_and_kv_len(mesh, causal, layout, kv_len):
 
 # Packed sequences: documents of several lengths (one spans device boundaries), and a
 # query segment no key has (those rows are zeros). Segments that cannot meet skip a step.
+# The segment zig-zag cuts each document in 2 * 4 chunks: lengths multiples of 8.
 @pytest.mark.parametrize("causal,layout,backend", [(False, "contiguous", "xla"),
                                                    (True, "zigzag", "xla"),
-                                                   (True, "contiguous", "pallas_triton")])
+                                                   (True, "contiguous", "pallas_triton"),
+                                                   (False, "segment_zigzag", "xla"),
+                                                   (True, "segment_zigzag", "xla"),
+                                                   (True, "segment_zigzag", "pallas_triton")])
 @EXCHANGES
 def test_ring_with_segment_ids(mesh, causal, layout, backend, kv_exchange):
   q, k, v, do = _inputs(2, 64, 4, 2, 16, seed=7)
-  ends = jnp.array([[5, 30, 41, 64], [16, 17, 50, 64]])  # documents' ends per row
-  ids = jnp.sum(jnp.arange(64)[None, :, None] >= ends[:, None, :], axis=-1).astype(jnp.int32)
-  q_ids = ids.at[1, 60:].set(9)  # queries of a segment without keys
+  ends = ([[8, 40, 48, 64], [16, 24, 56, 64]] if layout == "segment_zigzag" else
+          [[5, 30, 41, 64], [16, 17, 50, 64]])  # documents' ends per row
+  ids = jnp.sum(jnp.arange(64)[None, :, None] >= jnp.array(ends)[:, None, :],
+                axis=-1).astype(jnp.int32)
+  q_ids = ids.at[1, 56 if layout == "segment_zigzag" else 60:].set(9)  # no key has 9
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
                          layout=layout, backend=backend, q_segment_ids=q_ids,
                          kv_segment_ids=ids, kv_exchange=kv_exchange)
@@ -109,6 +116,18 @@ def test_zigzag_order_is_a_permutation_and_inverts():
   np.testing.assert_array_equal(zigzag_restore(y, 3), x)
 
 
+def test_segment_zigzag_order_puts_two_chunks_of_every_segment_on_each_device():
+  ids = np.stack([np.repeat([3, 1, 4], [8, 4, 12]), np.repeat([7, 2], [4, 20])])
+  x = np.arange(2 * 24).reshape(2, 24) * 10
+  y = np.asarray(segment_zigzag_order(x, ids, 2))
+  for b in range(2):  # built again from each segment's 4 chunks
+    docs = [x[b][ids[b] == i] for i in dict.fromkeys(ids[b])]
+    chunks = [np.split(d, 4) for d in docs]
+    device = lambda i: np.concatenate([np.concatenate([c[i], c[3 - i]]) for c in chunks])
+    np.testing.assert_array_equal(y[b], np.concatenate([device(0), device(1)]))
+  np.testing.assert_array_equal(segment_zigzag_restore(y, ids, 2), x)
+
+
 def _inside(mesh, **kwargs):
   """``ring_attention`` with ``kwargs`` inside a user's ``shard_map`` over axis "sp"."""
   spec = PartitionSpec(None, "sp", None, None)
@@ -144,7 +163,15 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
     (lambda m: _sharded(m, layout="zigzag")(_Q[:, :28], _K[:, :28], _K[:, :28]), ValueError,
      r"q's sequence length 28 must be a multiple of 8 \(4 devices on axis 'sp', 2 chunks"),
     (lambda m: _sharded(m, layout="striped")(_Q, _Q, _Q), ValueError,
-     r"layout must be one of \('contiguous', 'zigzag'\), got 'striped'"),
+     r"layout must be one of \('contiguous', 'zigzag', 'segment_zigzag'\), got 'striped'"),
+    (lambda m: _sharded(m, layout="segment_zigzag")(_Q, _Q, _Q), ValueError,
+     r"layout='segment_zigzag' needs q_segment_ids and kv_segment_ids"),
+    (lambda m: segment_zigzag_order(_Q, np.repeat([[0, 1]], [16, 16], axis=1), 3),
+     ValueError, r"segment_ids: row 0's segment 0 \(tokens 0..15\) has length 16, not a "
+     r"multiple of 2 \* devices = 6"),
+    (lambda m: _sharded(m, layout="segment_zigzag", q_segment_ids=np.repeat(
+        [[0, 1, 0]], [8, 16, 8], axis=1), kv_segment_ids=np.zeros((1, 32), int))(_Q, _Q, _Q),
+     ValueError, r"q_segment_ids: row 0 has a segment id in more than one run"),
     (lambda m: _inside(m, axis_name="sp", kv_exchange="all_gather")(_Q, _Q, _Q), ValueError,
      r"kv_exchange must be one of \('ring', 'allgather'\), got 'all_gather'"),
     (lambda m: sharded_ring_attention(_Q, _Q, _Q, mesh="sp", axis_name="sp"), TypeError,
@@ -152,8 +179,8 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
     (lambda m: zigzag_order(_Q, 3), ValueError,
      r"x's length 32 along axis 1 must be a multiple of 2 \* devices = 6"),
 ], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
-        "causal-str", "rank", "k-split", "zigzag-split", "layout", "kv_exchange", "mesh",
-        "zigzag_order"])
+        "causal-str", "rank", "k-split", "zigzag-split", "layout", "segment_zigzag-no-ids",
+        "segment-length", "segment-twice", "kv_exchange", "mesh", "zigzag_order"])
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
@@ -198,25 +225,28 @@ def test_allgather_exchange_gathers_once_and_reduce_scatters_home(mesh, causal, 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                HealthCheck.function_scoped_fixture])
-@given(devices=st.sampled_from([2, 4]), causal=st.booleans(), zigzag=st.booleans(),
+@given(devices=st.sampled_from([2, 4]), causal=st.booleans(),
+       layout=st.sampled_from(["contiguous", "zigzag", "segment_zigzag"]),
        group=st.sampled_from([1, 2]), dims=st.sampled_from([(8, 8), (16, 8)]),
        chunk=st.sampled_from([2, 3]), longer_kv=st.booleans(), documents=st.integers(0, 3),
        kv_exchange=st.sampled_from(["ring", "allgather"]), seed=st.integers(0, 99))
-def test_random_rings_equal_single_device(devices, causal, zigzag, group, dims, chunk,
+def test_random_rings_equal_single_device(devices, causal, layout, group, dims, chunk,
                                           longer_kv, documents, kv_exchange, seed):
   """Random meshes, layouts, head groupings, head dims, lengths and packed documents
-  (random cut points; 0: no ids), either exchange: outputs and gradients equal
-  single-device attention."""
-  layout = "zigzag" if zigzag else "contiguous"
+  (random cut points, multiples of 2 * devices for the segment zig-zag; 0: no ids),
+  either exchange: outputs and gradients equal single-device attention."""
   seq = 2 * devices * chunk  # zig-zag needs 2 chunks per device
+  grain = 2 * devices if layout == "segment_zigzag" else 1
+  documents = max(documents, layout == "segment_zigzag")
   kv_len = 2 * seq if longer_kv and not causal else seq
   q, k, v, do = _inputs(1, seq, 2 * group, 2, dims[0], seed=seed, kv_len=kv_len,
                         value_head_dim=dims[1])
   ids = {}
   if documents:
     rng = np.random.default_rng(seed)
-    cuts = lambda n: jnp.asarray(np.searchsorted(np.sort(rng.integers(0, n, documents)),
-                                                 np.arange(n), side="right")[None], jnp.int32)
+    cuts = lambda n: jnp.asarray(np.searchsorted(
+        np.sort(rng.integers(0, n // grain, documents)) * grain, np.arange(n),
+        side="right")[None], jnp.int32)
     ids = dict(q_segment_ids=cuts(seq), kv_segment_ids=cuts(kv_len))
   fn = functools.partial(sharded_ring_attention, mesh=ring_mesh(devices), axis_name="sp",
                          causal=causal, layout=layout, backend="xla", kv_exchange=kv_exchange,

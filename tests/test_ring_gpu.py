@@ -31,8 +31,6 @@ def _inputs(seq, heads, kv_heads, head_dim, seed=0):
   return q, k, v, jax.random.normal(ks[3], q.shape, jnp.bfloat16)
 
 
-
-
 def _compare(fn, ref, q, k, v, do, tol=2e-2):
   o, pull = jax.vjp(jax.jit(fn), q, k, v)
   o_ref, pull_ref = jax.vjp(jax.jit(ref), q, k, v)
@@ -53,12 +51,16 @@ def test_ring(mesh, causal, layout, backend, kv_exchange):
 
 
 @pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
-@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
+@pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag"),
+                                           (False, "segment_zigzag"), (True, "segment_zigzag")])
 def test_ring_documents(mesh, causal, layout, kv_exchange):
-  """Packed sequences: uneven documents that cross shard boundaries."""
+  """Packed sequences: uneven documents that cross shard boundaries (for the segment
+  zig-zag, of lengths multiples of 2P)."""
   seq = 4096 * mesh.size
   q, k, v, do = _inputs(seq, 8, 2, 128, seed=2)
-  cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, seq), 7, replace=False))
+  grain = 2 * mesh.size if layout == "segment_zigzag" else 1
+  cuts = grain * np.sort(np.random.default_rng(0).choice(np.arange(1, seq // grain), 7,
+                                                         replace=False))
   ids = jnp.asarray(np.searchsorted(cuts, np.arange(seq), side="right")[None], jnp.int32)
   fn = functools.partial(sharded_ring_attention, mesh=mesh, axis_name="sp", causal=causal,
                          layout=layout, backend="auto", kv_exchange=kv_exchange,

@@ -15,10 +15,12 @@ from jattn.parallel.dilated_ring import (dilated_ring_attention,
                                          sharded_dilated_ring_attention)
 from jattn.parallel.hilbert import (hilbert_curve, hilbert_flatten, hilbert_permutation,
                                     hilbert_unflatten, inverse_permutation)
-from jattn.parallel.layout import LAYOUTS, zigzag_order, zigzag_restore
+from jattn.parallel.layout import (LAYOUTS, segment_zigzag_order, segment_zigzag_restore,
+                                   zigzag_order, zigzag_restore)
 from jattn.parallel.ring import KV_EXCHANGES, ring_attention, sharded_ring_attention
 
 __all__ = ["KV_EXCHANGES", "LAYOUTS", "dilated_ring_attention", "hilbert_curve",
            "hilbert_flatten", "hilbert_permutation", "hilbert_unflatten", "inverse_permutation",
-           "ring_attention", "sharded_dilated_ring_attention", "sharded_ring_attention",
-           "zigzag_order", "zigzag_restore"]
+           "ring_attention", "segment_zigzag_order", "segment_zigzag_restore",
+           "sharded_dilated_ring_attention", "sharded_ring_attention", "zigzag_order",
+           "zigzag_restore"]

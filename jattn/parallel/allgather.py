@@ -7,6 +7,10 @@ another and, on the Pallas backends, no tile past a chunk's last key runs. The
 backward gathers again, runs the kernels' float32 dK / dV of the whole sequence and
 reduce-scatters them home.
 
+With ``layout="segment_zigzag"`` a query chunk's keys are no prefix of the gathered
+sequence; there each source's shard is attended as the ring's step would (``steps``)
+and the partial results merged.
+
 Against a ring it trades memory (each device holds the whole K/V during the call) for
 one collective per pass instead of ``P - 1`` hops, which pays where a hop's transfer
 does not hide behind its block (``bench/results/ring_overlap_h100x4.md``). Llama 3
@@ -22,7 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn.flash import FLASH
+from jattn.parallel.blocks import merge
 from jattn.parallel.layout import zigzag_order, zigzag_restore
+from jattn.parallel.steps import step_backward, step_forward
 
 
 def _gathered(x, axis_name: str, devices: int, natural: bool):
@@ -61,7 +67,29 @@ def _chunk_calls(st, q, q_seg, k, v, kv_seg):
   return calls
 
 
+def _sources(st, q, k, v, kv_seg):
+  """``[(source device, its K, V, key ids)]`` from the gathered shards (the segment
+  zig-zag: each source's shard is a ring step's, ``steps``)."""
+  axis_name = st[0]
+  devices, n = lax.axis_size(axis_name), k.shape[1]
+  k_all, v_all, seg_all = (_gathered(x, axis_name, devices, False) for x in (k, v, kv_seg))
+  cut = lambda x, j: x[:, j * n:(j + 1) * n]
+  return [(j, cut(k_all, j), cut(v_all, j), cut(seg_all, j)) for j in range(devices)]
+
+
+def _step_options(st):
+  axis_name, causal, layout, scale, backend = st
+  return lax.axis_index(axis_name), dict(causal=causal, layout=layout, scale=scale,
+                                         backend=backend)
+
+
 def _forward(st, q, k, v, q_seg, kv_seg):
+  if st[2] == "segment_zigzag":
+    me, options = _step_options(st)
+    parts = [step_forward(k_j, v_j, seg_j, q=q, q_seg=q_seg, src=j, me=me, **options)
+             for j, k_j, v_j, seg_j in _sources(st, q, k, v, kv_seg)]
+    o, lse = functools.reduce(merge, parts)
+    return o.astype(q.dtype), lse
   parts = [FLASH.partial(call, arrays) for _, call, arrays in
            _chunk_calls(st, q, q_seg, k, v, kv_seg)]
   o = jnp.concatenate([o for o, _ in parts], axis=1).astype(q.dtype)
@@ -80,9 +108,16 @@ def _fwd(st, q, k, v, q_seg, kv_seg):
   return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
-def _bwd(st, res, do):
+def _gradients(st, q, k, v, q_seg, kv_seg, o, lse, do):
+  """``(dq, dK, dV)`` float32, the last two of the whole gathered sequence in the
+  devices' order."""
   axis_name, causal, layout = st[:3]
-  q, k, v, q_seg, kv_seg, o, lse = res
+  if layout == "segment_zigzag":
+    me, options = _step_options(st)
+    parts = [step_backward(q, k_j, v_j, o, lse, do, q_seg, seg_j, j, me, **options)
+             for j, k_j, v_j, seg_j in _sources(st, q, k, v, kv_seg)]
+    return (sum(g[0] for g in parts),
+            *(jnp.concatenate([g[i] for g in parts], axis=1) for i in (1, 2)))
   dq, dk_all, dv_all = [], 0.0, 0.0
   for rows, call, arrays in _chunk_calls(st, q, q_seg, k, v, kv_seg):
     g_q, g_k, g_v = FLASH.partial_backward(call, arrays, o[:, rows], lse[:, :, rows],
@@ -92,10 +127,15 @@ def _bwd(st, res, do):
   if causal and layout == "zigzag":  # back to the devices' order
     devices = lax.axis_size(axis_name)
     dk_all, dv_all = zigzag_order(dk_all, devices), zigzag_order(dv_all, devices)
-  dk, dv = (lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
+  return jnp.concatenate(dq, axis=1), dk_all, dv_all
+
+
+def _bwd(st, res, do):
+  q, k, v, q_seg, kv_seg, o, lse = res
+  dq, dk_all, dv_all = _gradients(st, q, k, v, q_seg, kv_seg, o, lse, do)
+  dk, dv = (lax.psum_scatter(g, st[0], scatter_dimension=1, tiled=True)
             for g in (dk_all, dv_all))
-  return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 allgather_attention.defvjp(_fwd, _bwd)

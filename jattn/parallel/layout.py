@@ -1,15 +1,21 @@
 """How a sequence sits on the devices of a context-parallel mesh axis: contiguous
-chunks, or the zig-zag order that balances causal work (device ``i`` holds chunks ``i``
-and ``2P - 1 - i`` of ``2P``)."""
+chunks, the zig-zag order that balances causal work (device ``i`` holds chunks ``i``
+and ``2P - 1 - i`` of ``2P``), or that zig-zag applied to each segment of packed
+sequences (``segment_zigzag``: every device holds two chunks of every document)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jattn.core.validation import check_positive_int
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "segment_zigzag")
+
+# The segment zig-zag's steps mark halves as 2 id + 1 in int32.
+ID_LIMIT = 2 ** 30
 
 
 def _zigzag_chunks(x, devices: int, axis: int):
@@ -35,3 +41,96 @@ def zigzag_restore(x, devices: int, axis: int = 1):
   """Inverse of ``zigzag_order``."""
   chunks, order = _zigzag_chunks(x, devices, axis)
   return jnp.concatenate([chunks[pos] for pos in np.argsort(order)], axis=axis)
+
+
+# --- per-segment zig-zag (packed documents) -------------------------------------------
+
+def _runs(segment_ids):
+  """Per token of ``segment_ids [batch, seq]``: its run's start and length (a run:
+  consecutive equal ids)."""
+  ids = jnp.asarray(segment_ids)
+  seq = ids.shape[1]
+  pos = jnp.arange(seq)
+  starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+  ends = jnp.concatenate([starts[:, 1:], jnp.ones_like(ids[:, :1], bool)], axis=1)
+  start = lax.cummax(jnp.where(starts, pos, 0), axis=1)
+  end = lax.cummin(jnp.where(ends, pos + 1, seq), axis=1, reverse=True)
+  return start, end - start
+
+
+def check_segment_zigzag(segment_ids, devices: int, name: str = "segment_ids") -> None:
+  """Raises a ValueError where concrete ``segment_ids [batch, seq]`` cannot take the
+  per-segment zig-zag layout: a segment (a run of equal ids) whose length is not a
+  multiple of ``2 * devices``, an id that comes back after another (each segment
+  must be one run), or an id outside ``[-2**30, 2**30)``. Traced ids are not checked."""
+  check_positive_int("devices", devices)
+  if isinstance(segment_ids, jax.core.Tracer):
+    return
+  ids = np.asarray(segment_ids)
+  if ids.ndim != 2:
+    raise ValueError(f"{name} must be [batch, seq], got shape {ids.shape}")
+  for b, row in enumerate(ids):
+    cuts = np.flatnonzero(np.diff(row)) + 1
+    starts, ends = np.r_[0, cuts], np.r_[cuts, row.size]
+    for s, e in zip(starts, ends):
+      if (e - s) % (2 * devices):
+        raise ValueError(
+            f"{name}: row {b}'s segment {row[s]} (tokens {s}..{e - 1}) has length {e - s}, not "
+            f"a multiple of 2 * devices = {2 * devices}; pad each segment to such a length")
+    if len(set(row[starts].tolist())) != starts.size:
+      raise ValueError(f"{name}: row {b} has a segment id in more than one run; in the "
+                       "segment zig-zag layout each segment must be one run")
+  if ids.size and (ids.min() < -ID_LIMIT or ids.max() >= ID_LIMIT):
+    raise ValueError(f"{name} must lie in [-2**30, 2**30) for the segment zig-zag layout "
+                     f"(its steps double them), got [{ids.min()}, {ids.max()}]")
+
+
+def _segment_zigzag_targets(segment_ids, devices: int):
+  """``[batch, seq]``: where each token of the natural order goes in the per-segment
+  zig-zag order (see ``segment_zigzag_order``)."""
+  start, length = _runs(segment_ids)
+  seq = start.shape[1]
+  chunk = length // (2 * devices)
+  offset = jnp.arange(seq) - start
+  part, within = offset // chunk, offset % chunk
+  device = jnp.where(part < devices, part, 2 * devices - 1 - part)
+  # Every earlier segment put 2 chunks (2 * length / (2P) = start / P tokens) on each device.
+  return (device * (seq // devices) + start // devices + (part >= devices) * chunk + within)
+
+
+def segment_zigzag_order(x, segment_ids, devices: int):
+  """Reorders packed sequences so that sharding them evenly over ``devices`` gives
+  device ``i``, of every segment, chunks ``i`` and ``2 * devices - 1 - i`` of the
+  segment's ``2 * devices`` equal chunks, laid out segment by segment: the layout of
+  ``ring_attention(..., layout="segment_zigzag")``, which balances causal work over the
+  devices whatever the documents' lengths.
+
+  ``x``: ``[batch, seq, ...]`` (the ids themselves too), ``segment_ids [batch, seq]``
+  in the natural order; every segment (a run of equal ids) must have a length that is
+  a multiple of ``2 * devices`` and be one run (checked where the ids are concrete,
+  not under ``jit``). Pad documents to such lengths: with ``causal=True``, pad tokens
+  at a document's end that take its id are seen by no token of it but the pads."""
+  check_segment_zigzag(segment_ids, devices)
+  x = jnp.asarray(x)
+  target = _segment_zigzag_targets(segment_ids, devices)
+  return _take_rows(x, jnp.argsort(target, axis=1))
+
+
+def segment_zigzag_restore(x, segment_ids, devices: int):
+  """Inverse of ``segment_zigzag_order``; ``segment_ids [batch, seq]`` in the natural
+  order (the ones given to ``segment_zigzag_order``)."""
+  check_segment_zigzag(segment_ids, devices)
+  return _take_rows(jnp.asarray(x), _segment_zigzag_targets(segment_ids, devices))
+
+
+def _take_rows(x, index):
+  """``x[b, index[b, t], ...]``."""
+  index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, index, axis=1)
+
+
+def segment_zigzag_halves(local_ids):
+  """``[batch, n]`` int32, 1 where a token of a local shard in the segment zig-zag
+  layout lies in the second half of its run (the segment's later chunk), else 0."""
+  start, length = _runs(local_ids)
+  return ((jnp.arange(local_ids.shape[1]) - start) >= length // 2).astype(jnp.int32)

@@ -22,86 +22,19 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from jattn.core.validation import check_attention_inputs, check_choice, check_flag, scale_of
 from jattn.flash import FLASH
 from jattn.parallel.allgather import allgather_attention
-from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, ring_backend,
-                                   ring_backward, ring_forward, segments_meet)
+from jattn.parallel.blocks import ring_backend, ring_backward, ring_forward
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
-from jattn.parallel.layout import LAYOUTS, zigzag_order, zigzag_restore
+from jattn.parallel.layout import (LAYOUTS, check_segment_zigzag, segment_zigzag_order,
+                                   segment_zigzag_restore, zigzag_order, zigzag_restore)
+from jattn.parallel.steps import step_backward, step_forward, step_needed
 
 # How the K/V shards reach every device: around a ring, or in one all-gather.
 KV_EXCHANGES = ("ring", "allgather")
-
-# --- which work a step does -----------------------------------------------------------
-
-def _rows(x, rows: slice):
-  """``x[:, rows]``, or None for absent segment ids."""
-  return None if x is None else x[:, rows]
-
-
-def _step_needed(q_seg, kv_seg, src, me, *, causal: bool, layout: str):
-  """Whether the step against device ``src``'s shard has work (None: every step has):
-  not for a later source of a contiguous causal ring, nor where the segment ids of the
-  two shards cannot meet. The drivers skip such a step's attention and merge."""
-  needed = [src <= me] if causal and layout == "contiguous" else []
-  if q_seg is not None:
-    needed.append(segments_meet(q_seg, kv_seg))
-  return functools.reduce(jnp.logical_and, needed) if needed else None
-
-
-def _step_forward(k, v, kv_seg, *, q, q_seg, src, me, causal, layout, scale, backend):
-  """``(o, lse)`` of the local queries against the K/V shard of device ``src``, a step
-  with work (``_step_needed``)."""
-  block = functools.partial(block_forward, scale=scale, backend=backend)
-  whole = lambda causal: lambda: block(q, k, v, q_seg, kv_seg, causal=causal)
-  if not causal:
-    return whole(False)()
-  if layout == "contiguous":
-    return lax.cond(src == me, whole(True), whole(False))
-  half = slice(None, q.shape[1] // 2)
-  rest = slice(q.shape[1] // 2, None)
-
-  def earlier():  # every local query sees the source's first chunk
-    return block(q, k[:, half], v[:, half], q_seg, _rows(kv_seg, half), causal=False)
-
-  def later():  # only the local second chunk sees the source, all of it
-    o, lse = block(q[:, rest], k, v, _rows(q_seg, rest), kv_seg, causal=False)
-    o0, l0 = empty_rows(q[:, half], v)
-    return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
-
-  return lax.cond(src == me, whole(True), lambda: lax.cond(src < me, earlier, later))
-
-
-def _step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layout, scale,
-                   backend):
-  """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard, a
-  step with work."""
-  grads = functools.partial(block_backward, scale=scale, backend=backend)
-  whole = lambda causal: lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=causal)
-  if not causal:
-    return whole(False)()
-  if layout == "contiguous":
-    return lax.cond(src == me, whole(True), whole(False))
-  half = slice(None, q.shape[1] // 2)
-  rest = slice(q.shape[1] // 2, None)
-
-  def earlier():
-    dq, dk, dv = grads(q, k[:, half], v[:, half], o, lse, do, q_seg, _rows(kv_seg, half),
-                       causal=False)
-    pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-    return dq, pad(dk), pad(dv)
-
-  def later():
-    dq, dk, dv = grads(q[:, rest], k, v, o[:, rest], lse[:, :, rest], do[:, rest],
-                       _rows(q_seg, rest), kv_seg, causal=False)
-    return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
-
-  return lax.cond(src == me, whole(True), lambda: lax.cond(src < me, earlier, later))
-
 
 # --- the ring -------------------------------------------------------------------------
 
@@ -112,9 +45,9 @@ def _ring_hop(devices: int, step: int):
 
 
 def _needed(st, q_seg, devices: int, me):
-  """The drivers' ``needed(step, blocks)``: ``_step_needed`` of the step's source."""
+  """The drivers' ``needed(step, blocks)``: ``step_needed`` of the step's source."""
   _, causal, layout = st[:3]
-  return lambda step, blocks: _step_needed(q_seg, blocks[2], (me - step) % devices, me,
+  return lambda step, blocks: step_needed(q_seg, blocks[2], (me - step) % devices, me,
                                            causal=causal, layout=layout)
 
 
@@ -123,7 +56,7 @@ def _ring_forward(st, q, k, v, q_seg, kv_seg):
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
 
   def attend(step, blocks):  # the key segment ids travel with their shard
-    return _step_forward(*blocks, q=q, q_seg=q_seg, src=(me - step) % devices, me=me,
+    return step_forward(*blocks, q=q, q_seg=q_seg, src=(me - step) % devices, me=me,
                          causal=causal, layout=layout, scale=scale, backend=backend)
 
   return ring_forward((k, v, kv_seg), devices, functools.partial(_ring_hop, devices), attend,
@@ -148,7 +81,7 @@ def _ring_bwd(st, res, do):
   devices, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
 
   def grads(step, blocks):
-    g_q, g_k, g_v = _step_backward(q, blocks[0], blocks[1], o, lse, do, q_seg, blocks[2],
+    g_q, g_k, g_v = step_backward(q, blocks[0], blocks[1], o, lse, do, q_seg, blocks[2],
                                    (me - step) % devices, me, causal=causal, layout=layout,
                                    scale=scale, backend=backend)
     return g_q, (g_k, g_v)
@@ -159,6 +92,16 @@ def _ring_bwd(st, res, do):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _check_layout(layout: str, q, q_seg) -> None:
+  """The local shards' needs of ``layout`` (``q_seg``: the checked query ids or None)."""
+  if layout != "contiguous" and q.shape[1] % 2:
+    raise ValueError(f"layout={layout!r} needs an even local sequence length, got {q.shape[1]}")
+  if layout == "segment_zigzag":
+    if q_seg is None:
+      raise ValueError("layout='segment_zigzag' needs q_segment_ids and kv_segment_ids (it "
+                       "lays out each segment); without them use layout='zigzag'")
 
 
 def _check_causal_lengths(q, k, causal: bool, shards: str) -> None:
@@ -188,8 +131,12 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       (``flash_attention``'s bottom-right alignment of ``kv_len != q_len`` is not
       supported over a ring: a ValueError says so). Without ``causal`` any ``kv_len``.
     layout: how the global sequence sits on the devices: ``"contiguous"`` (device
-      ``i`` holds chunk ``i``) or ``"zigzag"`` (chunks ``i`` and ``2P - 1 - i``, see
-      ``zigzag_order``; balances causal work, needs an even local length).
+      ``i`` holds chunk ``i``), ``"zigzag"`` (chunks ``i`` and ``2P - 1 - i``, see
+      ``zigzag_order``; balances causal work, needs an even local length) or
+      ``"segment_zigzag"`` (packed sequences: that zig-zag applied to every segment,
+      see ``segment_zigzag_order``; balances causal and non-causal work whatever the
+      documents' lengths, needs segment ids, and with ``causal`` the same ids for
+      queries and keys).
     backend: the blocks' backend, one of ``jattn.flash_attention``'s that gives the
       row statistics (``"auto"``: the first such that runs here; with
       ``kv_exchange="allgather"``, chosen per query chunk as ``flash_attention`` would).
@@ -217,8 +164,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
                          kv_segment_ids=kv_segment_ids)  # the flash checks, on the local shards
   q_seg, kv_seg = arrays[3:5]
   _check_causal_lengths(q, k, causal, " (here: the local shards)")
-  if layout == "zigzag" and q.shape[1] % 2:
-    raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
+  _check_layout(layout, q, q_seg)
   bound_axis_size(axis_name, "ring_attention")  # now, so that an unknown axis is named
   scale = scale_of(scale, q.shape[-1])
   if kv_exchange == "allgather":
@@ -235,12 +181,14 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
                            backend: str = "auto", q_segment_ids=None, kv_segment_ids=None,
                            kv_exchange: str = "ring"):
   """``ring_attention`` on whole arrays (``q [batch, seq, heads, head_dim]``, k, v
-  ``[batch, kv_len, kv_heads, head_dim(_v)]``): shards the sequence over ``mesh``'s
-  ``axis_name`` with ``shard_map`` (zig-zag ordered first and restored after for
-  ``layout="zigzag"``), so the caller needs no ``shard_map``.
+  ``[batch, kv_len, kv_heads, head_dim(_v)]``) in their natural order: shards the
+  sequence over ``mesh``'s ``axis_name`` with ``shard_map`` (ordered for the layout
+  first and restored after for ``"zigzag"`` and ``"segment_zigzag"``), so the caller
+  needs no ``shard_map``.
 
-  ``seq`` and ``kv_len`` must be multiples of the axis size (twice it for
-  ``"zigzag"``); ``causal`` needs ``kv_len == seq``. Segment ids: ``[batch, seq]`` /
+  ``seq`` and ``kv_len`` must be multiples of the axis size (twice it for the
+  zig-zags; for ``"segment_zigzag"`` every segment's length, see
+  ``segment_zigzag_order``); ``causal`` needs ``kv_len == seq``. Segment ids: ``[batch, seq]`` /
   ``[batch, kv_len]``, sharded (and ordered) as q and k. The ``shard_map`` runs with
   ``check_vma=False``: Pallas calls inside it declare no per-axis variance.
   """
@@ -251,7 +199,11 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   _check_causal_lengths(q, k, causal, "")
   devices = mesh_axis_size(mesh, axis_name)
   check_split({"q": q, "k": k}, devices=devices, axis_name=axis_name,
-              chunks=2 if layout == "zigzag" else 1)
+              chunks=1 if layout == "contiguous" else 2)
+  if layout == "segment_zigzag":
+    _check_layout(layout, q, q_segment_ids)
+    for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+      check_segment_zigzag(ids, devices, name)
   scale = scale_of(scale, q.shape[-1])  # a number: the compiled program's key
   ids = () if q_segment_ids is None and kv_segment_ids is None else (
       q_segment_ids, kv_segment_ids)
@@ -277,4 +229,10 @@ def _sharded_ring(options, q, k, v, ids):
   if layout == "zigzag":
     ordered = (zigzag_order(x, devices) for x in (q, k, v, *ids))
     return zigzag_restore(ring(*ordered), devices)
+  if layout == "segment_zigzag":
+    q_ids, kv_ids = ids
+    ordered = [segment_zigzag_order(x, q_ids, devices) for x in (q, q_ids)]
+    ordered[1:1] = [segment_zigzag_order(x, kv_ids, devices) for x in (k, v)]
+    return segment_zigzag_restore(ring(*ordered, segment_zigzag_order(kv_ids, kv_ids, devices)),
+                                  q_ids, devices)
   return ring(q, k, v, *ids)
