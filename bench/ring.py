@@ -167,8 +167,8 @@ def documents(args, env):
   rows = []
   ids_spec = PartitionSpec(None, "sp")
   for causal, mode, devices, exchange in itertools.product(
-      (False, True), args.modes.split(","), map(int, args.devices.split(",")),
-      args.kv_exchanges.split(",")):
+      [c == "causal" for c in args.document_masks.split(",")], args.modes.split(","),
+      map(int, args.devices.split(",")), args.kv_exchanges.split(",")):
     if devices > len(jax.devices()):
       continue
     plain = "zigzag" if causal else "contiguous"
@@ -329,6 +329,8 @@ def main():
   parser.add_argument("--max-seconds", type=float, default=15.0)
   parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")
   parser.add_argument("--documents", type=int, help="packed sequences of this many documents")
+  parser.add_argument("--document-masks", default="full,causal",
+                      help="--documents' rows: full (non-causal) and / or causal")
   parser.add_argument("--document-layouts", default="plain,segment_zigzag",
                       help="--documents' layouts with ids (plain: zigzag when causal, else "
                            "contiguous)")

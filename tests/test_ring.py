@@ -172,6 +172,8 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
     (lambda m: _sharded(m, layout="segment_zigzag", q_segment_ids=np.repeat(
         [[0, 1, 0]], [8, 16, 8], axis=1), kv_segment_ids=np.zeros((1, 32), int))(_Q, _Q, _Q),
      ValueError, r"q_segment_ids: row 0 has a segment id in more than one run"),
+    (lambda m: segment_zigzag_order(_Q, np.full((1, 32), 2 ** 30), 2), ValueError,
+     r"segment_ids must lie in \[-2\*\*30, 2\*\*30\) .*got \[1073741824, 1073741824\]"),
     (lambda m: _inside(m, axis_name="sp", kv_exchange="all_gather")(_Q, _Q, _Q), ValueError,
      r"kv_exchange must be one of \('ring', 'allgather'\), got 'all_gather'"),
     (lambda m: sharded_ring_attention(_Q, _Q, _Q, mesh="sp", axis_name="sp"), TypeError,
@@ -180,7 +182,7 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
      r"x's length 32 along axis 1 must be a multiple of 2 \* devices = 6"),
 ], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
         "causal-str", "rank", "k-split", "zigzag-split", "layout", "segment_zigzag-no-ids",
-        "segment-length", "segment-twice", "kv_exchange", "mesh", "zigzag_order"])
+        "segment-length", "segment-twice", "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
