@@ -83,7 +83,8 @@ def _mask(q_len, kv_len, kv_len_p, causal, local_window, segments, mods, lengths
   spec = MaskSpec.build(q_len, kv_len, causal=causal, local_window=local_window,
                         kv_padded=kv_len_p != kv_len, segments=segments,
                         lengths=lengths is not None)
-  return dataclasses.replace(spec, element_fn=mods.mask)
+  # With segment ids the kernels are given block ranges that say which tiles need no mask.
+  return dataclasses.replace(spec, element_fn=mods.mask, segment_tiles=segments)
 
 
 def _score(softcap, mods):

@@ -11,7 +11,6 @@ lists (FlexAttention's block masks), each visits only the listed tiles.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -213,7 +212,6 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
   segments = (q_seg, kv_seg)
   seg_specs = [None, None, None]
   if spec.segments:  # tiles inside one segment run unmasked, those no id meets not at all
-    spec = dataclasses.replace(spec, segment_tiles=True)
     segments += (segment_block_ranges(kv_seg, q_seg, spec.kv_len, spec.q_len, bk_dkv, bq_dkv,
                                       uniform=True),)
     seg_specs = [pl.BlockSpec((None, q_len_p), lambda j, b, h: (b, 0)),

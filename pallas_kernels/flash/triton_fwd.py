@@ -12,7 +12,6 @@ the query tile's, and tiles wholly inside one segment are unmasked
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -114,7 +113,6 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
               whole_sequence_spec(kv_len_p, dv, group)]
   seg_ranges = None
   if spec.segments:  # tiles inside one segment run unmasked, those no id meets not at all
-    spec = dataclasses.replace(spec, segment_tiles=True)
     seg_ranges = segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len, block_q,
                                       block_k, uniform=True)
     in_specs += [pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),
