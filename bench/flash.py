@@ -328,7 +328,8 @@ def breakdown(shapes, dtype=jnp.float16):
   return rows
 
 
-def packed(dtypes, modes, shape=(8, 2048, 16, 128), documents=4):
+def packed(dtypes, modes, backends=("pallas_mosaic", "pallas_triton"), shape=(8, 2048, 16, 128),
+           documents=4):
   """Packed sequences (``documents`` equal documents per row, segment ids) against the same
   problem without segment ids, on both our kernel families, causal and not."""
   rows = []
@@ -337,8 +338,7 @@ def packed(dtypes, modes, shape=(8, 2048, 16, 128), documents=4):
   for dname, causal, mode in itertools.product(dtypes, (False, True), modes):
     q, k, v, do = random_inputs(shape, DTYPES[dname])
     flops = attention_flops(*shape[:2], shape[1], *shape[2:], causal, mode)
-    for backend, segments in itertools.product(("pallas_mosaic", "pallas_triton"),
-                                               (False, True)):
+    for backend, segments in itertools.product(backends, (False, True)):
       extra = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
       fn = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend=backend,
                                                  **extra)
@@ -392,6 +392,8 @@ def main():
   parser.add_argument("--packed", action="store_true",
                       help="packed sequences (8,2048,16,128), 4 documents per row, against "
                            "no segment ids")
+  parser.add_argument("--packed-backends", default="pallas_mosaic,pallas_triton",
+                      help="--packed's backends")
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--impls", default="jattn_mosaic,jattn_triton,cudnn,tokamax_mosaic,"
                       "jax_example_mgpu,jax_example,xla")
@@ -423,7 +425,7 @@ def main():
     print(md)
     return
   if args.packed:
-    rows = packed(args.dtypes.split(","), modes)
+    rows = packed(args.dtypes.split(","), modes, args.packed_backends.split(","))
     md = packed_markdown(rows, env)
     write_results(args.out, f"{args.stem}_packed", {"env": env, "rows": rows}, md)
     print(md)
