@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jattn
+from jattn.flex import bias_score
 from conftest import ON_GPU, rel_err
 
 BACKEND = "auto" if ON_GPU else "pallas_triton"  # the kernels, in interpret mode on a CPU
@@ -258,6 +259,27 @@ def test_inside_a_users_shard_map():
   with pytest.raises(ValueError, match=r"inside a jax.shard_map that checks varying axes "
                                        r"\(here \['data'\].*Pass check_vma=False"):
     mapped()(x, x, x)
+
+
+def test_xla_flex_closing_over_arrays_inside_a_checking_shard_map():
+  """The xla backend runs inside a ``shard_map`` that checks varying axes, also for
+  flex functions that close over arrays (a bias table that varies over no axis meets
+  scores that vary over "data"): outputs and the gradients of q and the table."""
+  mesh = _mesh(AxisType.Auto)
+  x = _normal(jax.random.key(0), (2, SEQ, 4, HEAD_DIM))
+  table = _normal(jax.random.key(1), (4, SEQ, SEQ))
+
+  def loss(q, table, map_it):
+    attend = lambda q, k, v: jattn.flex_attention(q, k, v, score_mod=bias_score(table),
+                                                  backend="xla")
+    if map_it:
+      attend = jax.shard_map(attend, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    return jnp.sum(jnp.sin(attend(q, x, x)))
+
+  ours = jax.jit(jax.value_and_grad(functools.partial(loss, map_it=True), (0, 1)))(x, table)
+  ref = jax.value_and_grad(functools.partial(loss, map_it=False), (0, 1))(x, table)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    assert rel_err(a, b) < TOL
 
 
 def test_one_device_runs_as_before():

@@ -31,6 +31,7 @@ from jattn.kernels.common.elementwise import elementwise
 from jattn.kernels.common.element_functions import (TileFunction, concrete_value,
                                                     kernel_array, reaches_custom_rule)
 from jattn.kernels.common.factored_functions import FactoredFunction
+from jattn.kernels.common.varying import as_varying, varying_axes
 
 SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
 MASK_ARGS = "(b, h, q_idx, kv_idx)"
@@ -57,8 +58,7 @@ class ElementFunction:
 
   def bind(self, consts) -> Callable:
     """The scalar function with ``consts`` in place of the arrays it closed over."""
-    scalar = jaxpr_as_fun(ClosedJaxpr(self.jaxpr, []))
-    return lambda *xs: scalar(*consts, *xs)[0]
+    return lambda *xs: _evaluate(self.jaxpr, (*consts, *xs))[0]
 
   def __call__(self, consts, *args):
     """The function on broadcastable ``args`` (score float32, indices int32),
@@ -154,15 +154,9 @@ def _with_arrays_as_inputs(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
     constvars, invars = invars[:len(closed.consts)], invars[len(closed.consts):]
 
   def lifted(arrays, *xs):
-    env = dict(zip(constvars + invars, list(arrays[len(values):]) + list(xs)))
-    read = lambda v: (arrays[position[id(v)]] if id(v) in position
-                      else v.val if isinstance(v, Literal) else env[v])
-    for eqn in closed.jaxpr.eqns:
-      params = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: (subfuns, params))
-      subfuns, params = ([], params) if isinstance(params, dict) else params
-      outs = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
-      env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
-    return [read(v) for v in closed.jaxpr.outvars]
+    literal = lambda v: arrays[position[id(v)]] if id(v) in position else v.val
+    return _evaluate(_jaxpr(constvars + invars, closed.jaxpr.outvars, closed.jaxpr.eqns),
+                     list(arrays[len(values):]) + list(xs), literal)
 
   arrays = [jnp.asarray(x) for x in values] + [jnp.asarray(c) for c in closed.consts]
   if not literals:
@@ -171,6 +165,27 @@ def _with_arrays_as_inputs(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
   jaxpr = retraced.jaxpr
   return (_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.outvars, jaxpr.eqns),
           tuple(jnp.asarray(c) for c in retraced.consts) + tuple(arrays))
+
+
+def _evaluate(jaxpr: Jaxpr, args, literal=lambda v: v.val) -> list:
+  """The outputs of ``jaxpr`` (no constants) on ``args``, equation by equation
+  (``literal(v)``: a literal's value). Inside a ``shard_map`` that checks varying axes,
+  each equation's inputs are first marked varying over every axis one of them varies
+  over: a closed-over array, an index or a literal (varying over none) meets scores that
+  vary over the mesh, which JAX's functions reconcile and a bare primitive does not."""
+  env = dict(zip(jaxpr.invars, args))
+  read = lambda v: literal(v) if isinstance(v, Literal) else env[v]
+  matching = bool(varying_axes(args))
+  for eqn in jaxpr.eqns:
+    inputs = [read(v) for v in eqn.invars]
+    if matching:
+      axes = varying_axes(inputs)
+      inputs = [as_varying(x, axes) for x in inputs]
+    params = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: (subfuns, params))
+    subfuns, params = ([], params) if isinstance(params, dict) else params
+    outs = eqn.primitive.bind(*subfuns, *inputs, **params)
+    env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+  return [read(v) for v in jaxpr.outvars]
 
 
 def _debug_info(invars, outvars) -> DebugInfo:
