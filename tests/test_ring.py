@@ -172,6 +172,10 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
     (lambda m: _sharded(m, layout="segment_zigzag", q_segment_ids=np.repeat(
         [[0, 1, 0]], [8, 16, 8], axis=1), kv_segment_ids=np.zeros((1, 32), int))(_Q, _Q, _Q),
      ValueError, r"q_segment_ids: row 0 has a segment id in more than one run"),
+    (lambda m: _sharded(m, layout="segment_zigzag", causal=True,
+                        q_segment_ids=np.repeat([[0, 1]], [8, 24], axis=1),
+                        kv_segment_ids=np.repeat([[0, 1]], [16, 16], axis=1))(_Q, _Q, _Q),
+     ValueError, r"causal=True needs kv_segment_ids cut into the same segments as q_segment_ids"),
     (lambda m: segment_zigzag_order(_Q, np.full((1, 32), 2 ** 30), 2), ValueError,
      r"segment_ids must lie in \[-2\*\*30, 2\*\*30\) .*got \[1073741824, 1073741824\]"),
     (lambda m: _inside(m, axis_name="sp", kv_exchange="all_gather")(_Q, _Q, _Q), ValueError,
@@ -182,7 +186,7 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
      r"x's length 32 along axis 1 must be a multiple of 2 \* devices = 6"),
 ], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
         "causal-str", "rank", "k-split", "zigzag-split", "layout", "segment_zigzag-no-ids",
-        "segment-length", "segment-twice", "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
+        "segment-length", "segment-twice", "segment-causal-ids", "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
@@ -239,7 +243,7 @@ def test_random_rings_equal_single_device(devices, causal, layout, group, dims, 
   either exchange: outputs and gradients equal single-device attention."""
   seq = 2 * devices * chunk  # zig-zag needs 2 chunks per device
   grain = 2 * devices if layout == "segment_zigzag" else 1
-  documents = max(documents, layout == "segment_zigzag")
+  documents = max(documents, int(layout == "segment_zigzag"))
   kv_len = 2 * seq if longer_kv and not causal else seq
   q, k, v, do = _inputs(1, seq, 2 * group, 2, dims[0], seed=seed, kv_len=kv_len,
                         value_head_dim=dims[1])
@@ -249,7 +253,9 @@ def test_random_rings_equal_single_device(devices, causal, layout, group, dims, 
     cuts = lambda n: jnp.asarray(np.searchsorted(
         np.sort(rng.integers(0, n // grain, documents)) * grain, np.arange(n),
         side="right")[None], jnp.int32)
-    ids = dict(q_segment_ids=cuts(seq), kv_segment_ids=cuts(kv_len))
+    q_ids = cuts(seq)  # a causal segment zig-zag lays keys out by the queries' segments
+    same = causal and layout == "segment_zigzag"
+    ids = dict(q_segment_ids=q_ids, kv_segment_ids=q_ids if same else cuts(kv_len))
   fn = functools.partial(sharded_ring_attention, mesh=ring_mesh(devices), axis_name="sp",
                          causal=causal, layout=layout, backend="xla", kv_exchange=kv_exchange,
                          **ids)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from jax import lax
 
 from jattn.core.validation import check_attention_inputs, check_choice, check_flag, scale_of
@@ -104,6 +105,17 @@ def _check_layout(layout: str, q, q_seg) -> None:
                        "lays out each segment); without them use layout='zigzag'")
 
 
+def _check_same_segments(q_ids, kv_ids, causal: bool) -> None:
+  """A causal segment zig-zag needs queries and keys laid out alike: concrete ids cut
+  into other segments are refused (their labels may differ; traced ids are not
+  checked)."""
+  concrete = not any(isinstance(x, jax.core.Tracer) for x in (q_ids, kv_ids))
+  cuts = lambda ids: np.diff(np.asarray(ids), axis=1) != 0
+  if causal and concrete and not np.array_equal(cuts(q_ids), cuts(kv_ids)):
+    raise ValueError("layout='segment_zigzag' with causal=True needs kv_segment_ids cut into "
+                     "the same segments as q_segment_ids (queries and keys laid out alike)")
+
+
 def _check_causal_lengths(q, k, causal: bool, shards: str) -> None:
   """A causal ring masks over one global sequence: query ``i`` against key ``i``. The
   bottom-right alignment ``flash_attention`` gives ``kv_len != q_len`` would move every
@@ -135,8 +147,9 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       ``zigzag_order``; balances causal work, needs an even local length) or
       ``"segment_zigzag"`` (packed sequences: that zig-zag applied to every segment,
       see ``segment_zigzag_order``; balances causal and non-causal work whatever the
-      documents' lengths, needs segment ids, and with ``causal`` the same ids for
-      queries and keys).
+      documents' lengths, needs segment ids, and with ``causal`` query and key ids
+      cut into the same segments; their labels may differ, e.g. queries of a segment
+      without keys).
     backend: the blocks' backend, one of ``jattn.flash_attention``'s that gives the
       row statistics (``"auto"``: the first such that runs here; with
       ``kv_exchange="allgather"``, chosen per query chunk as ``flash_attention`` would).
@@ -204,6 +217,7 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
     _check_layout(layout, q, q_segment_ids)
     for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
       check_segment_zigzag(ids, devices, name)
+    _check_same_segments(q_segment_ids, kv_segment_ids, causal)
   scale = scale_of(scale, q.shape[-1])  # a number: the compiled program's key
   ids = () if q_segment_ids is None and kv_segment_ids is None else (
       q_segment_ids, kv_segment_ids)

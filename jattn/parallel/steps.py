@@ -42,35 +42,44 @@ def step_needed(q_seg, kv_seg, src, me, *, causal: bool, layout: str):
   return functools.reduce(jnp.logical_and, needed) if needed else None
 
 
-def _segment_zigzag(run, q_seg, kv_seg, src, me, causal: bool):
-  """``run(q ids, kv ids, causal)`` of a ``segment_zigzag`` step. Off the diagonal the
-  ids become ``2 id + half`` (``half``: 1 in a run's second half, the later chunk):
-  for ``src < me`` queries meet only keys of the first halves, for ``src > me`` only
-  second-half queries meet keys."""
-  if not causal or q_seg is None:
-    return run(q_seg, kv_seg, causal)
-  q_half, kv_half = segment_zigzag_halves(q_seg), segment_zigzag_halves(kv_seg)
-  return lax.cond(
-      src == me, lambda: run(q_seg, kv_seg, True),
-      lambda: lax.cond(src < me,
-                       lambda: run(2 * q_seg, 2 * kv_seg + kv_half, False),
-                       lambda: run(2 * q_seg + q_half, 2 * kv_seg + 1, False)))
-
-
-def step_forward(k, v, kv_seg, *, q, q_seg, src, me, causal, layout, scale, backend):
-  """``(o float32, lse)`` of the local queries against the K/V shard of device ``src``,
-  a step with work (``step_needed``)."""
-  block = functools.partial(block_forward, scale=scale, backend=backend)
-  if layout == "segment_zigzag":
-    return _segment_zigzag(lambda qs, ks, c: block(q, k, v, qs, ks, causal=c), q_seg, kv_seg,
-                           src, me, causal)
-  whole = lambda causal: lambda: block(q, k, v, q_seg, kv_seg, causal=causal)
+def _step(run, earlier, later, q_seg, kv_seg, src, me, *, causal: bool, layout: str):
+  """A step by the layout's cases: ``run(q ids, kv ids, causal)`` against the whole
+  shard, ``earlier()`` / ``later()`` the zig-zags' steps against a source before /
+  after this device."""
   if not causal:
-    return whole(False)()
+    return run(q_seg, kv_seg, False)
+  diagonal = lambda: run(q_seg, kv_seg, True)
   if layout == "contiguous":
-    return lax.cond(src == me, whole(True), whole(False))
-  half = slice(None, q.shape[1] // 2)
-  rest = slice(q.shape[1] // 2, None)
+    return lax.cond(src == me, diagonal, lambda: run(q_seg, kv_seg, False))
+  return lax.cond(src == me, diagonal, lambda: lax.cond(src < me, earlier, later))
+
+
+def _segment_halves(run, q_seg, kv_seg):
+  """``(earlier, later)`` of a ``segment_zigzag`` step: the ids become ``2 id + half``
+  (``half``: 1 in a run's second half, the later chunk), so that against an earlier
+  source queries meet only the keys of first halves, against a later one only
+  second-half queries meet keys."""
+  halves = lambda: (segment_zigzag_halves(q_seg), segment_zigzag_halves(kv_seg))
+
+  def earlier():
+    kv_half = halves()[1]
+    return run(2 * q_seg, 2 * kv_seg + kv_half, False)
+
+  def later():
+    q_half = halves()[0]
+    return run(2 * q_seg + q_half, 2 * kv_seg + 1, False)
+
+  return earlier, later
+
+
+def _chunks(n: int) -> tuple[slice, slice]:
+  """A zig-zag shard's two chunks."""
+  return slice(None, n // 2), slice(n // 2, None)
+
+
+def _forward_chunks(block, q, k, v, q_seg, kv_seg):
+  """``(earlier, later)`` of a ``zigzag`` forward step."""
+  half, rest = _chunks(q.shape[1])
 
   def earlier():  # every local query sees the source's first chunk
     return block(q, k[:, half], v[:, half], q_seg, _rows(kv_seg, half), causal=False)
@@ -80,24 +89,12 @@ def step_forward(k, v, kv_seg, *, q, q_seg, src, me, causal, layout, scale, back
     o0, l0 = empty_rows(q[:, half], v)
     return jnp.concatenate([o0, o], axis=1), jnp.concatenate([l0, lse], axis=2)
 
-  return lax.cond(src == me, whole(True), lambda: lax.cond(src < me, earlier, later))
+  return earlier, later
 
 
-def step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layout, scale,
-                  backend):
-  """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard, a
-  step with work."""
-  grads = functools.partial(block_backward, scale=scale, backend=backend)
-  if layout == "segment_zigzag":
-    return _segment_zigzag(lambda qs, ks, c: grads(q, k, v, o, lse, do, qs, ks, causal=c),
-                           q_seg, kv_seg, src, me, causal)
-  whole = lambda causal: lambda: grads(q, k, v, o, lse, do, q_seg, kv_seg, causal=causal)
-  if not causal:
-    return whole(False)()
-  if layout == "contiguous":
-    return lax.cond(src == me, whole(True), whole(False))
-  half = slice(None, q.shape[1] // 2)
-  rest = slice(q.shape[1] // 2, None)
+def _backward_chunks(grads, q, k, v, o, lse, do, q_seg, kv_seg):
+  """``(earlier, later)`` of a ``zigzag`` backward step."""
+  half, rest = _chunks(q.shape[1])
 
   def earlier():
     dq, dk, dv = grads(q, k[:, half], v[:, half], o, lse, do, q_seg, _rows(kv_seg, half),
@@ -110,4 +107,25 @@ def step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layout
                        _rows(q_seg, rest), kv_seg, causal=False)
     return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
-  return lax.cond(src == me, whole(True), lambda: lax.cond(src < me, earlier, later))
+  return earlier, later
+
+
+def step_forward(k, v, kv_seg, *, q, q_seg, src, me, causal, layout, scale, backend):
+  """``(o float32, lse)`` of the local queries against the K/V shard of device ``src``,
+  a step with work (``step_needed``)."""
+  block = functools.partial(block_forward, scale=scale, backend=backend)
+  run = lambda qs, ks, c: block(q, k, v, qs, ks, causal=c)
+  halves = (_segment_halves(run, q_seg, kv_seg) if layout == "segment_zigzag" else
+            _forward_chunks(block, q, k, v, q_seg, kv_seg))
+  return _step(run, *halves, q_seg, kv_seg, src, me, causal=causal, layout=layout)
+
+
+def step_backward(q, k, v, o, lse, do, q_seg, kv_seg, src, me, *, causal, layout, scale,
+                  backend):
+  """``(dq, dk, dv)`` float32 of the local queries against device ``src``'s shard, a
+  step with work."""
+  grads = functools.partial(block_backward, scale=scale, backend=backend)
+  run = lambda qs, ks, c: grads(q, k, v, o, lse, do, qs, ks, causal=c)
+  halves = (_segment_halves(run, q_seg, kv_seg) if layout == "segment_zigzag" else
+            _backward_chunks(grads, q, k, v, o, lse, do, q_seg, kv_seg))
+  return _step(run, *halves, q_seg, kv_seg, src, me, causal=causal, layout=layout)
