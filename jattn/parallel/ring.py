@@ -14,7 +14,9 @@ Causal load balance (``layout="zigzag"``): the sequence is cut into ``2P`` chunk
 device ``i`` holds chunks ``i`` and ``2P - 1 - i`` (``zigzag_order`` arranges a
 sequence so); then at every step each device does half a block of unmasked work,
 so no device idles. With ``layout="contiguous"`` (device ``i`` holds chunk ``i``)
-causal rings leave later devices the most work.
+causal rings leave later devices the most work. For packed sequences
+``layout="segment_zigzag"`` applies the zig-zag to every document (``steps``), which
+balances the work whatever the documents' lengths.
 """
 
 from __future__ import annotations
@@ -95,25 +97,35 @@ def _ring_bwd(st, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _check_layout(layout: str, q, q_seg) -> None:
-  """The local shards' needs of ``layout`` (``q_seg``: the checked query ids or None)."""
+def _check_layout(layout: str, q, q_seg, kv_seg) -> None:
+  """The local shards' needs of ``layout`` (the segment ids or None)."""
   if layout != "contiguous" and q.shape[1] % 2:
     raise ValueError(f"layout={layout!r} needs an even local sequence length, got {q.shape[1]}")
   if layout == "segment_zigzag":
-    if q_seg is None:
+    if q_seg is None or kv_seg is None:
       raise ValueError("layout='segment_zigzag' needs q_segment_ids and kv_segment_ids (it "
                        "lays out each segment); without them use layout='zigzag'")
 
 
-def _check_same_segments(q_ids, kv_ids, causal: bool) -> None:
-  """A causal segment zig-zag needs queries and keys laid out alike: concrete ids cut
-  into other segments are refused (their labels may differ; traced ids are not
-  checked)."""
-  concrete = not any(isinstance(x, jax.core.Tracer) for x in (q_ids, kv_ids))
-  cuts = lambda ids: np.diff(np.asarray(ids), axis=1) != 0
-  if causal and concrete and not np.array_equal(cuts(q_ids), cuts(kv_ids)):
+def _check_causal_segments(q_ids, kv_ids, causal: bool) -> None:
+  """A causal segment zig-zag orders queries and keys within each segment, not across
+  segments: refused where concrete ids are cut into other segments, or where a query
+  segment's id names a key segment other than its own (a query segment whose id no
+  key has is fine: it gives zeros). Traced ids are not checked."""
+  if not causal or any(isinstance(x, jax.core.Tracer) for x in (q_ids, kv_ids)):
+    return
+  q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+  if not np.array_equal(np.diff(q_ids, axis=1) != 0, np.diff(kv_ids, axis=1) != 0):
     raise ValueError("layout='segment_zigzag' with causal=True needs kv_segment_ids cut into "
                      "the same segments as q_segment_ids (queries and keys laid out alike)")
+  for b, (q_row, kv_row) in enumerate(zip(q_ids, kv_ids)):
+    elsewhere = (q_row != kv_row) & np.isin(q_row, kv_row)
+    if elsewhere.any():
+      t = int(np.argmax(elsewhere))
+      raise ValueError(
+          f"layout='segment_zigzag' with causal=True: row {b}'s query segment at token {t} has "
+          f"id {q_row[t]}, which names another segment of the keys (its own keys have id "
+          f"{kv_row[t]}); a query segment may attend only its own keys, or none")
 
 
 def _check_causal_lengths(q, k, causal: bool, shards: str) -> None:
@@ -148,20 +160,21 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
       ``"segment_zigzag"`` (packed sequences: that zig-zag applied to every segment,
       see ``segment_zigzag_order``; balances causal and non-causal work whatever the
       documents' lengths, needs segment ids, and with ``causal`` query and key ids
-      cut into the same segments; their labels may differ, e.g. queries of a segment
-      without keys).
+      cut into the same segments, each query segment's id that of its own keys or of
+      no key: a segment attends within itself, causally by position).
     backend: the blocks' backend, one of ``jattn.flash_attention``'s that gives the
       row statistics (``"auto"``: the first such that runs here; with
       ``kv_exchange="allgather"``, chosen per query chunk as ``flash_attention`` would).
     q_segment_ids, kv_segment_ids: the local shards ``[batch, seq / P]`` / ``[batch,
       kv_len / P]`` of integer segment ids (packed sequences, laid out as q and k are):
       a query attends only to keys of its segment. The key ids travel with their K/V
-      shard; a ring step whose ids cannot meet (their ranges per batch row do not
-      overlap) is skipped, and the blocks skip the tiles no segment needs.
+      shard; in the plain layouts a ring step whose ids cannot meet (their ranges per
+      batch row do not overlap) is skipped, and the blocks skip the tiles no segment
+      needs.
     kv_exchange: ``"ring"`` (the K/V shards travel ``P - 1`` hops; each device holds
       two shards at a time) or ``"allgather"`` (each device gathers the whole K/V in
-      one collective and attends its queries to it, one flash call per query chunk,
-      and the backward reduce-scatters dK / dV home: ``P`` times the K/V memory, one
+      one collective and attends its queries to it, one flash call per query chunk
+      (per source shard with ``"segment_zigzag"``), and the backward reduce-scatters dK / dV home: ``P`` times the K/V memory, one
       collective instead of ``P - 1`` hops; see ``jattn.parallel.allgather``). Same
       results, same layouts and segment ids.
 
@@ -177,7 +190,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
                          kv_segment_ids=kv_segment_ids)  # the flash checks, on the local shards
   q_seg, kv_seg = arrays[3:5]
   _check_causal_lengths(q, k, causal, " (here: the local shards)")
-  _check_layout(layout, q, q_seg)
+  _check_layout(layout, q, q_seg, kv_seg)
   bound_axis_size(axis_name, "ring_attention")  # now, so that an unknown axis is named
   scale = scale_of(scale, q.shape[-1])
   if kv_exchange == "allgather":
@@ -214,10 +227,10 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   check_split({"q": q, "k": k}, devices=devices, axis_name=axis_name,
               chunks=1 if layout == "contiguous" else 2)
   if layout == "segment_zigzag":
-    _check_layout(layout, q, q_segment_ids)
+    _check_layout(layout, q, q_segment_ids, kv_segment_ids)
     for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
       check_segment_zigzag(ids, devices, name)
-    _check_same_segments(q_segment_ids, kv_segment_ids, causal)
+    _check_causal_segments(q_segment_ids, kv_segment_ids, causal)
   scale = scale_of(scale, q.shape[-1])  # a number: the compiled program's key
   ids = () if q_segment_ids is None and kv_segment_ids is None else (
       q_segment_ids, kv_segment_ids)
