@@ -261,20 +261,35 @@ def test_inside_a_users_shard_map():
     mapped()(x, x, x)
 
 
-def test_xla_flex_closing_over_arrays_inside_a_checking_shard_map():
-  """The xla backend runs inside a ``shard_map`` that checks varying axes, also for
-  flex functions that close over arrays (a bias table that varies over no axis meets
-  scores that vary over "data"): outputs and the gradients of q and the table."""
+# Score functions inside a shard_map that checks varying axes: a table that varies over
+# no axis meets scores that do; jnp.where, jax.nn and an inner jit (inner jaxprs traced
+# as varying over nothing); a table passed in sharded, so varying itself.
+_CHECKED_SCORES = {
+    "table": lambda table: bias_score(table),
+    "where-nn-jit": lambda table: lambda s, b, h, i, j: jnp.where(
+        i >= j, jax.jit(lambda x: 2.0 * x)(s), jax.nn.softplus(s) + table[h, i, j]),
+    "sharded-table": None,
+}
+
+
+@pytest.mark.parametrize("case", list(_CHECKED_SCORES))
+def test_xla_flex_inside_a_shard_map_that_checks_varying_axes(case):
+  """The xla backend runs flex functions inside a ``shard_map`` that checks varying
+  axes: outputs and the gradients of q and the closed-over table, against the
+  unsharded call."""
   mesh = _mesh(AxisType.Auto)
   x = _normal(jax.random.key(0), (2, SEQ, 4, HEAD_DIM))
-  table = _normal(jax.random.key(1), (4, SEQ, SEQ))
+  table = _normal(jax.random.key(1), (2, 4, SEQ, SEQ) if case == "sharded-table"
+                  else (4, SEQ, SEQ))
+  score = _CHECKED_SCORES[case] or (lambda t: lambda s, b, h, i, j: s * t[b, h, i, j])
 
   def loss(q, table, map_it):
-    attend = lambda q, k, v: jattn.flex_attention(q, k, v, score_mod=bias_score(table),
-                                                  backend="xla")
-    if map_it:
-      attend = jax.shard_map(attend, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-    return jnp.sum(jnp.sin(attend(q, x, x)))
+    attend = lambda q, k, v, t: jattn.flex_attention(q, k, v, score_mod=score(t),
+                                                     backend="xla")
+    if map_it:  # the sharded table's batch axis splits over "data" with q's
+      attend = jax.shard_map(attend, mesh=mesh, in_specs=(P("data"),) * 3 + (
+          P("data") if case == "sharded-table" else P(),), out_specs=P("data"))
+    return jnp.sum(jnp.sin(attend(q, x, x, table)))
 
   ours = jax.jit(jax.value_and_grad(functools.partial(loss, map_it=True), (0, 1)))(x, table)
   ref = jax.value_and_grad(functools.partial(loss, map_it=False), (0, 1))(x, table)

@@ -167,25 +167,54 @@ def _with_arrays_as_inputs(closed: ClosedJaxpr, args) -> tuple[Jaxpr, tuple]:
           tuple(jnp.asarray(c) for c in retraced.consts) + tuple(arrays))
 
 
-def _evaluate(jaxpr: Jaxpr, args, literal=lambda v: v.val) -> list:
-  """The outputs of ``jaxpr`` (no constants) on ``args``, equation by equation
-  (``literal(v)``: a literal's value). Inside a ``shard_map`` that checks varying axes,
-  each equation's inputs are first marked varying over every axis one of them varies
-  over: a closed-over array, an index or a literal (varying over none) meets scores that
-  vary over the mesh, which JAX's functions reconcile and a bare primitive does not."""
-  env = dict(zip(jaxpr.invars, args))
+def _evaluate(jaxpr: Jaxpr, args, literal=lambda v: v.val, consts=()) -> list:
+  """The outputs of ``jaxpr`` on ``args`` (and ``consts`` for its constvars), equation
+  by equation (``literal(v)``: a literal's value). Inside a ``shard_map`` that checks
+  varying axes, each equation's inputs are first marked varying over every axis one of
+  them varies over: a closed-over array, an index or a literal (varying over none)
+  meets scores that vary over the mesh, which JAX's functions reconcile and a bare
+  primitive does not. There, inner jaxprs (``jit``, custom derivatives), traced as
+  varying over nothing, run inlined, and the function's own casts to varying apply
+  only to the axes an input does not vary over yet."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
   read = lambda v: literal(v) if isinstance(v, Literal) else env[v]
-  matching = bool(varying_axes(args))
+  matching = bool(varying_axes(args) or varying_axes(list(consts)))
   for eqn in jaxpr.eqns:
     inputs = [read(v) for v in eqn.invars]
     if matching:
       axes = varying_axes(inputs)
       inputs = [as_varying(x, axes) for x in inputs]
-    params = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: (subfuns, params))
-    subfuns, params = ([], params) if isinstance(params, dict) else params
-    outs = eqn.primitive.bind(*subfuns, *inputs, **params)
-    env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+      outs = _matching_rule(eqn, inputs)
+    else:
+      outs = None
+    if outs is None:
+      params = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: (subfuns, params))
+      subfuns, params = ([], params) if isinstance(params, dict) else params
+      outs = eqn.primitive.bind(*subfuns, *inputs, **params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _matching_rule(eqn, inputs) -> list | None:
+  """``_evaluate``'s outputs of an equation inside a checking ``shard_map`` where
+  binding it as traced would not do (None: bind it): a cast to varying, or a call
+  of an inner jaxpr."""
+  name = eqn.primitive.name
+  if name in ("pvary", "pcast"):
+    if name == "pcast" and eqn.params.get("to") != "varying":
+      return None
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    axes = frozenset(axes if isinstance(axes, (tuple, list)) else (axes,))
+    return [as_varying(x, axes) for x in inputs]
+  inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                if k in eqn.params), None)
+  if isinstance(inner, ClosedJaxpr):
+    return _evaluate(inner.jaxpr, inputs, consts=inner.consts)
+  if isinstance(inner, Jaxpr):
+    return _evaluate(inner, inputs)
+  return None
 
 
 def _debug_info(invars, outvars) -> DebugInfo:
