@@ -147,9 +147,8 @@ def split_ceiling(ids: np.ndarray, devices: int, causal: bool, layout: str) -> f
   start = np.searchsorted(ids, ids, side="left")  # each token's document start (sorted ids)
   end = np.searchsorted(ids, ids, side="right")
   pairs = np.arange(seq) - start + 1 if causal else end - start  # keys each query sees
-  laid = {"contiguous": lambda x: x, "zigzag": lambda x: zigzag_order(x, devices),
-          "segment_zigzag": lambda x: segment_zigzag_order(x, ids[None], devices)}[layout]
-  work = np.asarray(laid(pairs[None]))[0].reshape(devices, -1).sum(axis=1)
+  laid = _laid_out(pairs[None], ids[None], devices, layout)
+  work = np.asarray(laid)[0].reshape(devices, -1).sum(axis=1)
   return float(np.mean(work) / np.max(work))
 
 

@@ -129,6 +129,9 @@ def test_segment_zigzag_order_puts_two_chunks_of_every_segment_on_each_device():
     device = lambda i: np.concatenate([np.concatenate([c[i], c[3 - i]]) for c in chunks])
     np.testing.assert_array_equal(y[b], np.concatenate([device(0), device(1)]))
   np.testing.assert_array_equal(segment_zigzag_restore(y, ids, 2), x)
+  pair = segment_zigzag_order((x, ids), ids, 2)  # a tuple: each by the same permutation
+  np.testing.assert_array_equal(pair[0], y)
+  np.testing.assert_array_equal(pair[1], segment_zigzag_order(ids, ids, 2))
 
 
 def _inside(mesh, **kwargs):
@@ -193,7 +196,8 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
      r"x's length 32 along axis 1 must be a multiple of 2 \* devices = 6"),
 ], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
         "causal-str", "rank", "k-split", "zigzag-split", "layout", "segment_zigzag-no-ids",
-        "segment-length", "segment-twice", "segment-causal-ids", "segment-causal-labels", "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
+        "segment-length", "segment-twice", "segment-causal-ids", "segment-causal-labels",
+        "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)

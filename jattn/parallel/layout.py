@@ -105,28 +105,31 @@ def segment_zigzag_order(x, segment_ids, devices: int):
   ``ring_attention(..., layout="segment_zigzag")``, which balances causal work over the
   devices whatever the documents' lengths.
 
-  ``x``: ``[batch, seq, ...]`` (the ids themselves too), ``segment_ids [batch, seq]``
-  in the natural order; every segment (a run of equal ids) must have a length that is
-  a multiple of ``2 * devices`` and be one run (checked where the ids are concrete,
-  not under ``jit``). Pad documents to such lengths: with ``causal=True``, pad tokens
-  at a document's end that take its id are seen by no token of it but the pads."""
+  ``x``: ``[batch, seq, ...]`` (the ids themselves too), or a tuple of such arrays,
+  all reordered by one permutation; ``segment_ids [batch, seq]`` in the natural order;
+  every segment (a run of equal ids) must have a length that is a multiple of
+  ``2 * devices`` and be one run (checked where the ids are concrete, not under
+  ``jit``). Pad documents to such lengths: with ``causal=True``, pad tokens at a
+  document's end that take its id are seen by no token of it but the pads."""
   check_segment_zigzag(segment_ids, devices)
-  x = jnp.asarray(x)
-  target = _segment_zigzag_targets(segment_ids, devices)
-  return _take_rows(x, jnp.argsort(target, axis=1))
+  order = jnp.argsort(_segment_zigzag_targets(segment_ids, devices), axis=1)
+  return _take_rows(x, order)
 
 
 def segment_zigzag_restore(x, segment_ids, devices: int):
-  """Inverse of ``segment_zigzag_order``; ``segment_ids [batch, seq]`` in the natural
-  order (the ones given to ``segment_zigzag_order``)."""
+  """Inverse of ``segment_zigzag_order`` (``x``: an array or a tuple of arrays);
+  ``segment_ids [batch, seq]`` in the natural order (the ones given to
+  ``segment_zigzag_order``)."""
   check_segment_zigzag(segment_ids, devices)
-  return _take_rows(jnp.asarray(x), _segment_zigzag_targets(segment_ids, devices))
+  return _take_rows(x, _segment_zigzag_targets(segment_ids, devices))
 
 
 def _take_rows(x, index):
-  """``x[b, index[b, t], ...]``."""
-  index = index.reshape(index.shape + (1,) * (x.ndim - 2))
-  return jnp.take_along_axis(x, index, axis=1)
+  """``x[b, index[b, t], ...]`` of an array, or of each array of a tuple."""
+  if isinstance(x, tuple):
+    return tuple(_take_rows(a, index) for a in x)
+  x = jnp.asarray(x)
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 def segment_zigzag_halves(local_ids):

@@ -174,9 +174,10 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
     kv_exchange: ``"ring"`` (the K/V shards travel ``P - 1`` hops; each device holds
       two shards at a time) or ``"allgather"`` (each device gathers the whole K/V in
       one collective and attends its queries to it, one flash call per query chunk
-      (per source shard with ``"segment_zigzag"``), and the backward reduce-scatters dK / dV home: ``P`` times the K/V memory, one
-      collective instead of ``P - 1`` hops; see ``jattn.parallel.allgather``). Same
-      results, same layouts and segment ids.
+      (per source shard with ``"segment_zigzag"``), and the backward reduce-scatters
+      dK / dV home: ``P`` times the K/V memory, one collective instead of ``P - 1``
+      hops; see ``jattn.parallel.allgather``). Same results, same layouts and segment
+      ids.
 
   Returns:
     the local output shard ``[batch, seq / P, heads, head_dim_v]`` in q's dtype.
@@ -214,9 +215,10 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
 
   ``seq`` and ``kv_len`` must be multiples of the axis size (twice it for the
   zig-zags; for ``"segment_zigzag"`` every segment's length, see
-  ``segment_zigzag_order``); ``causal`` needs ``kv_len == seq``. Segment ids: ``[batch, seq]`` /
-  ``[batch, kv_len]``, sharded (and ordered) as q and k. The ``shard_map`` runs with
-  ``check_vma=False``: Pallas calls inside it declare no per-axis variance.
+  ``segment_zigzag_order``); ``causal`` needs ``kv_len == seq``. Segment ids:
+  ``[batch, seq]`` / ``[batch, kv_len]``, sharded (and ordered) as q and k. The
+  ``shard_map`` runs with ``check_vma=False``: Pallas calls inside it declare no
+  per-axis variance.
   """
   check_choice("layout", layout, LAYOUTS)
   check_choice("kv_exchange", kv_exchange, KV_EXCHANGES)
@@ -257,9 +259,9 @@ def _sharded_ring(options, q, k, v, ids):
     ordered = (zigzag_order(x, devices) for x in (q, k, v, *ids))
     return zigzag_restore(ring(*ordered), devices)
   if layout == "segment_zigzag":
-    q_ids, kv_ids = ids
-    ordered = [segment_zigzag_order(x, q_ids, devices) for x in (q, q_ids)]
-    ordered[1:1] = [segment_zigzag_order(x, kv_ids, devices) for x in (k, v)]
-    return segment_zigzag_restore(ring(*ordered, segment_zigzag_order(kv_ids, kv_ids, devices)),
+    q_ids, kv_ids = ids  # one permutation for each side's arrays
+    q_laid, q_ids_laid = segment_zigzag_order((q, q_ids), q_ids, devices)
+    k_laid, v_laid, kv_ids_laid = segment_zigzag_order((k, v, kv_ids), kv_ids, devices)
+    return segment_zigzag_restore(ring(q_laid, k_laid, v_laid, q_ids_laid, kv_ids_laid),
                                   q_ids, devices)
   return ring(q, k, v, *ids)

@@ -59,15 +59,11 @@ def _segment_halves(run, q_seg, kv_seg):
   (``half``: 1 in a run's second half, the later chunk), so that against an earlier
   source queries meet only the keys of first halves, against a later one only
   second-half queries meet keys."""
-  halves = lambda: (segment_zigzag_halves(q_seg), segment_zigzag_halves(kv_seg))
-
   def earlier():
-    kv_half = halves()[1]
-    return run(2 * q_seg, 2 * kv_seg + kv_half, False)
+    return run(2 * q_seg, 2 * kv_seg + segment_zigzag_halves(kv_seg), False)
 
   def later():
-    q_half = halves()[0]
-    return run(2 * q_seg + q_half, 2 * kv_seg + 1, False)
+    return run(2 * q_seg + segment_zigzag_halves(q_seg), 2 * kv_seg + 1, False)
 
   return earlier, later
 
