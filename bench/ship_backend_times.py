@@ -6,7 +6,7 @@ table shipped with jattn, where ``backend="auto"`` ranks backends by them.
 For every problem key (GPU, dtype, padded head dim, causal, length bucket) with at
 least two of our backends' times (``jattn_mosaic``, ``jattn_triton``, ``cudnn``), the
 median forward+backward milliseconds per backend go under
-``gpu|flash_attention/auto|<fields>`` in ``jattn/tuning/shipped.json``; ``--mode fwd``
+``gpu|flash_attention/auto|<fields>`` in ``jattn/core/shipped.json``; ``--mode fwd``
 takes the forward times instead.
 """
 
@@ -28,7 +28,7 @@ from jattn.core.cache import RANKING, TuningKey  # noqa: E402
 
 BACKENDS = {"jattn_mosaic": "pallas_mosaic", "jattn_triton": "pallas_triton", "cudnn": "cudnn"}
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
-SHIPPED = os.path.join(os.path.dirname(__file__), "..", "jattn", "tuning", "shipped.json")
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "jattn", "core", "shipped.json")
 
 
 def backend_times(runs, mode: str) -> dict[str, dict]:
