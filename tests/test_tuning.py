@@ -511,3 +511,31 @@ def test_cli_warns_in_one_line_and_ends_quietly_when_its_reader_goes(cache_dir):
   finally:
     os.close(write)
   assert done.returncode == 1 and done.stderr == "", done.stderr
+
+
+def test_ship_backend_times_writes_rankings_auto_reads(tmp_path, monkeypatch):
+  """bench/ship_backend_times.py, run as a maintainer runs it on a results file: its
+  default table is the one jattn ships, and what it writes is the ranking ``auto``
+  reads back."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, root)
+  try:
+    from bench import ship_backend_times
+  finally:
+    sys.path.remove(root)
+  assert os.path.samefile(ship_backend_times.SHIPPED,
+                          os.path.join(os.path.dirname(cache.__file__), "shipped.json"))
+  table = tmp_path / "table.json"
+  table.write_text(json.dumps({"version": cache.CACHE_VERSION, "entries": {}}))
+  results = os.path.join(root, "bench", "results", "flash_issue41_h100_fwd_bwd.json")
+  subprocess.run([sys.executable, os.path.join(root, "bench", "ship_backend_times.py"),
+                  results, "--table", str(table)], check=True, capture_output=True)
+  entries = cache._parse_entries(table.read_text())
+  assert len(entries) == 8  # the run's d128 rows: 2 dtypes x causal or not x 2 lengths
+  monkeypatch.setattr(cache, "shipped_entries", lambda: entries)
+  for name in entries:
+    gpu, opb, *fields = name.split("|")
+    times, mode, source = cache.backend_times(cache.TuningKey(gpu, "flash_attention",
+                                                              cache.RANKING, tuple(fields)))
+    assert set(times) == {"pallas_mosaic", "pallas_triton", "cudnn"}
+    assert (mode, source, opb) == ("fwd+bwd", "shipped table", "flash_attention/auto")
