@@ -129,7 +129,10 @@ def _take_rows(x, index):
   if isinstance(x, tuple):
     return tuple(_take_rows(a, index) for a in x)
   x = jnp.asarray(x)
-  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+  # A permutation: in bounds and non-negative by construction, so the gather needs no
+  # masks or index wrapping around it.
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1,
+                             mode="promise_in_bounds", wrap_negative_indices=False)
 
 
 def segment_zigzag_halves(local_ids):
