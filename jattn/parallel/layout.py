@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jattn.core.validation import check_positive_int
+from jattn.kernels.retention.packing import sequence_bounds
 
 LAYOUTS = ("contiguous", "zigzag", "segment_zigzag")
 
@@ -48,13 +48,7 @@ def zigzag_restore(x, devices: int, axis: int = 1):
 def _runs(segment_ids):
   """Per token of ``segment_ids [batch, seq]``: its run's start and length (a run:
   consecutive equal ids)."""
-  ids = jnp.asarray(segment_ids)
-  seq = ids.shape[1]
-  pos = jnp.arange(seq)
-  starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-  ends = jnp.concatenate([starts[:, 1:], jnp.ones_like(ids[:, :1], bool)], axis=1)
-  start = lax.cummax(jnp.where(starts, pos, 0), axis=1)
-  end = lax.cummin(jnp.where(ends, pos + 1, seq), axis=1, reverse=True)
+  start, end = jax.vmap(sequence_bounds)(jnp.asarray(segment_ids))
   return start, end - start
 
 

@@ -26,8 +26,9 @@ def sequence_ids(cu_seqlens, length: int):
 
 
 def sequence_bounds(ids):
-  """``(start, end)``, ``[length]`` int32 each, of non-decreasing sequence ``ids``: the
-  first position of each position's sequence and one past its last."""
+  """``(start, end)``, ``[length]`` int32 each: the first position of each position's
+  run of equal ``ids`` and one past its last (for non-decreasing sequence ids, its
+  sequence's)."""
   length = ids.shape[0]
   pos = jnp.arange(length, dtype=jnp.int32)
   change = ids[1:] != ids[:-1]
