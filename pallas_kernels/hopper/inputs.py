@@ -60,8 +60,8 @@ class Tile(NamedTuple):
 
   def q_idx(self):
     """The query position of every element of the tile: a 2-D iota, not ``q_rows``
-    broadcast (that left Mosaic's layout inference without a solution for the mask
-    and score functions on an H100, jax 0.11.2)."""
+    broadcast, for which Mosaic's layout inference finds no solution in the mask and
+    score functions (docs/backends.md)."""
     rows = mp.iota(self.shape, self.q_axis, self.q_start)
     return rows if self.row_group == 1 else lax.div(rows, jnp.int32(self.row_group))
 
