@@ -219,6 +219,16 @@ def test_each_hop_is_one_transfer(mesh):
   assert 3 + 4 <= hops <= 3 + 5
 
 
+def test_segment_zigzag_keeps_constant_ids_out_of_constant_folding(mesh):
+  """Segment ids a caller's jit closes over reach the layout as constants; XLA's GPU
+  compiler spent over 3 minutes folding its sort and scans over them (2 H100s, 8192
+  tokens). They pass an optimization barrier first: the lowered program keeps it."""
+  q = _inputs(1, 32, 2, 2, 8)[0]
+  ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 16)[None]
+  fn = _sharded(mesh, layout="segment_zigzag", q_segment_ids=ids, kv_segment_ids=ids)
+  assert "optimization_barrier" in jax.jit(lambda q: fn(q, q, q)).lower(q).as_text()
+
+
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
 def test_allgather_exchange_gathers_once_and_reduce_scatters_home(mesh, causal, layout):
   """kv_exchange="allgather": no hop; the forward gathers K, V and the key ids once
