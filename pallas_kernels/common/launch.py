@@ -22,6 +22,18 @@ def tile_spec(block: int, d: int):
   return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h, 0))
 
 
+def last_first(spec: pl.BlockSpec, tiles: int) -> pl.BlockSpec:
+  """``spec`` on a ``(tiles, ...)`` grid launched last tile first (``tile_last_first``
+  in the kernel): under a causal mask a query tile's work grows with its index, and the
+  heaviest tiles starting first leave the lightest to fill the last wave."""
+  return pl.BlockSpec(spec.block_shape, lambda i, *rest: spec.index_map(tiles - 1 - i, *rest))
+
+
+def tile_last_first():
+  """Inside a kernel on a ``last_first`` grid: the program's tile."""
+  return pl.num_programs(0) - 1 - pl.program_id(0)
+
+
 def whole_sequence_spec(length: int, d: int, group: int = 1):
   """The whole sequence of one (batch, head), for any tile; with ``group > 1`` the
   kv head ``h // group`` of query head ``h`` (grouped-query attention)."""

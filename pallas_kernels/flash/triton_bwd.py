@@ -4,7 +4,8 @@ Two kernels, no atomics, so gradients are bitwise reproducible:
 - dK/dV: grid (key blocks, batch, kv heads); each program owns one key/value
   tile and loops over the query heads of its group and the query blocks that see
   it, so grouped-query heads are summed in a fixed order.
-- dQ: grid (query blocks, batch, query heads); loops over key blocks.
+- dQ: grid (query blocks, batch, query heads), the query blocks launched last first
+  as in the forward; loops over key blocks.
 Both recompute probabilities from the saved log-sum-exp (``softmax.backward_probs``). Given block-sparse tile
 lists (FlexAttention's block masks), each visits only the listed tiles.
 """
@@ -22,8 +23,9 @@ from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
 from jattn.kernels.common.element_functions import kernel_array
-from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, row_stat_spec, tile_spec,
-                                         triton_call, whole_array_spec, whole_sequence_spec)
+from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, last_first, row_stat_spec,
+                                         tile_last_first, tile_spec, triton_call,
+                                         whole_array_spec, whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, element_mask, kv_block_range,
                                           q_block_range, range_tiles, run_tiles,
                                           segment_block_ranges, split_extra_refs,
@@ -117,7 +119,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
   # where skipped tiles must read zeros, the zeros aliased to them).
   dq_ref, ds_ref = (outs[-2], outs[-1]) if writes_ds else (outs[0], None)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
-  q_start = pl.program_id(0) * block_q
+  tile = tile_last_first()
+  q_start = tile * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = rows_at.q_tile(q_ref, q_start, block_q)
   do = rows_at.q_tile(do_ref, q_start, block_q)
@@ -151,7 +154,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
   if lists:
-    schedule = listed_tiles(tile_lists, pl.program_id(0))
+    schedule = listed_tiles(tile_lists, tile)
   else:
     schedule = range_tiles(*with_segment_range(
         spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref))
@@ -232,24 +235,25 @@ def flash_backward(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec: MaskSpec, sc
       name="jattn_flash_bwd_dkv", **launch,
   )(q, k, v, do, lse, delta, *segments, seed, lengths, *arrays, *dkv_lists)
 
-  row_tile = row_stat_spec(bq_dq)
+  rev = lambda spec: last_first(spec, q_len_p // bq_dq)  # as the forward's tiles
+  row_tile = rev(row_stat_spec(bq_dq))
   segments = (q_seg, kv_seg, None)
   seg_specs = [None, None, None]
   if spec.segments:
     segments = (q_seg, kv_seg, segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len,
                                                     bq_dq, bk_dq, uniform=True))
-    seg_specs = [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)), SEGMENT_RANGE]
+    seg_specs = [rev(pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i))),
+                 pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)), rev(SEGMENT_RANGE)]
   inputs = (q, k, v, do, lse, delta, *segments, seed, lengths, *arrays, *dq_lists)
-  in_specs = [tile_spec(bq_dq, d), whole_sequence_spec(kv_len_p, d, group),
-              whole_sequence_spec(kv_len_p, dv_width, group), tile_spec(bq_dq, dv_width),
+  in_specs = [rev(tile_spec(bq_dq, d)), whole_sequence_spec(kv_len_p, d, group),
+              whole_sequence_spec(kv_len_p, dv_width, group), rev(tile_spec(bq_dq, dv_width)),
               row_tile, row_tile, *seg_specs, *scalar_specs, *extra,
               *list_specs(dq_lists, per_head=True)]
-  out_specs, out_shape = [tile_spec(bq_dq, d)], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out_specs, out_shape = [rev(tile_spec(bq_dq, d))], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   aliases = {}
   if ds_dtype is not None:
     ds_shape = jax.ShapeDtypeStruct((batch, q_heads, q_len_p, kv_len_p), ds_dtype)
-    ds_rows = pl.BlockSpec((None, None, bq_dq, kv_len_p), lambda i, b, h: (b, h, i, 0))
+    ds_rows = rev(pl.BlockSpec((None, None, bq_dq, kv_len_p), lambda i, b, h: (b, h, i, 0)))
     out_specs.append(ds_rows)
     out_shape.append(ds_shape)
     if dq_lists or spec.skips_tiles:  # skipped tiles' dS is the zeros it starts as

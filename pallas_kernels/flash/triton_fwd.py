@@ -1,9 +1,8 @@
 """Forward flash attention kernel, lowered through Triton (Ampere and newer).
 
-Grid: (query blocks, batch, query heads), the query blocks launched last first: under
-a causal mask the heaviest tiles start first and the lightest fill the last wave
-(measured on an H100: causal forward 262 -> 306 TFLOP/s at (4, 4096, 16, 128), 322 ->
-370 at (1, 16384, 16, 128); non-causal unchanged). Each program keeps one query tile in
+Grid: (query blocks, batch, query heads), the query blocks launched last first
+(``launch.last_first``; measured on an H100: causal forward 264 -> 306 TFLOP/s at
+(4, 4096, 16, 128), 323 -> 370 at (1, 16384, 16, 128); non-causal unchanged). Each program keeps one query tile in
 registers and streams key/value tiles with an online softmax. Key blocks are
 visited in three runs (masked, unmasked, masked) so that tiles wholly inside
 the attention pattern skip the element mask; or, given block-sparse tile lists
@@ -25,8 +24,9 @@ from jax.experimental import pallas as pl
 from jattn.kernels.common.config import BlockConfig
 from jattn.kernels.common.block_sparsity import list_specs, listed_tiles
 from jattn.kernels.common.dropout import col_hash, keep, row_hash
-from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, row_stat_spec, tile_spec,
-                                         triton_call, whole_array_spec, whole_sequence_spec)
+from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, last_first, row_stat_spec,
+                                         tile_last_first, tile_spec, triton_call,
+                                         whole_array_spec, whole_sequence_spec)
 from jattn.kernels.common.element_functions import kernel_array
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
                                           run_tiles, segment_block_ranges, split_extra_refs,
@@ -42,7 +42,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, seg_range_ref, s
                     block_q: int, block_k: int, lists: bool, dropout_rate: float, layout):
   spec, score, tile_lists, (o_ref, lse_ref) = split_extra_refs(refs, spec, score, lists)
   spec, rows_at = layout.bind(spec, lengths_ref, pl.program_id(1))
-  tile = pl.num_programs(0) - 1 - pl.program_id(0)  # the heaviest causal tiles first
+  tile = tile_last_first()
   q_start = tile * block_q
   bh = (pl.program_id(1), pl.program_id(2))
   q = rows_at.q_tile(q_ref, q_start, block_q)
@@ -113,18 +113,16 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
   batch, q_len_p, q_heads, d = q.shape
   kv_len_p, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
   group = q_heads // kv_heads
-  n_q = q_len_p // block_q
-  last_first = lambda spec: pl.BlockSpec(spec.block_shape,
-                                         lambda i, b, h: spec.index_map(n_q - 1 - i, b, h))
-  in_specs = [last_first(tile_spec(block_q, d)), whole_sequence_spec(kv_len_p, d, group),
+  rev = lambda spec: last_first(spec, q_len_p // block_q)
+  in_specs = [rev(tile_spec(block_q, d)), whole_sequence_spec(kv_len_p, d, group),
               whole_sequence_spec(kv_len_p, dv, group)]
   seg_ranges = None
   if spec.segments:  # tiles inside one segment run unmasked, those no id meets not at all
     seg_ranges = segment_block_ranges(q_seg, kv_seg, spec.q_len, spec.kv_len, block_q,
                                       block_k, uniform=True)
-    in_specs += [last_first(pl.BlockSpec((None, block_q), lambda i, b, h: (b, i))),
+    in_specs += [rev(pl.BlockSpec((None, block_q), lambda i, b, h: (b, i))),
                  pl.BlockSpec((None, kv_len_p), lambda i, b, h: (b, 0)),
-                 last_first(SEGMENT_RANGE)]
+                 rev(SEGMENT_RANGE)]
   else:
     in_specs += [None, None, None]
   seed = dropout_seed if dropout_rate else None
@@ -140,7 +138,7 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, scale: float, score
       kernel,
       grid=(q_len_p // block_q, batch, q_heads),
       in_specs=in_specs,
-      out_specs=[last_first(tile_spec(block_q, dv)), last_first(row_stat_spec(block_q))],
+      out_specs=[rev(tile_spec(block_q, dv)), rev(row_stat_spec(block_q))],
       out_shape=[jax.ShapeDtypeStruct((batch, q_len_p, q_heads, dv), q.dtype),
                  jax.ShapeDtypeStruct((batch, q_heads, q_len_p), jnp.float32)],
       name="jattn_flash_fwd", interpret=interpret, num_warps=config.num_warps,
