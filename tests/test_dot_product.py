@@ -148,3 +148,24 @@ def test_cudnn_with_a_bias_is_jaxs_own_cudnn_call(monkeypatch):
   jattn.dot_product_attention(q, k, v, bias, is_causal=True, implementation="cudnn")
   assert seen["args"][3] is not None and seen["kwargs"]["implementation"] == "cudnn"
   assert seen["kwargs"]["is_causal"] is True
+
+
+def test_a_mask_array_reaches_flex_classified_as_its_mask_function(monkeypatch):
+  """With a mask array the flex call gets a block mask made from the array and the
+  other masks by one reduction: tile for tile what evaluating the mask function
+  gives (documents, causal, a window and lengths; tiles of every kind)."""
+  import importlib
+  module = importlib.import_module("jattn.dot_product")
+  seen = {}
+  monkeypatch.setattr(module, "flex_attention", lambda q, *a, **kw: seen.update(kw) or q)
+  q, k, v = inputs(7, q_len=300, kv_len=290)
+  docs = jnp.asarray([np.repeat([0, 1, 2], [100, 160, 40]), np.repeat([0, 1, 2], [200, 60, 40])])
+  mask = docs[:, None, :, None] == docs[:, None, None, :290]
+  jattn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=(130, 2),
+                              query_seq_lengths=jnp.asarray([180, 250]),
+                              key_value_seq_lengths=jnp.asarray([290, 100]))
+  made = seen["block_mask"]
+  evaluated = jattn.create_block_mask(made.mask_mod, 2, None, 300, 290,
+                                      block=(made.block_q, made.block_kv))
+  np.testing.assert_array_equal(made.kinds, evaluated.kinds)
+  assert {0, 1, 2} <= set(np.unique(np.asarray(made.kinds)).tolist())

@@ -387,6 +387,9 @@ def test_block_masks_classify_tiles_like_brute_force(batch, heads, block):
   for (b, h, i, j), kind in np.ndenumerate(kinds):
     tile = allowed[b, h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
     assert kind == (flex.EMPTY if not tile.any() else flex.FULL if tile.all() else flex.PARTIAL)
+  # The same mask given as an array: classified alike by one reduction.
+  np.testing.assert_array_equal(flex.block_mask_from_array(mask_mod, allowed, block).kinds,
+                                kinds)
   q, k, v, _ = _inputs(6)
   out = jattn.flex_attention(q, k, v, block_mask=bm)
   assert rel_err(out, jattn.flex_attention(q, k, v, mask_mod=mask_mod)) == 0

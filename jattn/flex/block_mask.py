@@ -14,7 +14,7 @@ from jattn.core.validation import check_positive_int
 from jattn.flex.functions import trace
 from jattn.kernels.common.block_sparsity import EMPTY, FULL, PARTIAL, classify_blocks
 
-__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "create_block_mask"]
+__all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "block_mask_from_array", "create_block_mask"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -84,4 +84,27 @@ def create_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, 
   block_q, block_kv = _blocks(block)
   kinds = classify_blocks(lambda *index: elementwise(mask_mod, *index), batch or 1, heads or 1,
                           (q_len, kv_len), (block_q, block_kv))
+  return BlockMask(kinds, mask_mod, q_len, kv_len, block_q, block_kv)
+
+
+def block_mask_from_array(mask_mod: Callable, allowed, block=128) -> BlockMask:
+  """A ``BlockMask`` of ``mask_mod`` classified from ``allowed``, the same mask as a
+  boolean array ``[batch or 1, heads or 1, q_len, kv_len]`` (True where a query may
+  attend): one reduction over the array, where ``create_block_mask`` calls the
+  function on every element (a function that reads a mask array gathers it element
+  by element). ``mask_mod`` must be that mask: the kernels evaluate it on the
+  partial tiles. ``block``: an int or ``(block_q, block_kv)``."""
+  allowed = jnp.asarray(allowed)
+  if allowed.ndim != 4 or allowed.dtype != jnp.bool_:
+    raise ValueError("allowed must be a boolean [batch or 1, heads or 1, q_len, kv_len] "
+                     f"array, got {allowed.dtype} of shape {allowed.shape}")
+  block_q, block_kv = _blocks(block)
+  batch, heads, q_len, kv_len = allowed.shape
+  q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
+  pad = ((0, 0), (0, 0), (0, q_blocks * block_q - q_len), (0, kv_blocks * block_kv - kv_len))
+  tiles = (batch, heads, q_blocks, block_q, kv_blocks, block_kv)
+  # Padding counts as neither allowed nor refused.
+  any_allowed = jnp.pad(allowed, pad).reshape(tiles).any(axis=(3, 5))
+  all_allowed = jnp.pad(allowed, pad, constant_values=True).reshape(tiles).all(axis=(3, 5))
+  kinds = jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
   return BlockMask(kinds, mask_mod, q_len, kv_len, block_q, block_kv)
