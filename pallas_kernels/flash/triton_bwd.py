@@ -6,8 +6,9 @@ Two kernels, no atomics, so gradients are bitwise reproducible:
   it, so grouped-query heads are summed in a fixed order.
 - dQ: grid (query blocks, batch, query heads), the query blocks launched last first
   as in the forward; loops over key blocks.
-Both recompute probabilities from the saved log-sum-exp (``softmax.backward_probs``). Given block-sparse tile
-lists (FlexAttention's block masks), each visits only the listed tiles.
+Both recompute probabilities from the saved log-sum-exp (``softmax.backward_probs``).
+Given block-sparse tile lists (FlexAttention's block masks), each visits only the
+listed tiles.
 """
 
 from __future__ import annotations
