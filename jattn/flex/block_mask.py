@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jattn.kernels.common.elementwise import elementwise
 from jattn.core.validation import check_positive_int
 from jattn.flex.functions import trace
-from jattn.kernels.common.block_sparsity import EMPTY, FULL, PARTIAL, classify_blocks
+from jattn.kernels.common.block_sparsity import (EMPTY, FULL, PARTIAL, classify_blocks,
+                                                  tile_kinds)
 
 __all__ = ["BlockMask", "EMPTY", "FULL", "PARTIAL", "block_mask_from_array", "create_block_mask"]
 
@@ -106,5 +107,5 @@ def block_mask_from_array(mask_mod: Callable, allowed, block=128) -> BlockMask:
   # Padding counts as neither allowed nor refused.
   any_allowed = jnp.pad(allowed, pad).reshape(tiles).any(axis=(3, 5))
   all_allowed = jnp.pad(allowed, pad, constant_values=True).reshape(tiles).all(axis=(3, 5))
-  kinds = jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
-  return BlockMask(kinds, mask_mod, q_len, kv_len, block_q, block_kv)
+  return BlockMask(tile_kinds(any_allowed, all_allowed), mask_mod, q_len, kv_len, block_q,
+                   block_kv)

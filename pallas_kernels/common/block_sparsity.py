@@ -17,6 +17,12 @@ from jax.experimental import pallas as pl
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def tile_kinds(any_allowed, all_allowed):
+  """int8 EMPTY / PARTIAL / FULL from whether some pair of a tile may attend and whether
+  every one may."""
+  return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+
 # Mask elements evaluated per step of ``classify_blocks`` (bounds its memory).
 _STEP_ELEMENTS = 1 << 25
 
@@ -48,7 +54,7 @@ def classify_blocks(allowed_at, batch: int, heads: int, lengths: tuple[int, int]
     shape = (batch, heads, block_q, kv_blocks, block_kv)
     any_allowed = jnp.any((allowed & real).reshape(shape), axis=(2, 4))
     all_allowed = jnp.all((allowed | ~real).reshape(shape), axis=(2, 4))
-    return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+    return tile_kinds(any_allowed, all_allowed)
 
   # Several block rows per step: one row per step is a sequential loop of small XLA
   # kernels, slower than the attention it classifies for long sequences.
@@ -87,7 +93,7 @@ def retile(kinds, blocks: tuple[int, int], tiles: tuple[int, int], counts: tuple
   count = lambda x: jnp.einsum("tm,...mn,un->...tu", oq, x.astype(jnp.float32), ok)
   nonempty = count(kinds != EMPTY) > 0
   full = (count(kinds != FULL) == 0) & ((jnp.arange(counts[1]) + 1) * tiles[1] <= lengths[1])
-  return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+  return tile_kinds(nonempty, full).astype(jnp.int32)
 
 
 def _listed(selected):
