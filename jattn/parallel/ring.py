@@ -259,9 +259,8 @@ def _sharded_ring(options, q, k, v, ids):
     ordered = (zigzag_order(x, devices) for x in (q, k, v, *ids))
     return zigzag_restore(ring(*ordered), devices)
   if layout == "segment_zigzag":
-    # Ids a caller's jit closes over would be constants here: XLA's GPU compiler spent
-    # over 3 minutes folding the layout's sort and scans over them (29 s in all behind
-    # the barrier, 2 H100s, a causal forward+backward of 8192 tokens).
+    # Ids a caller's jit closes over would be constants here, which XLA's GPU compiler
+    # folds through the layout's sort and scans for minutes (docs/ring.md).
     q_ids, kv_ids = lax.optimization_barrier(ids)  # one permutation for each side's arrays
     q_laid, q_ids_laid = segment_zigzag_order((q, q_ids), q_ids, devices)
     k_laid, v_laid, kv_ids_laid = segment_zigzag_order((k, v, kv_ids), kv_ids, devices)

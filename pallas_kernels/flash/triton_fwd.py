@@ -1,10 +1,9 @@
 """Forward flash attention kernel, lowered through Triton (Ampere and newer).
 
 Grid: (query blocks, batch, query heads), the query blocks launched last first
-(``launch.last_first``; measured on an H100: causal forward 264 -> 306 TFLOP/s at
-(4, 4096, 16, 128), 323 -> 370 at (1, 16384, 16, 128); non-causal unchanged). Each
-program keeps one query tile in registers and streams key/value tiles with an online
-softmax. Key blocks are
+(``launch.last_first``: a causal mask's heaviest tiles start first; docs/backends.md
+has the measurement). Each program keeps one query tile in registers and streams
+key/value tiles with an online softmax. Key blocks are
 visited in three runs (masked, unmasked, masked) so that tiles wholly inside
 the attention pattern skip the element mask; or, given block-sparse tile lists
 (FlexAttention's block masks), the listed partial tiles masked and the full ones
