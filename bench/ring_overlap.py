@@ -13,9 +13,11 @@ Variants: ``default`` (the library as is: ring blocks one CTA per tile),
 ``persistent`` (ring blocks with flash_attention's own config: the persistent Hopper
 forward where it takes it), ``nonpersistent`` (every Hopper forward one CTA per tile),
 ``reserve<N>`` (persistent Hopper forwards, ring blocks too, on N SMs fewer than the
-GPU has); any other name runs as ``default`` (name it after the flags you set).
---trace DIR: a profile of the ring and of flash+ppermute at P = 2, and their compiled
-HLO, under --out.
+GPU has), ``reserve<N>all`` (the same, and the ring's masked blocks persistent too);
+a suffix after ``_`` names the flags set (``reserve8_p2p8``); any other name runs as ``default``.
+--devices / --exchanges: which P and which ``kv_exchange`` to time.
+--trace DIR: a profile of flash+ppermute and of each exchange at the largest P, and their
+compiled HLO, under --out.
 
     python bench/ring_overlap.py --variant default --out OUT
     XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true python bench/ring_overlap.py --variant memcpy_p2p
@@ -71,9 +73,14 @@ def apply_variant(name: str) -> None:
   elif name.startswith("reserve"):
     import jattn.kernels.hopper.pipeline as pipeline
 
-    reserve, full = int(name[len("reserve"):]), pipeline.num_sms
+    reserve, full = int(name[len("reserve"):].split("_")[0].removesuffix("all")), pipeline.num_sms
     pipeline.num_sms = lambda: full() - reserve
     blocks._beside_transfers = lambda call: call
+    if name.split("_")[0].endswith("all"):
+      blocks._beside_transfers = lambda call: (
+          call if getattr(call.config, "persistent", False) is not None else
+          FLASH.prepare(call.problem, call.impl.backend.name,
+                        dataclasses.replace(call.config, persistent=True)))
 
 
 def measure(args) -> dict:
@@ -87,7 +94,7 @@ def measure(args) -> dict:
                          out_specs=SPEC if n_out == 1 else (SPEC,) * n_out, check_vma=False)
 
   flash = lambda q, k, v: jattn.flash_attention(q, k, v, backend=args.backend)
-  for n in (2, 4):
+  for n in args.devices:
     if n > len(jax.devices()):
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("sp",))
@@ -103,7 +110,7 @@ def measure(args) -> dict:
     res[f"flash_P{n}"] = t(jax.jit(smap(flash, mesh, 3)), q, k, v)
     res[f"ppermute_P{n}"] = t(jax.jit(smap(send, mesh, 3, 2)), q, k, v)
     res[f"flash+ppermute_P{n}"] = t(jax.jit(smap(both, mesh, 3, 3)), q, k, v)
-    for exchange in ("ring", "allgather"):
+    for exchange in args.exchanges:
       attend = functools.partial(ring_attention, axis_name="sp", backend=args.backend,
                                  kv_exchange=exchange)
       res[f"{exchange}_fwd_P{n}"] = t(jax.jit(smap(attend, mesh, 3)), q, k, v)
@@ -114,18 +121,18 @@ def measure(args) -> dict:
         zigzag = functools.partial(attend, causal=True, layout="zigzag")
         res["zigzag_fwd_P4" if exchange == "ring" else "allgather_zigzag_fwd_P4"] = t(
             jax.jit(smap(zigzag, mesh, 3)), q, k, v)
-    if n == 2 and args.trace:
-      ring = jax.jit(smap(functools.partial(ring_attention, axis_name="sp",
-                                            backend=args.backend), mesh, 3))
-      together = jax.jit(smap(both, mesh, 3, 3))
+    if n == max(args.devices) and args.trace:
+      programs = dict(together=jax.jit(smap(both, mesh, 3, 3)), **{
+          exchange: jax.jit(smap(functools.partial(ring_attention, axis_name="sp",
+                                                   backend=args.backend, kv_exchange=exchange),
+                                 mesh, 3)) for exchange in args.exchanges})
       with open(os.path.join(args.out, f"hlo_{args.variant}.txt"), "w") as f:
-        f.write(together.lower(q, k, v).compile().as_text())
-        f.write("\n\n=== ring ===\n")
-        f.write(ring.lower(q, k, v).compile().as_text())
+        for name, fn in programs.items():
+          f.write(f"\n\n=== {name} ===\n" + fn.lower(q, k, v).compile().as_text())
       with jax.profiler.trace(args.trace, create_perfetto_trace=True):
         for _ in range(2):
-          jax.block_until_ready(ring(q, k, v))
-          jax.block_until_ready(together(q, k, v))
+          for fn in programs.values():
+            jax.block_until_ready(fn(q, k, v))
       for path in glob.glob(os.path.join(args.trace, "**", "perfetto_trace.json.gz"),
                             recursive=True):
         shutil.copy(path, os.path.join(args.out, f"perfetto_{args.variant}.json.gz"))
@@ -152,8 +159,12 @@ def main():
   parser.add_argument("--variant", default="default")
   parser.add_argument("--backend", default="auto")
   parser.add_argument("--local", type=int, default=32768, help="tokens per GPU")
-  parser.add_argument("--trace", help="profile directory (P = 2)")
+  parser.add_argument("--trace", help="profile directory (the largest P)")
   parser.add_argument("--quick", action="store_true", help="P = 4: forward rings only")
+  parser.add_argument("--devices", type=lambda s: [int(n) for n in s.split(",")],
+                      default=[2, 4], help="device counts P, e.g. 2,4")
+  parser.add_argument("--exchanges", type=lambda s: s.split(","), default=["ring", "allgather"],
+                      help="kv_exchange values to time")
   parser.add_argument("--table", action="store_true", help="only write ring_overlap.md")
   parser.add_argument("--out", default=".")
   args = parser.parse_args()

@@ -12,8 +12,8 @@ sequence; there each source's shard is attended as the ring's step would (``step
 and the partial results merged.
 
 Against a ring it trades memory (each device holds the whole K/V during the call) for
-one collective per pass instead of ``P - 1`` hops, which pays where a hop's transfer
-does not hide behind its block (``bench/results/ring_overlap_h100x4.md``). Llama 3
+one collective per pass instead of ``P - 1`` hops and merges, which pays where the hops
+cost more than the one gather, as on 4 H100s on every dense row (docs/ring.md). Llama 3
 trained its long-context stage this way, for the same reasons and for document masks.
 """
 
