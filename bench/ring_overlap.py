@@ -73,14 +73,16 @@ def apply_variant(name: str) -> None:
   elif name.startswith("reserve"):
     import jattn.kernels.hopper.pipeline as pipeline
 
-    reserve, full = int(name[len("reserve"):].split("_")[0].removesuffix("all")), pipeline.num_sms
+    base = name.split("_")[0]  # what follows "_" names flags, not the variant
+    reserve, full = int(base[len("reserve"):].removesuffix("all")), pipeline.num_sms
     pipeline.num_sms = lambda: full() - reserve
-    blocks._beside_transfers = lambda call: call
-    if name.split("_")[0].endswith("all"):
+    if base.endswith("all"):  # masked blocks persistent too (their config leaves it None)
       blocks._beside_transfers = lambda call: (
           call if getattr(call.config, "persistent", False) is not None else
           FLASH.prepare(call.problem, call.impl.backend.name,
                         dataclasses.replace(call.config, persistent=True)))
+    else:
+      blocks._beside_transfers = lambda call: call
 
 
 def measure(args) -> dict:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,20 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, write_results  # noqa: E402
+from bench.common import environment, time_jax, write_results  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM = 32768, 16, 128
-
-
-def _median_seconds(fn, x, reps: int = 10) -> float:
-  for _ in range(3):
-    jax.block_until_ready(fn(x))
-  samples = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    samples.append(time.perf_counter() - start)
-  return statistics.median(samples)
 
 
 def measure(tag: str) -> list[dict]:
@@ -66,7 +53,7 @@ def measure(tag: str) -> list[dict]:
            "all_gather": (gather, devices - 1)}
   rows = []
   for name, (fn, shards_in) in cases.items():
-    seconds = _median_seconds(fn, x)
+    seconds = time_jax(fn, x, reps=10, inner=1, warmup=3)
     rows.append(dict(tag=tag, devices=devices, collective=name, ms=seconds * 1e3,
                      gb_per_s=shards_in * nbytes / seconds / 1e9))
     print(rows[-1], flush=True)
