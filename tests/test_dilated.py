@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jattn
+from jax.experimental import pallas as pl
 from conftest import rel_err
 from jattn.reference import dilated_attention_reference, dilated_pair_reference
 
@@ -91,14 +92,15 @@ def test_mixing_weights_get_gradients():
   assert rel_err(jax.jit(jax.grad(detached))(q), exact) > 1e-3
 
 
-def check_against_reference(shape, pairs, causal, dtype, tol, config=None, repeat=False):
+def check_against_reference(shape, pairs, causal, dtype, tol, config=None, repeat=False,
+                            backend="pallas_triton"):
   """The kernels' output and gradients against the float32 reference (and, with
   ``repeat``, the gradients bitwise equal on a second run)."""
   q, k, v, do = _inputs(*shape, dtype=dtype, seed=shape[1])
   kwargs = dict(segment_lengths=[w for w, _ in pairs], dilation_rates=[r for _, r in pairs],
                 causal=causal)
   o, pull = jax.vjp(jax.jit(lambda q, k, v: jattn.dilated_attention(
-      q, k, v, backend="pallas_triton", config=config, **kwargs)), q, k, v)
+      q, k, v, backend=backend, config=config, **kwargs)), q, k, v)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   o_ref, pull_ref = jax.vjp(jax.jit(lambda *a: dilated_attention_reference(*a, **kwargs)[0]),
                             *f32)
@@ -145,6 +147,105 @@ def test_bf16_kernels_and_uncovered_positions():
 ], ids=["longnet-mha-bf16", "gqa-partial-causal-fp16", "mqa-d80-uncovered-fp32"])
 def test_kernels_at_gpu_sizes(shape, pairs, causal, dtype, tol):
   check_against_reference(shape, pairs, causal, dtype, tol, repeat=dtype == jnp.bfloat16)
+
+
+# The Hopper forward (on the GPU only; its pieces on the CPU below): LongNet's pairs,
+# each segment whole and a multiple of the tiles.
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,pairs,causal,dtype,tol", [
+    ((2, 4096, 8, 8, 64), ((512, 1), (1024, 2), (2048, 4), (4096, 8)), False, jnp.bfloat16, 3e-2),
+    ((1, 4096, 8, 2, 128), ((1024, 1), (2048, 2), (4096, 4)), True, jnp.float16, 4e-3),
+], ids=["longnet-mha-bf16", "gqa-causal-fp16"])
+def test_hopper_forward_at_gpu_sizes(shape, pairs, causal, dtype, tol):
+  if jax.devices()[0].platform != "gpu" or jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("needs a Hopper GPU")
+  check_against_reference(shape, pairs, causal, dtype, tol, repeat=dtype == jnp.bfloat16,
+                          backend="pallas_mosaic")
+
+
+def _dilated_rows(x, w: int, r: int, heads: int):
+  """``x [batch, seq, heads or kv_heads, d]`` at each query head's dilated rows: ``[batch *
+  seq / w, w / r, heads, d]``, row ``m`` of segment ``s`` for head ``h`` being position
+  ``s * w + m * r + h % r`` (of KV head ``h // group``)."""
+  batch, seq, x_heads, _ = x.shape
+  s, m, h = np.meshgrid(np.arange(seq // w), np.arange(w // r), np.arange(heads), indexing="ij")
+  rows = np.asarray(x)[:, s * w + m * r + h % r, h // (heads // x_heads)]
+  return rows.reshape(batch * (seq // w), w // r, heads, x.shape[-1])
+
+
+@pytest.mark.parametrize("heads,kv_heads,w,r", [(4, 2, 16, 2), (8, 2, 32, 4), (2, 1, 32, 2),
+                                                (2, 2, 8, 1)])
+def test_hopper_items_and_addressing_read_each_heads_dilated_rows(heads, kv_heads, w, r):
+  """The Hopper forward's reads of one pair (``DilatedTiles`` for Q and the output,
+  ``DilatedKV`` for K and V), made by an interpret-mode kernel through the same calls:
+  query head ``h`` reads the positions ``≡ h (mod r)`` of each segment, of its own KV
+  head, and writes them compactly."""
+  from jattn.kernels.dilated.mosaic import pair_views
+  from jattn.kernels.hopper.addressing import DilatedKV
+  from jattn.kernels.hopper.work import DilatedTiles
+  batch, seq, d, block = 2, 32, 8, 4
+  q, k, _, _ = _inputs(batch, seq, heads, kv_heads, d, seed=w + r)
+  segments, rows = batch * seq // w, w // r
+  items = DilatedTiles(rows // (2 * block), heads, segments, block, 2, tiles_fastest=False,
+                       heavy_first=True, rate=r)
+  addressing = DilatedKV(r, kv_heads, heads // kv_heads)
+
+  def kernel(q_ref, k_ref, o_ref, k_out_ref):
+    bound = items.bind()
+    for i in range(items.count):
+      item = bound.at(jnp.int32(i))
+      for consumer in range(items.consumers):
+        q_start = bound.q_start(item, consumer)
+        o_ref[bound.out_rows(item, q_start)] = q_ref[bound.q_rows(item, q_start)]
+    for seg, head, j in itertools.product(range(segments), range(heads), range(rows // block)):
+      k_out_ref[seg, pl.ds(j * block, block), head] = addressing.tile(
+          k_ref, jnp.int32(seg), jnp.int32(head), jnp.int32(j * block), block)[...]
+
+  out = jax.ShapeDtypeStruct((segments, rows, heads, d), q.dtype)
+  o_shape = items.out_shapes(segments, rows, r * heads, d, q.dtype)[0]
+  assert o_shape == out
+  o, k_rows = pl.pallas_call(kernel, out_shape=(out, out), interpret=True)(
+      pair_views(q, w, r), pair_views(k, w, r))
+  np.testing.assert_array_equal(o, _dilated_rows(q, w, r, heads))
+  np.testing.assert_array_equal(k_rows, _dilated_rows(k, w, r, heads))
+
+
+def test_hopper_pairs_spread_and_mix_as_the_reference():
+  """The Hopper path's compact per-pair results, spread back to their positions
+  (``spread_pair``), are the reference's pair results, and mixed (``mix_pairs``) the
+  reference's mixture, with positions no pair covers (no rate-1 pair)."""
+  from jattn.kernels.dilated.mosaic import mix_pairs, spread_pair
+  batch, seq, heads = 2, 32, 4
+  q, k, v, _ = _inputs(batch, seq, heads, 2, 8, seed=3)
+  pairs = ((8, 2), (16, 4), (32, 2))
+  parts = []
+  for w, r in pairs:
+    o_full, lse_full = dilated_pair_reference(q, k, v, w, r, causal=True)
+    lse_rows = _dilated_rows(jnp.moveaxis(lse_full, 1, 2)[..., None], w, r, heads)[..., 0]
+    o, lse = spread_pair(jnp.asarray(_dilated_rows(o_full, w, r, heads)),
+                         jnp.moveaxis(jnp.asarray(lse_rows), 2, 1), batch=batch, r=r)
+    np.testing.assert_array_equal(o, o_full)
+    np.testing.assert_array_equal(lse, lse_full)
+    parts.append((o, lse))
+  o, lse = mix_pairs(parts)
+  o_ref, lse_ref = dilated_attention_reference(q, k, v, segment_lengths=[w for w, _ in pairs],
+                                               dilation_rates=[r for _, r in pairs], causal=True)
+  np.testing.assert_allclose(o, o_ref, atol=1e-6)
+  assert not np.asarray(o[:, 0::2, 1]).any()  # head 1 (rates 2 and 4): odd positions only
+  covered = np.asarray(lse_ref) > -1e29
+  np.testing.assert_allclose(np.asarray(lse)[covered], np.asarray(lse_ref)[covered], atol=1e-5)
+
+
+def test_hopper_forward_takes_whole_tile_aligned_segments_only():
+  from jattn.dilated import DilatedProblem, MosaicDilated
+  gaps = MosaicDilated().gaps(DilatedProblem(seq=3000, heads=8, head_dim=128,
+                                             dtype=jnp.bfloat16, segment_lengths=(1024, 4096),
+                                             dilation_rates=(1, 2)))
+  assert gaps == ("segment length 1024 not dividing the sequence length 3000",
+                  "segment length 4096 not dividing the sequence length 3000")
+  gaps = MosaicDilated().gaps(DilatedProblem(seq=4096, heads=8, head_dim=64, dtype=jnp.float32,
+                                             segment_lengths=(512, 4096), dilation_rates=(4, 2)))
+  assert gaps == ("float32 inputs", "w / r = 128 rows per segment not a multiple of 256")
 
 
 def test_errors_particular_to_the_pairs():

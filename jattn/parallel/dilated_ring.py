@@ -263,7 +263,9 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
       ``w_i`` must divide ``L``, be a multiple of it, or cover the whole sequence
       (segments never straddle a device boundary).
     causal: within segments, over the global positions (a bool).
-    backend: the blocks' attention: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
+    backend: the blocks' attention: ``"auto"`` (as ``dilated_attention`` resolves it for the
+      whole problem; the rings' flash blocks take the same backend), ``"pallas_mosaic"``,
+      ``"pallas_triton"`` or ``"xla"``.
 
   Returns:
     the local output shard, like ``q``; equal to ``jattn.dilated_attention`` on the
