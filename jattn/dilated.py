@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.device import shared_memory_limit
+from jattn.core import op
 from jattn.core.op import MosaicImpl, Problem, SoftmaxOp, XlaImpl
 from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
@@ -155,8 +156,8 @@ class MosaicDilated(MosaicImpl):
 
   def backward(self, call, residuals, cotangents):
     p = call.problem
-    return _triton_backward(p, residuals, cotangents,
-                            default_block_config(p.head_dim, p.dtype.itemsize), False)
+    config = DILATED.config_for(_TRITON, p, op.current_device())  # tuned, else the default
+    return _triton_backward(p, residuals, cotangents, config, False)
 
 
 class XlaDilated(XlaImpl):
@@ -195,7 +196,8 @@ class DilatedAttention(SoftmaxOp):
     return normal(kq, p.heads), normal(kk, p.kv_heads), normal(kv, p.kv_heads)
 
 
-DILATED = DilatedAttention(MosaicDilated(), TritonDilated(), XlaDilated())
+_TRITON = TritonDilated()
+DILATED = DilatedAttention(MosaicDilated(), _TRITON, XlaDilated())
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False,

@@ -88,7 +88,8 @@ def mix_pairs(parts):
 def dilated_mosaic_forward(q, k, v, *, pairs, causal: bool, scale: float,
                            config: MosaicBlockConfig):
   """The mixture of the ``pairs`` ``((w, r), ...)`` as ``(o float32 [batch, seq, heads,
-  head_dim], lse [batch, heads, seq])``, as ``dilated_triton_forward`` gives it.
+  head_dim], lse [batch, heads, seq])``, as ``dilated_triton_forward`` gives it (each
+  pair's output rounded to the inputs' 16 bits before the mix).
 
   q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``;
   16-bit. Every pair as ``unsupported_pair`` allows with ``2 * config.block_q`` and
