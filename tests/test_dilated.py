@@ -210,6 +210,61 @@ def test_hopper_items_and_addressing_read_each_heads_dilated_rows(heads, kv_head
   np.testing.assert_array_equal(k_rows, _dilated_rows(k, w, r, heads))
 
 
+def _emulated_rows_forward(q, k, v, inputs=(), *, rule, spec, block_q, block_kv, stages,
+                           persistent=None, items=None, addressing=None, group=None):
+  """``hopper.forward.rows_forward``'s contract in an interpret-mode kernel: the same
+  work-item, addressing and ``group`` calls, plain attention per consumer's rows."""
+  del inputs, stages, persistent
+  batch, q_len_p, q_heads, _ = q.shape
+  n_kv = addressing.kv_len(k) // block_kv
+  assert q_len_p % (2 * block_q) == 0 and n_kv * block_kv == k.shape[1]
+
+  def kernel(q_ref, k_ref, v_ref, o_ref, stat_ref):
+    bound = items.bind()
+    for w in range(items.count):
+      item = bound.at(jnp.int32(w))
+      kv_head = item.head // group
+      for consumer in range(items.consumers):
+        q_start = bound.q_start(item, consumer)
+        rows = q_ref[bound.q_rows(item, q_start)].astype(jnp.float32)
+        keys, values = (jnp.concatenate([tile(ref, item.batch, kv_head, jnp.int32(j * block_kv),
+                                                   block_kv)[...] for j in range(n_kv)])
+                        for tile, ref in ((addressing.tile, k_ref), (addressing.v_tile, v_ref)))
+        s = rows @ keys.astype(jnp.float32).T * rule.scale
+        if spec.right is not None:  # causal within the segment
+          s = jnp.where(jnp.arange(s.shape[1])[None] <= q_start + jnp.arange(block_q)[:, None],
+                        s, -jnp.inf)
+        top = s.max(axis=1, keepdims=True)
+        e = jnp.exp(s - top)
+        o_ref[bound.out_rows(item, q_start)] = (e @ values.astype(jnp.float32)
+                                                / e.sum(axis=1, keepdims=True)).astype(o_ref.dtype)
+        stat_ref[bound.stat_rows(item, q_start)] = (top + jnp.log(e.sum(axis=1, keepdims=True)))[:, 0]
+
+  out_shapes = items.out_shapes(batch, q_len_p, q_heads, v.shape[-1], q.dtype)
+  return pl.pallas_call(kernel, out_shape=out_shapes, interpret=True)(q, k, v)
+
+
+@pytest.mark.parametrize("kv_heads,causal,persistent,pairs", [
+    (1, True, None, ((128, 1), (256, 2), (512, 4))),
+    (2, False, True, ((256, 2), (512, 4))),  # no rate 1: uncovered positions
+    (4, True, False, ((512, 4), (128, 1)))])
+def test_hopper_forward_host_code_with_an_emulated_kernel(monkeypatch, kv_heads, causal,
+                                                          persistent, pairs):
+  """``dilated_mosaic_forward`` (padding, views, work items, addressing, spread, mix) with
+  the Hopper kernel replaced by an emulation of its contract equals the reference."""
+  from jattn.kernels.dilated import mosaic
+  monkeypatch.setattr(mosaic, "rows_forward", _emulated_rows_forward)
+  q, k, v, _ = _inputs(1, 512, 4, kv_heads, 40, dtype=jnp.bfloat16, seed=kv_heads)
+  config = jattn.MosaicBlockConfig(block_q=64, block_kv=64, persistent=persistent)
+  o, lse = mosaic.dilated_mosaic_forward(q, k, v, pairs=pairs, causal=causal,
+                                         scale=40 ** -0.5, config=config)
+  o_ref, lse_ref = dilated_attention_reference(
+      *(x.astype(jnp.float32) for x in (q, k, v)), segment_lengths=[w for w, _ in pairs],
+      dilation_rates=[r for _, r in pairs], causal=causal)
+  assert rel_err(o, o_ref) < 1e-2
+  np.testing.assert_allclose(lse, lse_ref, atol=1e-4)
+
+
 def test_hopper_pairs_spread_and_mix_as_the_reference():
   """The Hopper path's compact per-pair results, spread back to their positions
   (``spread_pair``), are the reference's pair results, and mixed (``mix_pairs``) the
