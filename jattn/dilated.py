@@ -27,13 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn.core.device import shared_memory_limit
-from jattn.core import op
 from jattn.core.op import MosaicImpl, Problem, SoftmaxOp, XlaImpl
 from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
+from jattn.flash import FLASH, FlashProblem
 from jattn.kernels.dilated import (dilated_mosaic_forward, dilated_triton_backward,
                                    dilated_triton_forward, unsupported_pair)
+from jattn.kernels.dilated.mosaic import pair_rows, spread_rows
 from jattn.kernels.flash.config import MosaicBlockConfig, default_mosaic_config, mosaic_misfit
 from jattn.kernels.hopper.pipeline import CONSUMERS
 from jattn.reference import dilated_attention_reference
@@ -127,9 +128,37 @@ def _triton_backward(p: DilatedProblem, residuals, cotangents, config: BlockConf
                                  scale=p.scale, config=config, interpret=interpret)
 
 
+def flash_pairs_backward(p: DilatedProblem, residuals, do, backend: str):
+  """Float32 ``(dq, dk, dv)`` of the pairs, given the mixture's ``(o, lse)``: each pair's
+  blocks as flash attention on its rows gathered compactly (``pair_rows``: ``[batch *
+  seq / w, w / r, heads, d]``, K and V copied per query head), whose gradients as one
+  block of a merged softmax (``FLASH.partial_backward``) are scattered back and, for K
+  and V, summed over each KV head's query heads. The mixture's log-sum-exp is no
+  output of the op, so it has no cotangent here."""
+  (q, k, v), o, lse = residuals
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  grads = [jnp.zeros((batch, q.shape[1], h, head_dim), jnp.float32)
+           for h in (heads, kv_heads, kv_heads)]
+  for w, r in p.pairs:
+    rows = lambda x: pair_rows(x, w, r, heads)
+    qc, kc, vc, oc, doc = map(rows, (q, k, v, o, do.astype(q.dtype)))
+    lse_c = jnp.moveaxis(rows(jnp.moveaxis(lse, 1, 2)[..., None])[..., 0], 1, 2)
+    call = FLASH.prepare(FlashProblem.of(qc, kc, causal=p.causal, scale=p.scale,
+                                         return_lse=True), backend)
+    pair = FLASH.partial_backward(call, (qc, kc, vc, None, None, None, None, None), oc, lse_c,
+                                  doc)[:3]
+    for i, g in enumerate(pair):
+      g = spread_rows(g, batch=batch, r=r)
+      if i:  # per query head: summed over each KV head's group
+        g = g.reshape(*g.shape[:2], kv_heads, heads // kv_heads, head_dim).sum(3)
+      grads[i] = grads[i] + g
+  return tuple(grads)
+
+
 class MosaicDilated(MosaicImpl):
-  """The Hopper forward (``jattn.kernels.dilated.mosaic``); the backward runs the Triton
-  kernels on its ``(o, lse)``."""
+  """The Hopper forward (``jattn.kernels.dilated.mosaic``); the backward runs our Hopper
+  flash backward on each pair's gathered rows (``flash_pairs_backward``)."""
 
   config_cls = MosaicBlockConfig
 
@@ -144,7 +173,7 @@ class MosaicDilated(MosaicImpl):
     return default_mosaic_config(p.head_dim)
 
   def fits(self, config, p, info, kernels=()):
-    # The forward kernel alone: the backward runs the Triton kernels.
+    # The forward kernel; the backward's flash calls choose their own tiles.
     return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, ("forward",),
                          shared_memory_limit(info))
 
@@ -155,9 +184,7 @@ class MosaicDilated(MosaicImpl):
     return (o, lse), ((q, k, v), o.astype(q.dtype), lse)
 
   def backward(self, call, residuals, cotangents):
-    p = call.problem
-    config = DILATED.config_for(_TRITON, p, op.current_device())  # tuned, else the default
-    return _triton_backward(p, residuals, cotangents, config, False)
+    return flash_pairs_backward(call.problem, residuals, cotangents[0], "pallas_mosaic")
 
 
 class XlaDilated(XlaImpl):
@@ -196,8 +223,7 @@ class DilatedAttention(SoftmaxOp):
     return normal(kq, p.heads), normal(kk, p.kv_heads), normal(kv, p.kv_heads)
 
 
-_TRITON = TritonDilated()
-DILATED = DilatedAttention(MosaicDilated(), _TRITON, XlaDilated())
+DILATED = DilatedAttention(MosaicDilated(), TritonDilated(), XlaDilated())
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False,
@@ -217,7 +243,8 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     backend: ``"auto"`` (the Pallas kernels where usable, else ``"xla"``),
       ``"pallas_mosaic"`` (Hopper, 16-bit inputs, every ``w_i`` dividing ``seq`` and
       ``w_i / r_i`` a multiple of the forward's tiles (128 rows for head dims above
-      64, else 256); its backward runs the Triton kernels), ``"pallas_triton"`` or
+      64, else 256); its backward runs our Hopper flash backward on each pair's gathered
+      rows), ``"pallas_triton"`` or
       ``"xla"`` (the float32 reference: gather, dense attention per pair, mix).
     config: tiles for the Pallas kernels, a ``BlockConfig`` (``MosaicBlockConfig``
       for ``"pallas_mosaic"``; default: the tuning cache, else the flash kernels'

@@ -17,6 +17,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, merge_partials
@@ -35,6 +36,28 @@ def pair_views(x, w: int, r: int):
   ``seq`` must be a multiple of ``w``)."""
   batch, seq, heads, d = x.shape
   return x.reshape(batch * seq // w, w // r, r * heads, d)
+
+
+def pair_rows(x, w: int, r: int, heads: int):
+  """``x [batch, seq, heads or kv_heads, d]`` at each query head's dilated rows, as the
+  Hopper forward reads them: ``[batch * seq / w, w / r, heads, d]``, row ``m`` of
+  segment ``s`` for head ``h`` being position ``s * w + m * r + h mod r`` (of KV head
+  ``h // group``). A copy (the forward reads them in place)."""
+  x_heads = x.shape[2]
+  slot = np.arange(heads) % r
+  return jnp.take(pair_views(x, w, r), slot * x_heads + np.arange(heads) // (heads // x_heads),
+                  axis=2)
+
+
+def spread_rows(x, *, batch: int, r: int, fill=0.0):
+  """The inverse of ``pair_rows`` for query heads: ``x [segments, w / r, heads, d]`` at
+  its positions, ``[batch, seq, heads, d]``, ``fill`` where head ``h`` has none (the
+  positions ``≢ h (mod r)``)."""
+  segments, rows, heads, d = x.shape
+  per_row = segments * rows // batch  # seq / r
+  covers = jnp.arange(r)[:, None] == jnp.arange(heads)[None, :] % r  # [slot, head]
+  x = jnp.where(covers[:, :, None], x.reshape(batch, per_row, 1, heads, d), fill)
+  return x.reshape(batch, per_row * r, heads, d)
 
 
 def unsupported_pair(seq: int, w: int, r: int, rows_multiple: int) -> str | None:
@@ -69,14 +92,9 @@ def spread_pair(o, lse, *, batch: int, r: int):
   at the positions it covers: ``(o float32 [batch, seq, heads, d], lse [batch, heads,
   seq])``, zeros and ``EMPTY_ROW_LSE`` where it covers none (head ``h`` covers the
   positions ``≡ h (mod r)``)."""
-  segments, rows, heads, d = o.shape
-  per_row = segments * rows // batch  # seq / r
-  covers = jnp.arange(r)[:, None] == jnp.arange(heads)[None, :] % r  # [slot, head]
-  o = jnp.where(covers[:, :, None], o.reshape(batch, per_row, 1, heads, d).astype(jnp.float32),
-                0.0)
-  lse = jnp.moveaxis(lse.reshape(batch, segments // batch, heads, rows), 2, 1)
-  lse = jnp.where(covers.T[:, None, :], lse.reshape(batch, heads, per_row, 1), EMPTY_ROW_LSE)
-  return o.reshape(batch, per_row * r, heads, d), lse.reshape(batch, heads, per_row * r)
+  o = spread_rows(o.astype(jnp.float32), batch=batch, r=r)
+  lse = spread_rows(jnp.moveaxis(lse, 1, 2)[..., None], batch=batch, r=r, fill=EMPTY_ROW_LSE)
+  return o, jnp.moveaxis(lse[..., 0], 1, 2)
 
 
 def mix_pairs(parts):
