@@ -17,7 +17,6 @@ import functools
 import math
 
 import jax.numpy as jnp
-import numpy as np
 
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, merge_partials
@@ -42,11 +41,16 @@ def pair_rows(x, w: int, r: int, heads: int):
   """``x [batch, seq, heads or kv_heads, d]`` at each query head's dilated rows, as the
   Hopper forward reads them: ``[batch * seq / w, w / r, heads, d]``, row ``m`` of
   segment ``s`` for head ``h`` being position ``s * w + m * r + h mod r`` (of KV head
-  ``h // group``). A copy (the forward reads them in place)."""
+  ``h // group``). A copy (the forward reads them in place), but none for ``r = 1``
+  with as many heads as ``heads``."""
   x_heads = x.shape[2]
-  slot = np.arange(heads) % r
-  return jnp.take(pair_views(x, w, r), slot * x_heads + np.arange(heads) // (heads // x_heads),
-                  axis=2)
+  group = heads // x_heads
+  if r == 1 and group == 1:
+    return pair_views(x, w, r)
+  # Static slices stacked (one fused copy) rather than a gather on the head axis, which
+  # XLA runs at a fraction of the memory bandwidth.
+  slots = pair_views(x, w, r).reshape(-1, w // r, r, x_heads, x.shape[-1])
+  return jnp.stack([slots[:, :, h % r, h // group] for h in range(heads)], axis=2)
 
 
 def spread_rows(x, *, batch: int, r: int, fill=0.0):
