@@ -2,8 +2,9 @@
 computation in plain XLA (gather the dilated rows, dense attention per segment in the
 input dtype with float32 softmax, scatter, mix) and against our flash kernel on the
 equivalent gathered problem (gather, ``flash_attention(return_lse=True)`` per pair,
-scatter, mix), at LongNet's pairs ``w = [2048, 4096, 8192, 16384]``,
-``r = [1, 2, 4, 8]``.
+scatter, mix), at LongNet's pairs ``w = [2048, 4096, 8192, 16384]``, ``r = [1, 2, 4,
+8]``. ``jattn_mosaic``: our Hopper kernels (the backward on each pair's gathered rows);
+``flash_pairs``: the pairs' FLOPs as plain flash calls (issue 42's yardstick).
 
     python bench/dilated.py                          # seq 32k-256k, bf16, fwd and fwd+bwd
     python bench/dilated.py --seqs 65536 --causal 0,1
@@ -110,15 +111,31 @@ def flash_gathered(q, k, v, *, causal):
   return _mix(outs, lses, q)
 
 
-def jattn_dilated(config=None):
+def jattn_dilated(config=None, backend="pallas_triton"):
   """Our Pallas kernels, with ``config`` (a sweep candidate) if given."""
   def run(q, k, v, *, causal):
     return jattn.dilated_attention(q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES,
-                                   causal=causal, backend="pallas_triton", config=config)
+                                   causal=causal, backend=backend, config=config)
   return run
 
 
-IMPLS = {"jattn_pallas": jattn_dilated(), "xla_gather_dense": xla_dilated,
+def flash_pairs(q, k, v, *, causal):
+  """The pairs' FLOPs as plain flash calls (``backend="auto"``: Hopper's on an H100):
+  pair ``(w, r)`` is ``seq / w`` segments of ``w / r`` rows, here the first ``seq / r``
+  positions cut into such segments, no gather. The bar's yardstick, not dilated
+  attention."""
+  batch, seq, heads, head_dim = q.shape
+  out = 0.0
+  for w, r in zip(SEGMENTS, RATES):
+    w = min(w, seq)
+    cut = lambda x: x[:, :seq // r].reshape(batch * seq // w, w // r, x.shape[2], head_dim)
+    o = jattn.flash_attention(cut(q), cut(k), cut(v), causal=causal)
+    out = out + o.reshape(batch, seq // r, heads, head_dim)[:, :seq // RATES[-1]]
+  return out
+
+
+IMPLS = {"jattn_pallas": jattn_dilated(), "jattn_mosaic": jattn_dilated(backend="pallas_mosaic"),
+         "flash_pairs": flash_pairs, "xla_gather_dense": xla_dilated,
          "flash_gathered": flash_gathered}
 
 
@@ -149,7 +166,9 @@ def markdown(rows, env):
              ("mode", lambda r: r["mode"])],
       cell=lambda r: f"{r['ms']:.2f} ({r['tflops']:.0f}{mem(r)})",
       ratios=[(f"{peer}/jattn", "jattn_pallas", peer)
-              for peer in ("xla_gather_dense", "flash_gathered")],
+              for peer in ("xla_gather_dense", "flash_gathered")]
+      + [("jattn_pallas/jattn_mosaic", "jattn_mosaic", "jattn_pallas"),
+         ("flash_pairs/jattn_mosaic (the bar: >= 0.85)", "jattn_mosaic", "flash_pairs")],
       ratio=lambda ours, peer: f"{peer['ms'] / ours['ms']:.2f}x")
   return "\n".join(header) + "\n" + table
 

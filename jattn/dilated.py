@@ -8,25 +8,35 @@ position it covers (``lse_i = -inf`` elsewhere), and the pairs are mixed as
 ``O = Σ_i softmax_i(lse_i) · O_i``. Gradients are exact: they flow through the mixing
 weights too (torchscale detaches them).
 
-Implementations: ``pallas_triton`` (``jattn.kernels.dilated``: in-place kernels on
-dilated views, pairs merged into one running ``(o, lse)``) and ``xla`` (the float32
-reference: gather, dense attention per pair, mix).
+Implementations: ``pallas_mosaic`` (Hopper, 16-bit, where every pair's segments are
+whole and tile-aligned: each pair one Hopper forward on in-place dilated views, the
+pairs mixed by their log-sum-exp; the backward is the Triton kernels'),
+``pallas_triton`` (``jattn.kernels.dilated``: in-place kernels on dilated views, pairs
+merged into one running ``(o, lse)``) and ``xla`` (the float32 reference: gather,
+dense attention per pair, mix).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.core.op import Problem, SoftmaxOp, XlaImpl
+from jattn.core.device import shared_memory_limit
+from jattn.core.op import MosaicImpl, Problem, SoftmaxOp, XlaImpl
 from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
-from jattn.kernels.dilated import dilated_triton_backward, dilated_triton_forward
+from jattn.flash import FLASH, FlashProblem
+from jattn.kernels.dilated import (dilated_mosaic_forward, dilated_triton_backward,
+                                   dilated_triton_forward, unsupported_pair)
+from jattn.kernels.dilated.mosaic import pair_rows, spread_rows
+from jattn.kernels.flash.config import MosaicBlockConfig, default_mosaic_config, mosaic_misfit
+from jattn.kernels.hopper.pipeline import CONSUMERS
 from jattn.reference import dilated_attention_reference
 from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
@@ -108,11 +118,76 @@ class TritonDilated(BlockTritonImpl):
     return (o, lse), ((q, k, v), o.astype(q.dtype), lse)
 
   def backward(self, call, residuals, cotangents):
-    (q, k, v), o, lse = residuals
+    return _triton_backward(call.problem, residuals, cotangents, call.config, call.interpret)
+
+
+def _triton_backward(p: DilatedProblem, residuals, cotangents, config: BlockConfig,
+                     interpret: bool):
+  (q, k, v), o, lse = residuals
+  return dilated_triton_backward(q, k, v, o, lse, *cotangents, pairs=p.pairs, causal=p.causal,
+                                 scale=p.scale, config=config, interpret=interpret)
+
+
+def flash_pairs_backward(p: DilatedProblem, residuals, do, backend: str):
+  """Float32 ``(dq, dk, dv)`` of the pairs, given the mixture's ``(o, lse)``: each pair's
+  blocks as flash attention on its rows gathered compactly (``pair_rows``: ``[batch *
+  seq / w, w / r, heads, d]``, K and V copied per query head), whose gradients as one
+  block of a merged softmax (``FLASH.partial_backward``) are scattered back and, for K
+  and V, summed over each KV head's query heads. The mixture's log-sum-exp is no
+  output of the op, so it has no cotangent here."""
+  (q, k, v), o, lse = residuals
+  batch, _, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  grads = [jnp.zeros((batch, q.shape[1], h, head_dim), jnp.float32)
+           for h in (heads, kv_heads, kv_heads)]
+  for w, r in p.pairs:
+    rows = lambda x: pair_rows(x, w, r, heads)
+    # The barrier keeps each gather a plain copy at the memory bandwidth: fused into the
+    # backward's row sums (o * do), XLA ran them at a third of it (64k tokens, H100).
+    qc, kc, vc, oc, doc = jax.lax.optimization_barrier(
+        tuple(map(rows, (q, k, v, o, do.astype(q.dtype)))))
+    lse_c = jnp.moveaxis(rows(jnp.moveaxis(lse, 1, 2)[..., None])[..., 0], 1, 2)
+    call = FLASH.prepare(FlashProblem.of(qc, kc, causal=p.causal, scale=p.scale,
+                                         return_lse=True), backend)
+    pair = FLASH.partial_backward(call, (qc, kc, vc, None, None, None, None, None), oc, lse_c,
+                                  doc)[:3]
+    for i, g in enumerate(pair):
+      g = spread_rows(g, batch=batch, r=r)
+      if i:  # per query head: summed over each KV head's group
+        g = g.reshape(*g.shape[:2], kv_heads, heads // kv_heads, head_dim).sum(3)
+      grads[i] = grads[i] + g
+  return tuple(grads)
+
+
+class MosaicDilated(MosaicImpl):
+  """The Hopper forward (``jattn.kernels.dilated.mosaic``); the backward runs our Hopper
+  flash backward on each pair's gathered rows (``flash_pairs_backward``)."""
+
+  config_cls = MosaicBlockConfig
+
+  def gaps(self, p):
+    config = default_mosaic_config(p.head_dim)
+    tile = math.lcm(CONSUMERS * config.block_q, config.block_kv)
+    pairs = tuple(why for w, r in p.pairs
+                  if (why := unsupported_pair(p.seq, w, r, tile)) is not None)
+    return super().gaps(p) + pairs
+
+  def heuristic_config(self, p, info):
+    return default_mosaic_config(p.head_dim)
+
+  def fits(self, config, p, info, kernels=()):
+    # The forward kernel; the backward's flash calls choose their own tiles.
+    return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, ("forward",),
+                         shared_memory_limit(info))
+
+  def forward(self, call, q, k, v):
     p = call.problem
-    return dilated_triton_backward(q, k, v, o, lse, *cotangents, pairs=p.pairs,
-                                   causal=p.causal, scale=p.scale, config=call.config,
-                                   interpret=call.interpret)
+    o, lse = dilated_mosaic_forward(q, k, v, pairs=p.pairs, causal=p.causal, scale=p.scale,
+                                    config=call.config)
+    return (o, lse), ((q, k, v), o.astype(q.dtype), lse)
+
+  def backward(self, call, residuals, cotangents):
+    return flash_pairs_backward(call.problem, residuals, cotangents[0], "pallas_mosaic")
 
 
 class XlaDilated(XlaImpl):
@@ -151,12 +226,12 @@ class DilatedAttention(SoftmaxOp):
     return normal(kq, p.heads), normal(kk, p.kv_heads), normal(kv, p.kv_heads)
 
 
-DILATED = DilatedAttention(TritonDilated(), XlaDilated())
+DILATED = DilatedAttention(MosaicDilated(), TritonDilated(), XlaDilated())
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False,
                       scale: float | None = None, backend: str = "auto",
-                      config: BlockConfig | None = None):
+                      config: BlockConfig | MosaicBlockConfig | None = None):
   """LongNet dilated attention.
 
   Args:
@@ -169,10 +244,14 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     causal: attend to earlier positions only, within each segment.
     scale: default ``head_dim ** -0.5``.
     backend: ``"auto"`` (the Pallas kernels where usable, else ``"xla"``),
-      ``"pallas_triton"`` or ``"xla"`` (the float32 reference: gather, dense
-      attention per pair, mix).
-    config: tiles for the Pallas kernels, a ``BlockConfig`` (default: the tuning
-      cache, else the flash kernels' default for the head dim and dtype).
+      ``"pallas_mosaic"`` (Hopper, 16-bit inputs, every ``w_i`` dividing ``seq`` and
+      ``w_i / r_i`` a multiple of the forward's tiles (128 rows for head dims above
+      64, else 256); its backward runs our Hopper flash backward on each pair's gathered
+      rows), ``"pallas_triton"`` or
+      ``"xla"`` (the float32 reference: gather, dense attention per pair, mix).
+    config: tiles for the Pallas kernels, a ``BlockConfig`` (``MosaicBlockConfig``
+      for ``"pallas_mosaic"``; default: the tuning cache, else the flash kernels'
+      default for the head dim and dtype).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in q's dtype. Positions that no pair covers for

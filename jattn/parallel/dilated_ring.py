@@ -263,7 +263,10 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
       ``w_i`` must divide ``L``, be a multiple of it, or cover the whole sequence
       (segments never straddle a device boundary).
     causal: within segments, over the global positions (a bool).
-    backend: the blocks' attention: ``"auto"``, ``"pallas_triton"`` or ``"xla"``.
+    backend: ``"auto"`` (the shard's own pairs run ``dilated_attention``'s choice for
+      them, the rings' blocks ``flash_attention``'s for theirs: on an H100 the Hopper
+      kernels where they run), or one of ``"pallas_mosaic"``, ``"pallas_triton"``,
+      ``"xla"`` for both.
 
   Returns:
     the local output shard, like ``q``; equal to ``jattn.dilated_attention`` on the
@@ -276,8 +279,6 @@ def dilated_ring_attention(q, k, v, *, axis_name: str, segment_lengths, dilation
   _, local, heads, head_dim = q.shape
   pairs = tuple(plan_pair(w, r, local=local, devices=devices, heads=heads, kv_heads=k.shape[2])
                 for w, r in problem.pairs)
-  # One backend for the shard's own pairs (the dilated op) and the rings' blocks (flash).
-  backend = DILATED.prepare(problem, backend).impl.backend.name
   on_device = [p for p in pairs if p.group == 1]
   local_call = DILATED.prepare(dataclasses.replace(
       problem, segment_lengths=tuple(p.w for p in on_device),

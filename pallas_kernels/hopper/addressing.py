@@ -62,6 +62,25 @@ class TransposedValuesKV(ContiguousKV):
 
 
 @dataclasses.dataclass(frozen=True)
+class DilatedKV(ContiguousKV):
+  """K and V of one dilated-attention pair as ``[segments, w / r, r * kv_heads, d]``
+  (``[batch, seq, kv_heads, d]`` reshaped: "head" ``o * kv_heads + j`` holds KV head
+  ``j``'s positions ``≡ o (mod r)``). The kernel runs with ``group=1``, so its KV head
+  is the query head ``h``, which reads KV head ``(h mod r) * kv_heads + h // group``:
+  the dilated rows of its own offset (``DilatedTiles``)."""
+
+  rate: int
+  kv_heads: int
+  group: int  # query heads per KV head
+
+  def tile(self, ref, batch, kv_head, start, size: int):
+    head = kv_head  # the query head (group 1)
+    slot = lax.rem(head, jnp.int32(self.rate))
+    return ref.at[batch, pl.ds(start, size),
+                  slot * self.kv_heads + lax.div(head, jnp.int32(self.group))]
+
+
+@dataclasses.dataclass(frozen=True)
 class PagedKV:
   """K and V as pages ``[num_pages, page_size, kv_heads, d]`` and a block table (one
   extra input, ``[batch, pages_per_seq]`` int32): keys ``[i * page_size, (i + 1) *

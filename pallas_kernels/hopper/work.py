@@ -129,6 +129,36 @@ class BoundQueryTiles(NamedTuple):
     return kv_block_range(spec, q_start, self.kind.block_q, block_kv)
 
 
+@dataclasses.dataclass(frozen=True)
+class DilatedTiles(QueryTiles):
+  """``QueryTiles`` of one dilated-attention pair (``rate`` r): Q is ``[segments, w / r,
+  r * heads, d]`` (``[batch, seq, heads, d]`` reshaped), whose "head" ``(h mod r) *
+  heads + h`` holds query head ``h``'s dilated rows (LongNet's head offsets); the
+  output ``[segments, w / r, heads, dv]`` and row statistic ``[segments, heads, w / r]``
+  hold them compactly."""
+
+  rate: int = 1
+
+  def out_shapes(self, batch: int, q_len: int, heads: int, dv: int, dtype) -> tuple:
+    del heads  # Q's, r times the query heads
+    return super().out_shapes(batch, q_len, self.n_heads, dv, dtype)
+
+  def bind(self) -> "BoundDilatedTiles":
+    return BoundDilatedTiles(self, *(jnp.int32(n) for n in (self.n_tiles, self.n_heads,
+                                                            self.n_batch)))
+
+
+class BoundDilatedTiles(BoundQueryTiles):
+  """``DilatedTiles`` in a kernel."""
+
+  def q_rows(self, item: QueryTile, q_start):
+    slot = lax.rem(item.head, jnp.int32(self.kind.rate))
+    return item.batch, pl.ds(q_start, self.kind.block_q), slot * self.n_heads + item.head
+
+  def out_rows(self, item: QueryTile, q_start):
+    return item.batch, pl.ds(q_start, self.kind.block_q), item.head
+
+
 class DecodeItem(NamedTuple):
   batch: Any
   head: Any  # the KV head
