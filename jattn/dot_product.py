@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn.core.validation import is_int
+from jattn.core.validation import check_integer_array, is_int
 from jattn.flash import flash_attention
 from jattn.flex.attention import flex_attention
 from jattn.flex.block_mask import block_mask_from_array
@@ -74,7 +74,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   mask = None if mask is None else _four_d("mask", mask, full)
   if mask is not None and mask.dtype != jnp.bool_:
     raise TypeError(f"mask must be boolean (an additive mask goes in bias), got {mask.dtype}")
-  lengths = dict(q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths)
+  lengths = {}
+  for name, arg, given in (("query_seq_lengths", "q_lengths", query_seq_lengths),
+                           ("key_value_seq_lengths", "kv_lengths", key_value_seq_lengths)):
+    if given is not None:  # checked here: the masks below index it by batch row
+      given = jnp.asarray(given)
+      check_integer_array(name, given, (batch,), "batch")
+    lengths[arg] = given
   aligned = q_len == kv_len and query_seq_lengths is None and key_value_seq_lengths is None
   if bias is None and mask is None and (aligned or not (is_causal or window)):
     out = flash_attention(query, key, value, causal=is_causal, scale=scale,
@@ -85,8 +91,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, implementation="cudnn")
   else:
-    masks = (mask, is_causal, window) + tuple(
-        None if x is None else jnp.asarray(x) for x in (query_seq_lengths, key_value_seq_lengths))
+    masks = (mask, is_causal, window, lengths["q_lengths"], lengths["kv_lengths"])
     mask_mod = _mask_fn(*masks)
     # A mask array's tiles are classified by one reduction over it, not through
     # mask_mod, whose reads of the array gather it element by element.

@@ -74,6 +74,21 @@ def test_matches_jax_nn_outputs_and_gradients(case):
     assert_close(*both(q, k, v, implementation="pallas_triton", **case))
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_rows_of_large_bias_keep_their_gradients(implementation):
+  """Rows of ``-1e9`` (an additive padding mask) or shifted by ``5e4``: as jax.nn on the
+  bias less each row's maximum (the same softmax, without float32's rounding of the
+  large values), gradients of the bias included. Unshifted, the kernels' float32
+  log-sum-exp lost its log(sum) there, and the gradients were off by up to 2x."""
+  q, k, v = inputs(2)
+  bias = jax.random.normal(jax.random.key(3), (2, 1, 12, 12))
+  bias = bias.at[0, :, 3].add(-1e9).at[1, :, 5].add(5e4)
+  exact = bias - bias.max(axis=-1, keepdims=True)
+  ours = both(q, k, v, implementation=implementation, bias=bias)[0]
+  theirs = both(q, k, v, bias=exact)[1]
+  assert_close(ours, theirs)
+
+
 def test_unbatched_inputs_and_the_default_implementation():
   q, k, v = (x[0] for x in inputs(2))
   bias = jax.random.normal(jax.random.key(3), (4, 12, 12))  # [heads, q_len, kv_len]
@@ -131,6 +146,12 @@ def test_bad_arguments_are_named():
     jattn.dot_product_attention(q, k, v, local_window_size=(1, 2, 3))
   with pytest.raises(ValueError, match="must have rank 4"):
     jattn.dot_product_attention(q[0, 0], k, v)
+  # Lengths are checked on every path, the masked ones (bias, causal) included.
+  batch = q.shape[0]
+  for bad, error, match in ((jnp.array([7] * (batch + 1)), ValueError, "key_value_seq_lengths"),
+                            (jnp.full((batch,), 3.0), TypeError, "must be integers")):
+    with pytest.raises(error, match=match):
+      jattn.dot_product_attention(q, k, v, key_value_seq_lengths=bad, is_causal=True)
 
 
 def test_cudnn_with_a_bias_is_jaxs_own_cudnn_call(monkeypatch):

@@ -14,6 +14,7 @@ import functools
 import operator
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 
@@ -135,14 +136,34 @@ def broadcast_at(x, b, h, q_idx, kv_idx):
   return x[tuple(0 if n == 1 else i for n, i in zip(x.shape, index))]
 
 
+# Bias rows whose largest value is beyond this are shifted by it (see ``row_shifted``).
+ROW_SHIFT_FROM = 64.0
+
+
+def row_shifted(bias):
+  """``bias`` less each row's largest value (over keys) where some row's exceeds
+  ``ROW_SHIFT_FROM`` in magnitude (finite rows only), else ``bias`` itself. A shift
+  constant on a row changes neither the softmax nor any gradient, but keeps the rows'
+  log-sum-exp small: the kernels keep it in float32 and the backward recomputes the
+  probabilities from it, so a row of ``-1e9`` (an additive padding mask) would lose
+  its ``log(sum)`` and get gradients off by up to 2x. The rows' maxima are one
+  reduction over the bias as given (before broadcasting)."""
+  top = jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))
+  top = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
+  return jax.lax.cond(jnp.any(jnp.abs(top) > ROW_SHIFT_FROM), lambda b: b - top,
+                      lambda b: b, bias)
+
+
 def bias_score(bias) -> Callable:
   """An additive bias ``[q_heads, q_len, kv_len]`` (or ``[batch, q_heads, q_len,
   kv_len]``; axes of size 1 broadcast), e.g. DAT's and Swin's relative-position bias.
   It gets a gradient: the score gradients summed over the axes it broadcasts, one
-  block of query rows at a time."""
+  block of query rows at a time. Rows of large values are shifted first
+  (``row_shifted``)."""
   if bias.ndim not in (3, 4):
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")
+  bias = row_shifted(bias)
 
   def score_mod(score, b, h, q_idx, kv_idx):
     return score + broadcast_at(bias, b, h, q_idx, kv_idx)
