@@ -57,18 +57,22 @@ def test_dilated_ring_equals_single_device(devices, pairs, causal, heads, kv_hea
 
 
 def test_inside_user_shard_map_on_sharded_inputs(mesh):
-  q, k, v, _ = _inputs(1, 64, 4, 4, 8, seed=11)
+  """With shard_map's varying-axes check on (its default; XLA blocks), forward and
+  backward: the spanning pair's transposed gathers vary over the axis as their arrays."""
+  q, k, v, do = _inputs(1, 64, 4, 4, 8, seed=11)
   spec = PartitionSpec(None, "sp", None, None)
   sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
   fn = jax.jit(jax.shard_map(
       functools.partial(dilated_ring_attention, axis_name="sp", segment_lengths=(16, 64),
                         dilation_rates=(1, 4), backend="xla"),
       mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-  o = fn(*sharded)
-  o_ref = jax.jit(lambda q, k, v: dilated_attention_reference(
-      q, k, v, segment_lengths=(16, 64), dilation_rates=(1, 4))[0])(q, k, v)
+  o, pull = jax.vjp(fn, *sharded)
+  o_ref, pull_ref = jax.vjp(jax.jit(lambda q, k, v: dilated_attention_reference(
+      q, k, v, segment_lengths=(16, 64), dilation_rates=(1, 4))[0]), q, k, v)
   assert rel_err(o, o_ref) < 1e-5
   assert o.sharding.spec == spec
+  for name, g, g_ref in zip("qkv", pull(do), pull_ref(do)):
+    assert rel_err(g, g_ref) < 1e-5, name
 
 
 def test_pairs_given_as_arrays_of_ints(mesh):

@@ -92,6 +92,21 @@ def test_ring_with_segment_ids(mesh, causal, layout, backend, kv_exchange):
     assert rel_err(g, g_ref) < 1e-5, name
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "segment_zigzag"])
+def test_outputs_and_gradients_stay_sequence_sharded_at_batch_1(mesh, layout):
+  """XLA's propagation lost the sharding through the segment zig-zag's gathers at batch
+  1 (every device got the whole output and dq); the ring's spec is now imposed."""
+  spec = NamedSharding(mesh, PartitionSpec(None, "sp", None, None))
+  x = jax.device_put(_inputs(1, 32, 1, 1, 8, seed=4)[0], spec)
+  ids = jnp.zeros((1, 32), jnp.int32)
+  fn = jax.jit(lambda q: sharded_ring_attention(q, x, x, mesh=mesh, axis_name="sp",
+                                                layout=layout, backend="xla",
+                                                q_segment_ids=ids, kv_segment_ids=ids))
+  o, pull = jax.vjp(fn, x)
+  for out in (o, pull(o)[0]):
+    assert out.sharding.is_equivalent_to(spec, out.ndim), (layout, out.sharding)
+
+
 def test_allgather_with_pallas_blocks(mesh):
   """The all-gather's causal chunk calls (bounded by ``kv_lengths``) on the Triton
   kernels; the ring's Triton blocks: ``test_ring_with_segment_ids``."""

@@ -199,14 +199,16 @@ def _forward(st: _Static, q, k, v):
 def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
   """``(dq, dk, dv)`` float32 of one spanning pair's blocks, given the mixture's
   ``(o, lse)``."""
-  # The gathers are linear: their transposes scatter the gradients back.
-  f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
-  pull_q = jax.linear_transpose(lambda x: _queries(x, pair), f32(q))
-  pull_kv = jax.linear_transpose(lambda x: _sparse_kv(x, pair), f32(k))
+  # The gathers are linear: their transposes scatter the gradients back. Taken as VJPs
+  # at the arrays themselves, so that they vary over the axes those do (a user's
+  # shard_map checks it).
+  transpose = lambda f, x: jax.vjp(f, x.astype(jnp.float32))[1]
+  pull_q = transpose(lambda x: _queries(x, pair), q)
+  pull_kv = transpose(lambda x: _sparse_kv(x, pair), k)
   qd, od, dod = (_queries(x, pair) for x in (q, o, do))
   lsed = _row_stats(lse, pair)
   kc, vc = _sparse_kv(k, pair), _sparse_kv(v, pair)
-  to_combos = jax.linear_transpose(lambda x: _per_head(x, pair), f32(kc))
+  to_combos = transpose(lambda x: _per_head(x, pair), kc)
 
   def grads(step, blocks):
     mine, src, _ = _position(st, pair, step)

@@ -255,15 +255,19 @@ def _sharded_ring(options, q, k, v, ids):
   ids_spec = jax.sharding.PartitionSpec(None, axis_name)
   ring = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (ids_spec,) * len(ids),
                        out_specs=spec, check_vma=False)
+  # The inputs and the output sharded as the ring runs (and so their gradients): XLA's
+  # propagation lost it through the segment zig-zag's gathers at batch 1.
+  sharded = lambda x: lax.with_sharding_constraint(x, jax.NamedSharding(mesh, spec))
+  q, k, v = map(sharded, (q, k, v))
   if layout == "zigzag":
     ordered = (zigzag_order(x, devices) for x in (q, k, v, *ids))
-    return zigzag_restore(ring(*ordered), devices)
+    return sharded(zigzag_restore(ring(*ordered), devices))
   if layout == "segment_zigzag":
     # Ids a caller's jit closes over would be constants here, which XLA's GPU compiler
     # folds through the layout's sort and scans for minutes (docs/ring.md).
     q_ids, kv_ids = lax.optimization_barrier(ids)  # one permutation for each side's arrays
     q_laid, q_ids_laid = segment_zigzag_order((q, q_ids), q_ids, devices)
     k_laid, v_laid, kv_ids_laid = segment_zigzag_order((k, v, kv_ids), kv_ids, devices)
-    return segment_zigzag_restore(ring(q_laid, k_laid, v_laid, q_ids_laid, kv_ids_laid),
-                                  q_ids, devices)
-  return ring(q, k, v, *ids)
+    return sharded(segment_zigzag_restore(ring(q_laid, k_laid, v_laid, q_ids_laid,
+                                               kv_ids_laid), q_ids, devices))
+  return sharded(ring(q, k, v, *ids))
