@@ -147,7 +147,8 @@ def row_shifted(bias):
   log-sum-exp small: the kernels keep it in float32 and the backward recomputes the
   probabilities from it, so a row of ``-1e9`` (an additive padding mask) would lose
   its ``log(sum)`` and get gradients off by up to 2x. The rows' maxima are one
-  reduction over the bias as given (before broadcasting)."""
+  reduction over the bias as given (before broadcasting); the conditional may cost a
+  copy of the bias (XLA on the CPU makes one)."""
   top = jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))
   top = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
   return jax.lax.cond(jnp.any(jnp.abs(top) > ROW_SHIFT_FROM), lambda b: b - top,
