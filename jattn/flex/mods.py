@@ -141,18 +141,16 @@ ROW_SHIFT_FROM = 64.0
 
 
 def row_shifted(bias):
-  """``bias`` less each row's largest value (over keys) where some row's exceeds
-  ``ROW_SHIFT_FROM`` in magnitude (finite rows only), else ``bias`` itself. A shift
-  constant on a row changes neither the softmax nor any gradient, but keeps the rows'
-  log-sum-exp small: the kernels keep it in float32 and the backward recomputes the
-  probabilities from it, so a row of ``-1e9`` (an additive padding mask) would lose
-  its ``log(sum)`` and get gradients off by up to 2x. The rows' maxima are one
-  reduction over the bias as given (before broadcasting); the conditional may cost a
-  copy of the bias (XLA on the CPU makes one)."""
+  """``bias`` with each row whose largest value (over keys) exceeds ``ROW_SHIFT_FROM``
+  in magnitude shifted by it (finite rows only). A shift constant on a row changes
+  neither the softmax nor any gradient, but keeps the row's log-sum-exp small: the
+  kernels keep it in float32 and the backward recomputes the probabilities from it,
+  so a row of ``-1e9`` (an additive padding mask) would lose its ``log(sum)`` and get
+  gradients off by up to 2x. Costs one reduction over the bias as given (before
+  broadcasting) and one elementwise pass writing the shifted copy."""
   top = jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))
-  top = jnp.where(jnp.isfinite(top), top, jnp.zeros((), top.dtype))
-  return jax.lax.cond(jnp.any(jnp.abs(top) > ROW_SHIFT_FROM), lambda b: b - top,
-                      lambda b: b, bias)
+  shift = jnp.isfinite(top) & (jnp.abs(top) > ROW_SHIFT_FROM)
+  return bias - jnp.where(shift, top, jnp.zeros((), top.dtype))
 
 
 def bias_score(bias) -> Callable:
