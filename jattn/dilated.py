@@ -10,7 +10,8 @@ weights too (torchscale detaches them).
 
 Implementations: ``pallas_mosaic`` (Hopper, 16-bit, where every pair's segments are
 whole and tile-aligned: each pair one Hopper forward on in-place dilated views, the
-pairs mixed by their log-sum-exp; the backward is the Triton kernels'),
+pairs mixed by their log-sum-exp; the backward is our Hopper flash backward on each
+pair's gathered rows),
 ``pallas_triton`` (``jattn.kernels.dilated``: in-place kernels on dilated views, pairs
 merged into one running ``(o, lse)``) and ``xla`` (the float32 reference: gather,
 dense attention per pair, mix).
@@ -19,7 +20,6 @@ dense attention per pair, mix).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -34,9 +34,8 @@ from jattn.kernels.common.config import BlockConfig, default_block_config, padde
 from jattn.flash import FLASH, FlashProblem
 from jattn.kernels.dilated import (dilated_mosaic_forward, dilated_triton_backward,
                                    dilated_triton_forward, unsupported_pair)
-from jattn.kernels.dilated.mosaic import pair_rows, spread_rows
+from jattn.kernels.dilated.mosaic import pair_rows, pair_tile, spread_rows
 from jattn.kernels.flash.config import MosaicBlockConfig, default_mosaic_config, mosaic_misfit
-from jattn.kernels.hopper.pipeline import CONSUMERS
 from jattn.reference import dilated_attention_reference
 from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
@@ -118,14 +117,11 @@ class TritonDilated(BlockTritonImpl):
     return (o, lse), ((q, k, v), o.astype(q.dtype), lse)
 
   def backward(self, call, residuals, cotangents):
-    return _triton_backward(call.problem, residuals, cotangents, call.config, call.interpret)
-
-
-def _triton_backward(p: DilatedProblem, residuals, cotangents, config: BlockConfig,
-                     interpret: bool):
-  (q, k, v), o, lse = residuals
-  return dilated_triton_backward(q, k, v, o, lse, *cotangents, pairs=p.pairs, causal=p.causal,
-                                 scale=p.scale, config=config, interpret=interpret)
+    (q, k, v), o, lse = residuals
+    p = call.problem
+    return dilated_triton_backward(q, k, v, o, lse, *cotangents, pairs=p.pairs,
+                                   causal=p.causal, scale=p.scale, config=call.config,
+                                   interpret=call.interpret)
 
 
 def flash_pairs_backward(p: DilatedProblem, residuals, do, backend: str):
@@ -166,8 +162,7 @@ class MosaicDilated(MosaicImpl):
   config_cls = MosaicBlockConfig
 
   def gaps(self, p):
-    config = default_mosaic_config(p.head_dim)
-    tile = math.lcm(CONSUMERS * config.block_q, config.block_kv)
+    tile = pair_tile(default_mosaic_config(p.head_dim))
     pairs = tuple(why for w, r in p.pairs
                   if (why := unsupported_pair(p.seq, w, r, tile)) is not None)
     return super().gaps(p) + pairs

@@ -64,6 +64,12 @@ def spread_rows(x, *, batch: int, r: int, fill=0.0):
   return x.reshape(batch, per_row * r, heads, d)
 
 
+def pair_tile(config: MosaicBlockConfig) -> int:
+  """The rows every tile of ``config``'s forward divides (a CTA covers ``CONSUMERS``
+  per-warpgroup blocks): a pair's ``w / r`` must be a multiple."""
+  return math.lcm(mp.CONSUMERS * config.block_q, config.block_kv)
+
+
 def unsupported_pair(seq: int, w: int, r: int, rows_multiple: int) -> str | None:
   """Why the pair ``(w, r)`` cannot run on the Hopper forward at ``seq`` (None: it
   can): every segment whole, and each of its ``w / r`` rows a whole number of tiles."""
@@ -114,10 +120,10 @@ def dilated_mosaic_forward(q, k, v, *, pairs, causal: bool, scale: float,
   pair's output rounded to the inputs' 16 bits before the mix).
 
   q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``;
-  16-bit. Every pair as ``unsupported_pair`` allows with ``2 * config.block_q`` and
-  ``config.block_kv`` rows (else a ValueError)."""
+  16-bit. Every pair as ``unsupported_pair`` allows with ``pair_tile(config)`` rows
+  (else a ValueError)."""
   batch, seq, _, head_dim = q.shape
-  tile = math.lcm(mp.CONSUMERS * config.block_q, config.block_kv)
+  tile = pair_tile(config)
   for w, r in pairs:
     why = unsupported_pair(seq, w, r, tile)
     if why is not None:
