@@ -139,7 +139,8 @@ def flash_pairs_backward(p: DilatedProblem, residuals, do, backend: str):
   for w, r in p.pairs:
     rows = lambda x: pair_rows(x, w, r, heads)
     # The barrier keeps each gather a plain copy at the memory bandwidth: fused into the
-    # backward's row sums (o * do), XLA ran them at a third of it (64k tokens, H100).
+    # backward's row sums (o * do), XLA runs them far below it (bench/results/
+    # dilated_hopper_h100.md).
     qc, kc, vc, oc, doc = jax.lax.optimization_barrier(
         tuple(map(rows, (q, k, v, o, do.astype(q.dtype)))))
     lse_c = jnp.moveaxis(rows(jnp.moveaxis(lse, 1, 2)[..., None])[..., 0], 1, 2)
