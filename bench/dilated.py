@@ -3,7 +3,7 @@ computation in plain XLA (gather the dilated rows, dense attention per segment i
 input dtype with float32 softmax, scatter, mix) and against our flash kernel on the
 equivalent gathered problem (gather, ``flash_attention(return_lse=True)`` per pair,
 scatter, mix), at LongNet's pairs ``w = [2048, 4096, 8192, 16384]``, ``r = [1, 2, 4,
-8]``. ``jattn_mosaic``: our Hopper kernels (the backward on each pair's gathered rows);
+8]``. ``jattn_mosaic``: our Hopper kernels (the backward on each pair's rows in place);
 ``flash_pairs``: the pairs' FLOPs as plain flash calls (issue 42's yardstick).
 
     python bench/dilated.py                          # seq 32k-256k, bf16, fwd and fwd+bwd

@@ -10,9 +10,8 @@ weights too (torchscale detaches them).
 
 Implementations: ``pallas_mosaic`` (Hopper, 16-bit, where every pair's segments are
 whole and tile-aligned: each pair one Hopper forward on in-place dilated views, the
-pairs mixed by their log-sum-exp; the backward is our Hopper flash backward on each
-pair's gathered rows),
-``pallas_triton`` (``jattn.kernels.dilated``: in-place kernels on dilated views, pairs
+pairs mixed by their log-sum-exp; the backward is the Hopper flash backward kernels on
+the same views), ``pallas_triton`` (``jattn.kernels.dilated``: in-place kernels on dilated views, pairs
 merged into one running ``(o, lse)``) and ``xla`` (the float32 reference: gather,
 dense attention per pair, mix).
 """
@@ -32,10 +31,13 @@ from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
 from jattn.flash import FLASH, FlashProblem
-from jattn.kernels.dilated import (dilated_mosaic_forward, dilated_triton_backward,
-                                   dilated_triton_forward, unsupported_pair)
-from jattn.kernels.dilated.mosaic import pair_rows, pair_tile, spread_rows
-from jattn.kernels.flash.config import MosaicBlockConfig, default_mosaic_config, mosaic_misfit
+from jattn.kernels.dilated import (dilated_mosaic_backward, dilated_mosaic_forward,
+                                   dilated_triton_backward, dilated_triton_forward,
+                                   unsupported_pair)
+from jattn.kernels.dilated.mosaic import pair_rows, pair_stats, pair_tile, spread_rows
+from jattn.kernels.flash.config import (MosaicBlockConfig, backward_modelled,
+                                        default_mosaic_config, mosaic_backward_runs,
+                                        mosaic_misfit)
 from jattn.reference import dilated_attention_reference
 from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
@@ -143,7 +145,7 @@ def flash_pairs_backward(p: DilatedProblem, residuals, do, backend: str):
     # dilated_hopper_h100.md).
     qc, kc, vc, oc, doc = jax.lax.optimization_barrier(
         tuple(map(rows, (q, k, v, o, do.astype(q.dtype)))))
-    lse_c = jnp.moveaxis(rows(jnp.moveaxis(lse, 1, 2)[..., None])[..., 0], 1, 2)
+    lse_c = pair_stats(lse, w, r, heads)
     call = FLASH.prepare(FlashProblem.of(qc, kc, causal=p.causal, scale=p.scale,
                                          return_lse=True), backend)
     pair = FLASH.partial_backward(call, (qc, kc, vc, None, None, None, None, None), oc, lse_c,
@@ -157,7 +159,8 @@ def flash_pairs_backward(p: DilatedProblem, residuals, do, backend: str):
 
 
 class MosaicDilated(MosaicImpl):
-  """The Hopper forward (``jattn.kernels.dilated.mosaic``); the backward runs our Hopper
+  """The Hopper kernels on in-place views (``jattn.kernels.dilated.mosaic``), forward
+  and backward; for heads wider than the Hopper backward takes, the backward runs our
   flash backward on each pair's gathered rows (``flash_pairs_backward``)."""
 
   config_cls = MosaicBlockConfig
@@ -172,8 +175,10 @@ class MosaicDilated(MosaicImpl):
     return default_mosaic_config(p.head_dim)
 
   def fits(self, config, p, info, kernels=()):
-    # The forward kernel; the backward's flash calls choose their own tiles.
-    return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, ("forward",),
+    # Wider heads' backward is the flash op's, which chooses its own tiles.
+    kernels = ("forward", "dQ", "dK/dV") if backward_modelled(p.head_dim, p.head_dim) else (
+        "forward",)
+    return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels,
                          shared_memory_limit(info))
 
   def forward(self, call, q, k, v):
@@ -183,7 +188,12 @@ class MosaicDilated(MosaicImpl):
     return (o, lse), ((q, k, v), o.astype(q.dtype), lse)
 
   def backward(self, call, residuals, cotangents):
-    return flash_pairs_backward(call.problem, residuals, cotangents[0], "pallas_mosaic")
+    p = call.problem
+    if not mosaic_backward_runs(p.head_dim, p.head_dim):
+      return flash_pairs_backward(p, residuals, cotangents[0], "pallas_mosaic")
+    (q, k, v), o, lse = residuals
+    return dilated_mosaic_backward(q, k, v, o, lse, cotangents[0], pairs=p.pairs,
+                                   causal=p.causal, scale=p.scale, config=call.config)
 
 
 class XlaDilated(XlaImpl):
@@ -242,7 +252,8 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     backend: ``"auto"`` (the Pallas kernels where usable, else ``"xla"``),
       ``"pallas_mosaic"`` (Hopper, 16-bit inputs, every ``w_i`` dividing ``seq`` and
       ``w_i / r_i`` a multiple of the forward's tiles (128 rows for head dims above
-      64, else 256); its backward runs our Hopper flash backward on each pair's gathered
+      64, else 256); its backward runs our Hopper flash backward kernels on the same
+      in-place views, or for heads wider than those take, on each pair's gathered
       rows), ``"pallas_triton"`` or
       ``"xla"`` (the float32 reference: gather, dense attention per pair, mix).
     config: tiles for the Pallas kernels, a ``BlockConfig`` (``MosaicBlockConfig``

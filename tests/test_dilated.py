@@ -149,14 +149,15 @@ def test_kernels_at_gpu_sizes(shape, pairs, causal, dtype, tol):
   check_against_reference(shape, pairs, causal, dtype, tol, repeat=dtype == jnp.bfloat16)
 
 
-# The Hopper forward (on the GPU only; its pieces on the CPU below): LongNet's pairs,
-# each segment whole and a multiple of the tiles.
+# The Hopper kernels, forward and backward (on the GPU only; their host code on the CPU
+# below): LongNet's pairs, each segment whole and a multiple of the tiles.
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,pairs,causal,dtype,tol", [
     ((2, 4096, 8, 8, 64), ((512, 1), (1024, 2), (2048, 4), (4096, 8)), False, jnp.bfloat16, 3e-2),
     ((1, 4096, 8, 2, 128), ((1024, 1), (2048, 2), (4096, 4)), True, jnp.float16, 4e-3),
-], ids=["longnet-mha-bf16", "gqa-causal-fp16"])
-def test_hopper_forward_at_gpu_sizes(shape, pairs, causal, dtype, tol):
+    ((1, 4096, 4, 1, 80), ((1024, 2), (4096, 8)), False, jnp.bfloat16, 3e-2),
+], ids=["longnet-mha-bf16", "gqa-causal-fp16", "mqa-d80-rate-over-heads-bf16"])
+def test_hopper_kernels_at_gpu_sizes(shape, pairs, causal, dtype, tol):
   if jax.devices()[0].platform != "gpu" or jax.devices()[0].compute_capability != "9.0":
     pytest.skip("needs a Hopper GPU")
   check_against_reference(shape, pairs, causal, dtype, tol, repeat=dtype == jnp.bfloat16,
@@ -264,6 +265,72 @@ def test_hopper_forward_host_code_with_an_emulated_kernel(monkeypatch, kv_heads,
       dilation_rates=[r for _, r in pairs], causal=causal)
   assert rel_err(o, o_ref) < 1e-2
   np.testing.assert_allclose(lse, lse_ref, atol=1e-4)
+
+
+def _emulated_mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, spec,
+                              scale, blocks, stages, fused_dq=False, softcap=None,
+                              positions=None, layout):
+  """``flash.mosaic_bwd.mosaic_backward``'s contract in an interpret-mode kernel: each
+  kernel head's rows read through the same layout calls (Q and dO by
+  ``layout.q_layout``, K and V by ``layout.kv_addressing`` with ``layout.group``),
+  plain gradients of one block of a merged softmax written per kernel head."""
+  del dq_inputs, dkv_inputs, stages, softcap, positions
+  assert not fused_dq
+  segments, rows, _, d = q.shape
+  bq_dq, bkv_dq, bq_dkv, bkv_dkv = blocks  # the kernels' grids cover whole CTAs only
+  assert rows % (2 * bq_dq) == 0 and rows % bkv_dq == 0, blocks
+  assert rows % bq_dkv == 0 and rows % (2 * bkv_dkv) == 0, blocks
+  heads = layout.q_layout.n_heads(q)
+  group = layout.group_of(heads, k)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+    dk, dv = {}, {}
+    for h in range(heads):
+      at = layout.q_layout.head(jnp.int32(h))
+      qh, doh = (ref[:, :, at].astype(jnp.float32) for ref in (q_ref, do_ref))
+      kh, vh = (jnp.stack([tile(ref, b, jnp.int32(h // group), jnp.int32(0), rows)[...]
+                           for b in range(segments)]).astype(jnp.float32)
+                for tile, ref in ((layout.kv_addressing.tile, k_ref),
+                                  (layout.kv_addressing.v_tile, v_ref)))
+      s = jnp.einsum("bqd,bkd->bqk", qh, kh) * scale
+      if spec.right is not None:
+        s = jnp.where(jnp.arange(rows)[None, None] <= jnp.arange(rows)[None, :, None], s,
+                      -jnp.inf)
+      p = jnp.exp2(s * 1.4426950408889634 - lse_ref[:, h][..., None])
+      ds = p * (jnp.einsum("bqd,bkd->bqk", doh, vh) - delta_ref[:, h][..., None])
+      dq_ref[:, :, h] = (jnp.einsum("bqk,bkd->bqd", ds, kh) * scale).astype(dq_ref.dtype)
+      dk[h // group] = dk.get(h // group, 0.0) + jnp.einsum("bqk,bqd->bkd", ds, qh) * scale
+      dv[h // group] = dv.get(h // group, 0.0) + jnp.einsum("bqk,bqd->bkd", p, doh)
+    for j in dk:
+      dk_ref[:, :, j] = dk[j].astype(dk_ref.dtype)
+      dv_ref[:, :, j] = dv[j].astype(dv_ref.dtype)
+
+  out = lambda n: jax.ShapeDtypeStruct((segments, rows, n, d), q.dtype)
+  return pl.pallas_call(kernel, out_shape=(out(heads), out(heads // group), out(heads // group)),
+                        interpret=True)(q, k, v, do, lse2, delta)
+
+
+@pytest.mark.parametrize("kv_heads,causal,pairs,backward_tiles", [
+    (1, True, ((128, 1), (256, 2), (512, 4)), {}),
+    (2, False, ((256, 2), (512, 4)), {}),  # no rate 1: uncovered positions
+    (4, True, ((256, 2), (512, 2)), dict(block_q_dq=128, block_kv_dkv=128))])
+def test_hopper_backward_host_code_with_an_emulated_kernel(monkeypatch, kv_heads, causal, pairs,
+                                                          backward_tiles):
+  """``dilated_mosaic_backward`` (padding, in-place views, layout, row statistics,
+  spread, sums over the KV groups; backward tiles that do not divide a pair's 128 rows
+  replaced by 64-row ones) with the Hopper kernels replaced by an emulation of their
+  contract gives the reference's gradients."""
+  from jattn.kernels.dilated import mosaic
+  monkeypatch.setattr(mosaic, "mosaic_backward", _emulated_mosaic_backward)
+  q, k, v, do = _inputs(1, 512, 4, kv_heads, 40, seed=kv_heads)
+  kw = dict(segment_lengths=[w for w, _ in pairs], dilation_rates=[r for _, r in pairs],
+            causal=causal)
+  (o, lse), pull = jax.vjp(lambda q, k, v: dilated_attention_reference(q, k, v, **kw), q, k, v)
+  grads = mosaic.dilated_mosaic_backward(
+      q, k, v, o, lse, do, pairs=pairs, causal=causal, scale=40 ** -0.5,
+      config=jattn.MosaicBlockConfig(block_q=64, block_kv=64, **backward_tiles))
+  for name, g, g_ref in zip("qkv", grads, pull((do, jnp.zeros_like(lse)))):
+    assert rel_err(g, g_ref) < 1e-4, name
 
 
 def test_hopper_pairs_spread_and_mix_as_the_reference():

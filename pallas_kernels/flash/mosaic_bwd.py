@@ -44,6 +44,7 @@ from jattn.kernels.common.masking import MaskSpec, kv_block_range, narrow, q_blo
 from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
 from jattn.kernels.flash.config import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
 from jattn.kernels.hopper import pipeline as mp
+from jattn.kernels.hopper.addressing import ContiguousKV, ContiguousQ
 from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
 
 
@@ -108,7 +109,8 @@ def _probs_and_grad(s, c, dp, g, lse, delta, at: Tile, positions: PositionInputs
 # --- the dQ kernel ---------------------------------------------------------------------------
 
 def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
-               block_q: int, block_kv: int, stages: int, group: int, **smem):
+               block_q: int, block_kv: int, stages: int, group: int, q_layout: ContiguousQ,
+               addressing: ContiguousKV, **smem):
   n_in = 6 + positions.n_refs
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dq_ref,) = refs[:n_in], refs[n_in:]
   row_refs, col_refs, scalar_refs, ranges_ref, _ = positions.split(extra)
@@ -134,11 +136,12 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
     q_start = cta_q + wg * block_q
     rows = (batch, pl.ds(q_start, block_q), head)
+    q_rows = (batch, pl.ds(q_start, block_q), q_layout.head(head))
     row_stats = (batch, head, pl.ds(q_start, block_q))
     my = lambda ref: ref.at[wg]
     ready = smem["rows_ready"].at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], my(q_smem), ready)
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], my(do_smem), ready)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], my(q_smem), ready)
+    plgpu.copy_gmem_to_smem(do_ref.at[q_rows], my(do_smem), ready)
     plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], my(smem["lse"]), ready)
     plgpu.copy_gmem_to_smem(delta_ref.at[row_stats], my(smem["delta"]), ready)
     mp.copy_vectors(row_refs, [my(b) for b in positions.buffers(smem, ROW)], batch, q_start,
@@ -190,7 +193,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo,
                   n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
-                  cols=(col_refs, positions.buffers(smem, COL)))
+                  cols=(col_refs, positions.buffers(smem, COL)), addressing=addressing)
 
 
 # --- pieces of the dK/dV kernel --------------------------------------------------------------
@@ -222,6 +225,7 @@ class _QStream:
   blocks at about the same time, and those are shared in L2."""
 
   refs: tuple  # q, do, lse, delta in global memory
+  q_layout: ContiguousQ  # where a query head's rows lie in q and do
   row_refs: list
   smem: dict
   positions: PositionInputs
@@ -243,7 +247,8 @@ class _QStream:
     head = self.kv_head * self.group + lax.div(i, self.n_blocks)
     block = lax.rem(i, self.n_blocks)
     start = (self.c_hi - 1 - block if self.descending else self.c_lo + block) * block_q
-    rows, stats = (batch, pl.ds(start, block_q), head), (batch, head, pl.ds(start, block_q))
+    rows = (batch, pl.ds(start, block_q), self.q_layout.head(head))
+    stats = (batch, head, pl.ds(start, block_q))
     plgpu.copy_gmem_to_smem(q_ref.at[rows], smem["q"].at[slot], barrier)
     plgpu.copy_gmem_to_smem(do_ref.at[rows], smem["do"].at[slot], barrier)
     plgpu.copy_gmem_to_smem(lse_ref.at[stats], smem["lse"].at[slot], barrier)
@@ -464,7 +469,8 @@ class _FusedDq:
 
 def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
                 block_q: int, block_kv: int, stages: int, group: int, fuse_dq: bool,
-                fold_stats: bool, self_fed: bool, **smem):
+                fold_stats: bool, self_fed: bool, q_layout: ContiguousQ,
+                addressing: ContiguousKV, **smem):
   n_in = 6 + positions.n_refs + fuse_dq
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
       refs[:n_in], refs[n_in:])
@@ -479,7 +485,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
                                block_q=block_q, block_kv=block_kv,
                                n_q_blocks=q_ref.shape[1] // block_q)
   n_blocks = c_hi - c_lo  # per query head; the stream covers `group` heads
-  stream = _QStream(refs=(q_ref, do_ref, lse_ref, delta_ref), row_refs=row_refs, smem=smem,
+  stream = _QStream(refs=(q_ref, do_ref, lse_ref, delta_ref), q_layout=q_layout,
+                    row_refs=row_refs, smem=smem,
                     positions=positions, batch=batch, kv_head=kv_head, group=group,
                     c_lo=c_lo, c_hi=c_hi, n_blocks=n_blocks, n_steps=group * n_blocks,
                     block_q=block_q, stages=stages, descending=spec.right is not None)
@@ -498,8 +505,10 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
     keys = (batch, pl.ds(k_start, block_kv), kv_head)
     my = lambda ref: ref.at[wg]
     kv_ready = smem["kv_ready"].at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[keys], my(k_smem), kv_ready)
-    plgpu.copy_gmem_to_smem(v_ref.at[keys], my(v_smem), kv_ready)
+    plgpu.copy_gmem_to_smem(addressing.tile(k_ref, batch, kv_head, k_start, block_kv),
+                            my(k_smem), kv_ready)
+    plgpu.copy_gmem_to_smem(addressing.v_tile(v_ref, batch, kv_head, k_start, block_kv),
+                            my(v_smem), kv_ready)
     mp.copy_vectors(col_refs, [my(b) for b in positions.buffers(smem, COL)], batch, k_start,
                     block_kv, kv_ready)
     plgpu.barrier_wait(kv_ready)
@@ -554,17 +563,38 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
   feed.run_producer()
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardLayout:
+  """Where the backward kernels read their rows: Q and dO by ``q_layout``
+  (``hopper.addressing``: ``ContiguousQ`` or ``DilatedQ``), K and V by
+  ``kv_addressing`` (one without extra inputs), with ``group`` query heads per KV head
+  of the kernels (None: Q's heads over K's). dQ, dK, dV and the row statistics are
+  laid out plainly, per the kernels' heads."""
+
+  q_layout: ContiguousQ = ContiguousQ()
+  kv_addressing: ContiguousKV = ContiguousKV()
+  group: int | None = None
+
+  def group_of(self, q_heads: int, k) -> int:
+    return q_heads // k.shape[2] if self.group is None else self.group
+
+  @property
+  def plain(self) -> bool:
+    return self == BackwardLayout()
+
+
 def _barrier(n, arrivals=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
 def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: float,
               block_q: int, block_kv: int, stages: int, softcap: float | None = None,
-              positions: PositionInputs = PositionInputs()):
-  """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq`` like ``q``.
-  ``inputs``: the per-position arrays of ``positions``, ranges per ``block_q`` query
-  block."""
-  batch, q_len_p, q_heads, d = q.shape
+              positions: PositionInputs = PositionInputs(), layout: BackwardLayout = BackwardLayout()):
+  """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq``
+  ``[batch, q_len_p, heads, d]``. ``inputs``: the per-position arrays of ``positions``,
+  ranges per ``block_q`` query block."""
+  batch, q_len_p, _, d = q.shape
+  q_heads = layout.q_layout.n_heads(q)
   stages = max(1, min(stages, k.shape[1] // block_kv))
   smem = dict(
       q=mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
@@ -580,8 +610,9 @@ def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: flo
   return mp.kernel(
       functools.partial(_dq_kernel, spec=spec, positions=positions, scale=scale,
                         softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
-                        group=q_heads // k.shape[2]),
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        group=layout.group_of(q_heads, k), q_layout=layout.q_layout,
+                        addressing=layout.kv_addressing),
+      out_type=jax.ShapeDtypeStruct((batch, q_len_p, q_heads, d), q.dtype),
       scratch_types=smem,
       grid=(q_heads, q_len_p // (mp.CONSUMERS * block_q), batch),
       grid_names=("heads", "q_tiles", "batch"),
@@ -590,15 +621,18 @@ def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: flo
 
 def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSpec,
                scale: float, block_q: int, block_kv: int, stages: int,
-               softcap: float | None = None, positions: PositionInputs = PositionInputs()):
-  """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``.
-  ``inputs``: the per-position arrays of ``positions``, ranges per ``block_kv`` key
-  block over ``block_q`` query blocks.
+               softcap: float | None = None, positions: PositionInputs = PositionInputs(),
+               layout: BackwardLayout = BackwardLayout()):
+  """dK/dV kernel on padded inputs (see :func:`mosaic_backward`); returns ``(dk, dv)``
+  ``[batch, kv_len_p, heads / group, d]``. ``inputs``: the per-position arrays of
+  ``positions``, ranges per ``block_kv`` key block over ``block_q`` query blocks.
   ``dq_acc``: a zeroed float32 ``Ref`` shaped like ``q``: the kernel also adds each
   block's ``dS K`` into it (TMA reduce-add, so the sum order varies run to run)."""
-  batch, q_len_p, q_heads, d = q.shape
-  kv_len_p, kv_heads = k.shape[1], k.shape[2]
-  group = q_heads // kv_heads
+  batch, q_len_p, _, d = q.shape
+  q_heads = layout.q_layout.n_heads(q)
+  kv_len_p = k.shape[1]
+  group = layout.group_of(q_heads, k)
+  kv_heads = q_heads // group
   stages = max(1, min(stages, group * (q_len_p // block_q)))
   fuse_dq = dq_acc is not None
   smem = dict(
@@ -626,8 +660,10 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   body = functools.partial(_dkv_kernel, spec=spec, positions=positions, scale=scale,
                            softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
                            group=group, fuse_dq=fuse_dq, fold_stats=fold_stats,
-                           self_fed=self_fed)
-  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+                           self_fed=self_fed, q_layout=layout.q_layout,
+                           addressing=layout.kv_addressing)
+  out_type = (jax.ShapeDtypeStruct((batch, kv_len_p, kv_heads, d), k.dtype),
+              jax.ShapeDtypeStruct((batch, kv_len_p, kv_heads, v.shape[-1]), v.dtype))
   grid = dict(grid=(kv_heads, kv_len_p // (mp.CONSUMERS * block_kv), batch),
               grid_names=("heads", "kv_tiles", "batch"))
   args = (q, k, v, do, lse2, delta, *inputs)
@@ -658,7 +694,8 @@ def _fold_vmap_into_batch(fn):
 def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, spec: MaskSpec,
                     scale: float, blocks: tuple[int, int, int, int], stages: int,
                     fused_dq: bool = False, softcap: float | None = None,
-                    positions: PositionInputs = PositionInputs()):
+                    positions: PositionInputs = PositionInputs(),
+                    layout: BackwardLayout = BackwardLayout()):
   """Runs the Hopper backward kernels on padded inputs.
 
   Args:
@@ -678,14 +715,23 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
       dK/dV kernel alone, adding each block's dQ into an fp32 buffer (5 matmuls per
       block pair instead of 7; the sum order varies run to run); every per-position
       array must then lead with the batch axis.
+    layout: where the kernels read Q, dO, K and V (``BackwardLayout``): other than
+      plain, a dilated pair's views, read in place; then no ``positions`` and no
+      ``fused_dq``, and ``lse2``, ``delta`` and the gradients hold the kernels' heads
+      (``layout.q_layout.n_heads(q)`` query heads, those over ``layout.group`` for dK
+      and dV).
 
   Returns:
-    ``(dq, dk, dv)`` shaped like ``q, k, v``.
+    ``(dq, dk, dv)``, shaped like ``q, k, v`` where the layout is plain.
   """
+  if not layout.plain and (fused_dq or positions != PositionInputs()):
+    raise ValueError("the backward kernels read a non-plain layout without per-position "
+                     "inputs and without the fused dQ")
   bq_dq, bkv_dq, bq_dkv, bkv_dkv = blocks
   args = (q, k, v, do, lse2, delta)
   dkv = functools.partial(mosaic_dkv, spec=spec, scale=scale, block_q=bq_dkv,
-                          block_kv=bkv_dkv, stages=stages, softcap=softcap, positions=positions)
+                          block_kv=bkv_dkv, stages=stages, softcap=softcap, positions=positions,
+                          layout=layout)
   if fused_dq:
     @_fold_vmap_into_batch
     def fused(*arrays):
@@ -695,6 +741,6 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
 
     return tuple(fused(*args, *dkv_inputs))
   dq = mosaic_dq(*args, dq_inputs, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
-                 stages=stages, softcap=softcap, positions=positions)
+                 stages=stages, softcap=softcap, positions=positions, layout=layout)
   dk, dv = dkv(*args, dkv_inputs)
   return dq, dk, dv

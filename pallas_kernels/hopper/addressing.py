@@ -61,6 +61,15 @@ class TransposedValuesKV(ContiguousKV):
     return ref.at[batch, kv_head, :, pl.ds(start, size)]
 
 
+def dilated_head(head, rate: int, heads_per_offset: int, group: int = 1):
+  """Where query head ``head`` finds its dilated rows in a pair's view ``[segments, w /
+  r, r * n, d]`` of an array with ``n = heads_per_offset`` heads: view head ``(head mod
+  r) * n + head // group`` (LongNet's offset ``head mod r``; ``group`` query heads per
+  head of the array)."""
+  slot = lax.rem(head, jnp.int32(rate))
+  return slot * heads_per_offset + lax.div(head, jnp.int32(group))
+
+
 @dataclasses.dataclass(frozen=True)
 class DilatedKV(ContiguousKV):
   """K and V of one dilated-attention pair as ``[segments, w / r, r * kv_heads, d]``
@@ -74,10 +83,38 @@ class DilatedKV(ContiguousKV):
   group: int  # query heads per KV head
 
   def tile(self, ref, batch, kv_head, start, size: int):
-    head = kv_head  # the query head (group 1)
-    slot = lax.rem(head, jnp.int32(self.rate))
+    # kv_head is the query head (the kernel's group is 1)
     return ref.at[batch, pl.ds(start, size),
-                  slot * self.kv_heads + lax.div(head, jnp.int32(self.group))]
+                  dilated_head(kv_head, self.rate, self.kv_heads, self.group)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContiguousQ:
+  """The backward kernels' Q and dO as ``[batch, q_len, heads, d]``: query head ``h``'s
+  rows in head ``h``. (Their outputs and row statistics are always laid out so.)"""
+
+  def head(self, head):
+    return head
+
+  def n_heads(self, q) -> int:
+    return q.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class DilatedQ(ContiguousQ):
+  """Q and dO of one dilated-attention pair as ``DilatedKV``'s K and V:
+  ``[segments, w / r, r * heads, d]``, query head ``h`` at view head ``(h mod r) *
+  heads + h``; the kernels' dQ, dK, dV and row statistics hold each query head
+  compactly (``[segments, w / r, heads, d]``, ``[segments, heads, w / r]``)."""
+
+  rate: int
+  heads: int
+
+  def head(self, head):
+    return dilated_head(head, self.rate, self.heads)
+
+  def n_heads(self, q) -> int:
+    return self.heads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from jattn.kernels.common.masking import (kv_block_range, packed_rows_block_range,
                                           split_block_range)
+from jattn.kernels.hopper.addressing import dilated_head
 
 
 class QueryTile(NamedTuple):
@@ -152,8 +153,8 @@ class BoundDilatedTiles(BoundQueryTiles):
   """``DilatedTiles`` in a kernel."""
 
   def q_rows(self, item: QueryTile, q_start):
-    slot = lax.rem(item.head, jnp.int32(self.kind.rate))
-    return item.batch, pl.ds(q_start, self.kind.block_q), slot * self.n_heads + item.head
+    return (item.batch, pl.ds(q_start, self.kind.block_q),
+            dilated_head(item.head, self.kind.rate, self.n_heads))
 
   def out_rows(self, item: QueryTile, q_start):
     return item.batch, pl.ds(q_start, self.kind.block_q), item.head
