@@ -57,9 +57,18 @@ def _flex_alibi(q, k, v):
       mask_mod=lambda b, h, i, j: j <= i, backend="pallas_mosaic")
 
 
+def _dot_product_bias_case(shape, dtype, mode):
+  """``dot_product_attention`` with a dense bias ``[1, heads, seq, seq]`` (also
+  differentiated), as bench/dot_product.py's bias case."""
+  _, seq, heads, _ = shape
+  bias = lambda: (jax.random.normal(jax.random.key(2), (1, heads, seq, seq), dtype),)
+  fn = lambda q, k, v, bias: jattn.dot_product_attention(q, k, v, bias)
+  return ("dot_product bias", shape, dtype, mode, fn, bias)
+
+
 def cases():
   """(name, shape, dtype, mode, fn(q, k, v, *extra), extra): ``extra`` arrays are
-  differentiated too."""
+  differentiated too (a function making them, for large ones: made only if run)."""
   dil = lambda causal: lambda q, k, v: jattn.dilated_attention(
       q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES, causal=causal,
       backend="pallas_triton")
@@ -93,6 +102,9 @@ def cases():
   for windows in (16, 256):
     for m in ("fwd", "fwd+bwd"):
       out.append(_window_case((windows, 256, 3, 30), jnp.float32, m))
+  for shape in ((4, 4096, 16, 128), (1, 16384, 16, 128)):
+    for m in ("fwd", "fwd+bwd"):
+      out.append(_dot_product_bias_case(shape, jnp.bfloat16, m))
   return out
 
 
@@ -138,6 +150,7 @@ def main():
     if args.only and not any(name.startswith(p) for p in args.only.split(",")):
       continue
     q, k, v, do = _inputs(shape, dtype)
+    extra = extra() if callable(extra) else extra
     if mode == "fwd":
       f, xs = jax.jit(fn), (q, k, v, *extra)
     else:

@@ -87,6 +87,11 @@ def test_rows_of_large_bias_keep_their_gradients(implementation):
   ours = both(q, k, v, implementation=implementation, bias=bias)[0]
   theirs = both(q, k, v, bias=exact)[1]
   assert_close(ours, theirs)
+  # the log-sum-exp of the bias as given (its rows' shift added back)
+  lse = lambda b: jattn.flex_attention(q, k, v, score_mod=jattn.flex.bias_score(b),
+                                       return_lse=True, backend=implementation)[1]
+  top = jnp.broadcast_to(bias.max(axis=-1), (2, 4, 12))
+  np.testing.assert_allclose(lse(bias), lse(exact) + top, rtol=1e-6, atol=1e-5)
 
 
 def test_unbatched_inputs_and_the_default_implementation():

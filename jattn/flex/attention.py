@@ -28,8 +28,10 @@ from jattn.flex.array_grads import score_array_grads, summed_over_broadcast
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
+from jattn.flex.mods import LARGE_ROW, row_shift
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
@@ -108,8 +110,26 @@ class _FlexKernels:
 
   def forward(self, call, q, k, v, *rest):
     mods = self._mods(call, rest)
+    consts = call.problem.split_arrays(rest)[0]
     o, lse = self._kernel_forward(call, q, k, v, mods)
-    return (o, lse), ((q, k, v), call.problem.split_arrays(rest)[0], mods, o, lse)
+    if _dense_bias(call.problem):
+      def shifted():
+        consts_s, mods_s, shift = self._shifted_bias(call, consts, mods)
+        o_s, lse_s = self._kernel_forward(call, q, k, v, mods_s)
+        return o_s, jnp.where(lse_s == EMPTY_ROW_LSE, lse_s, lse_s + shift)
+
+      o, lse = jax.lax.cond(_has_large_rows(lse), shifted, lambda: (o, lse))
+    return (o, lse), ((q, k, v), consts, mods, o, lse)
+
+  def _shifted_bias(self, call, consts, mods):
+    """A dense bias's rows of large values shifted (``row_shift``): ``(the arrays,
+    the mods, the shift as [batch or 1, heads or 1, q_len or 1] float32)``."""
+    p = call.problem
+    bias = consts[0]
+    shift = row_shift(bias)
+    arrays = self._function(p.score_mod, (bias - shift,), p, call)[1]
+    return ((bias - shift,) + tuple(consts[1:]), dataclasses.replace(mods, score_arrays=arrays),
+            shift[..., 0].astype(jnp.float32))
 
   # Whether the backward kernels can write dS out (``_kernel_backward``'s ``ds_dtype``).
   writes_ds = False
@@ -122,21 +142,48 @@ class _FlexKernels:
     # a bias under stop_gradient) gets no gradient and costs nothing.
     wanted = [call.wants_grad(3 + i) and jnp.issubdtype(c.dtype, jnp.inexact)
               for i, c in enumerate(score_consts)]
-    if (self.writes_ds and p.score_mod is not None and p.score_mod.dense_bias and wanted[0]
-        and _ds_fits(p, score_consts[0])):
-      # A dense bias's gradient is dS summed over its broadcast axes: the kernels
-      # write dS as they compute it (16-bit for a 16-bit bias).
-      bias = score_consts[0]
-      ds_dtype = bias.dtype if bias.dtype.itemsize <= 2 else jnp.float32
-      dq, dk, dv, ds = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods,
-                                             ds_dtype=ds_dtype)
-      array_grads = [summed_over_broadcast(ds, bias.shape)]
-    else:
+    # A dense bias's gradient is dS summed over its broadcast axes: the kernels write dS
+    # as they compute it (16-bit for a 16-bit bias).
+    writes_ds = (self.writes_ds and _dense_bias(p) and wanted[0]
+                 and _ds_fits(p, score_consts[0]))
+
+    def grads(consts, mods, lse):
+      """``(dq, dk, dv, dS)`` or ``(dq, dk, dv, the score arrays' gradients)``."""
+      if writes_ds:
+        bias = consts[0]
+        ds_dtype = bias.dtype if bias.dtype.itemsize <= 2 else jnp.float32
+        return self._kernel_backward(call, q, k, v, o, lse, cotangents, mods,
+                                     ds_dtype=ds_dtype)
       dq, dk, dv = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods)
-      array_grads = score_array_grads(p, score_consts, wanted, mask_consts, q, k, v, o, lse,
-                                      *cotangents)
+      return dq, dk, dv, score_array_grads(p, p.split_consts(consts)[0], wanted, mask_consts,
+                                           q, k, v, o, lse, *cotangents)
+
+    if _dense_bias(p):
+      # A row's float32 lse keeps its log(sum) only near 0: such rows' weights come from
+      # the shifted bias's lse, recomputed (the forward returned the unshifted one). dS
+      # leaves the cond as the kernels wrote it: its float32 sum would be a full pass.
+      def shifted():
+        consts_s, mods_s, _ = self._shifted_bias(call, consts, mods)
+        return grads(consts_s, mods_s, self._kernel_forward(call, q, k, v, mods_s)[1])
+
+      dq, dk, dv, extra = jax.lax.cond(_has_large_rows(lse), shifted,
+                                       lambda: grads(consts, mods, lse))
+    else:
+      dq, dk, dv, extra = grads(consts, mods, lse)
+    array_grads = [summed_over_broadcast(extra, score_consts[0].shape)] if writes_ds else extra
     kinds = (None,) if p.block_mask is not None else ()
     return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
+
+
+def _dense_bias(p) -> bool:
+  """Whether the score function is ``bias_score``'s (its one array a dense bias)."""
+  return p.score_mod is not None and p.score_mod.dense_bias
+
+
+def _has_large_rows(lse):
+  """Whether some row (that sees a key) has a log-sum-exp beyond ``LARGE_ROW``: the one
+  check the kernels pay for a bias's rows of large values (``row_shift``)."""
+  return jnp.any((jnp.abs(lse) > LARGE_ROW) & (jnp.abs(lse) < -EMPTY_ROW_LSE))
 
 
 # dS is [batch, heads, q_len, kv_len] whatever the bias's shape: written out only while
@@ -253,10 +300,16 @@ class XlaFlex(XlaImpl):
   def forward(self, call, q, k, v, *rest):
     p = call.problem
     score_consts, mask_consts = p.split_consts(p.split_arrays(rest)[0])
+    shift = 0.0
+    if _dense_bias(p):  # the kernels' rows, exactly: float32 would round q·k off them
+      shift = row_shift(score_consts[0])
+      score_consts = (score_consts[0] - shift,)
+      shift = shift[..., 0].astype(jnp.float32)
     score = None if p.score_mod is None else p.score_mod.bind(score_consts)
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
-    return flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
-                                    guard_values=p.has_functions), None
+    o, lse = flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
+                                      guard_values=p.has_functions)
+    return (o, jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift)), None
 
 
 class FlexAttention(SoftmaxOp):
