@@ -38,6 +38,13 @@ class Spec:
   call: Callable
   masked: Callable | None = None
   forward_only: bool = False  # no gradient (a serving op): outputs are checked instead
+  # The op's keywords, for the tests that call it otherwise (the rings' blocks, a
+  # variant that masks rows): ``((name, value), ...)``.
+  keywords: tuple = ()
+  # A kernel's minimum sizes: the one sequence length every test uses (none then runs
+  # single tokens), and the backends it is for (None: every backend of the op).
+  length: int | None = None
+  backends: tuple | None = None
 
 
 def _normal(key, shapes, dtype):
@@ -123,6 +130,20 @@ def _fp8_masked(key, dtype):
 
 
 # decoding: two query positions against a cache of per-row lengths
+def _dilated(w: int, r: int, head_dim: int = 16, **options) -> Spec:
+  """One causal pair ``(w, r)`` (mixing pairs is test_dilated's; here the op's plumbing
+  is tested); its masked rows: a pair of rate 2 covers the even positions of head 0."""
+  keywords = (("segment_lengths", (w,)), ("dilation_rates", (r,)), ("causal", True))
+  return Spec(
+      "dilated_attention",
+      lambda key, dtype, n: _normal(
+          key, [(2, n, 4, head_dim), (2, n, 2, head_dim), (2, n, 2, head_dim)], dtype),
+      lambda q, k, v, backend: jattn.dilated_attention(q, k, v, backend=backend,
+                                                       **dict(keywords)),
+      lambda key, dtype: (_normal(key, [(1, w, 1, head_dim)] * 3, dtype), np.s_[:, 1::2]),
+      keywords=keywords, **options)
+
+
 DECODE_SHAPES = lambda key, dtype, n: _normal(key, [(2, 2, 4, 16), (2, n, 2, 16),
                                                     (2, n, 2, 16)], dtype)
 DECODE_MASKED = lambda key, dtype: (DECODE_SHAPES(key, dtype, 2), np.s_[1])
@@ -162,14 +183,9 @@ SPECS = [
          lambda q, k, v, bias, backend: jattn.window_attention(q, k, v, bias, backend=backend),
          lambda key, dtype: (_normal(key, [(4, 6, 2, 16)] * 3, dtype)
                              + _normal(key, [(2, 6, 6)], jnp.float32), np.s_[1::2, 2])),
-    Spec("dilated_attention",
-         lambda key, dtype, n: _normal(key, [(2, n, 4, 16), (2, n, 2, 16), (2, n, 2, 16)], dtype),
-         # one pair: mixing pairs is test_dilated's; here the op's plumbing is tested
-         lambda q, k, v, backend: jattn.dilated_attention(
-             q, k, v, segment_lengths=(8,), dilation_rates=(2,), causal=True,
-             backend=backend),
-         # one pair of rate 2: head 0 covers the even positions only
-         lambda key, dtype: (_normal(key, [(1, 8, 1, 16)] * 3, dtype), np.s_[:, 1::2])),
+    _dilated(8, 2),
+    # the Hopper kernels' pairs: w / r a whole number of their tiles (256 rows)
+    _dilated(512, 2, head_dim=64, length=1024, backends=("pallas_mosaic",)),
 ] + [
     Spec(f"retention_{form}",
          lambda key, dtype, n: _normal(key, [(2, n, 2, 16), (2, n, 2, 16), (2, n, 2, 8)], dtype),
@@ -207,10 +223,11 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 def _cases():
   for spec in SPECS:
     for backend in BACKENDS:
-      if backend not in OPS[spec.op].backends:
+      if backend not in (spec.backends or OPS[spec.op].backends):
         continue
       marks = [pytest.mark.gpu] if backend in SIXTEEN_BIT else []
-      yield pytest.param(spec, backend, id=f"{spec.op}-{backend}", marks=marks)
+      sizes = f"-seq{spec.length}" if spec.length else ""
+      yield pytest.param(spec, backend, id=f"{spec.op}{sizes}-{backend}", marks=marks)
 
 
 CASES = list(_cases())
@@ -261,7 +278,7 @@ def _compiled(spec):
 @pytest.mark.parametrize("spec,backend", CASES)
 def test_composes_with_jit_grad_vmap_checkpoint_and_repeats_bitwise(spec, backend):
   dtype = _dtype(backend)
-  args = spec.inputs(jax.random.PRNGKey(0), dtype, 24)
+  args = spec.inputs(jax.random.PRNGKey(0), dtype, spec.length or 24)
   _runnable(spec, backend, *args)
   stacked = tuple(jnp.stack([x, (1.5 * x).astype(x.dtype)]) for x in args)
   grad = _compiled(spec)[1]
@@ -281,7 +298,7 @@ def test_runs_with_x64_enabled(spec, backend):
   dtype = _dtype(backend)
   run = _compiled(spec)[0]
   with jax.enable_x64(True):
-    args = spec.inputs(jax.random.PRNGKey(1), dtype, 20)
+    args = spec.inputs(jax.random.PRNGKey(1), dtype, spec.length or 20)
     _runnable(spec, backend, *args)
     out, grads = run(backend, *args)
   ref, _ = run(backend, *args)
@@ -290,7 +307,7 @@ def test_runs_with_x64_enabled(spec, backend):
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
 
 
-@pytest.mark.parametrize("spec,backend", CASES)
+@pytest.mark.parametrize("spec,backend", [c for c in CASES if c.values[0].length is None])
 def test_single_token_sequences(spec, backend):
   dtype = _dtype(backend)
   args = spec.inputs(jax.random.PRNGKey(2), dtype, 1)
@@ -313,7 +330,7 @@ def test_rows_that_see_no_key_give_zeros(spec, backend):
     call = lambda *a, backend: jattn.window_attention(*a, mask=WINDOW_MASK, backend=backend)
   if spec.op == "dilated_attention":
     call = lambda q, k, v, backend: jattn.dilated_attention(
-        q, k, v, segment_lengths=(8,), dilation_rates=(2,), backend=backend)
+        q, k, v, backend=backend, **dict(spec.keywords, causal=False))
   if spec.op == "flex_attention":
     call = lambda q, k, v, backend: jattn.flex_attention(
         q, k, v, mask_mod=lambda b, h, i, j: j < i, backend=backend)
@@ -339,7 +356,11 @@ def _mismatched(args):
   return (args[0], args[1][..., :-1]) + args[2:]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.op)
+# (the input checks, once per op's own spec)
+CHECKED_SPECS = [s for s in SPECS if s.length is None]
+
+
+@pytest.mark.parametrize("spec", CHECKED_SPECS, ids=lambda s: s.op)
 @pytest.mark.parametrize("bad,error,named", [
     (_mixed, TypeError, "k(_pages)? bfloat16"), (_wrong_rank, ValueError, r"^q must have rank"),
     (_mismatched, ValueError, r"^k(_pages)? must be \["),
@@ -350,7 +371,7 @@ def test_bad_inputs_raise_errors_naming_the_argument(spec, bad, error, named):
     spec.call(*bad(args), backend="xla")
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.op)
+@pytest.mark.parametrize("spec", CHECKED_SPECS, ids=lambda s: s.op)
 def test_unknown_backend_is_named(spec):
   args = spec.inputs(jax.random.PRNGKey(6), jnp.float32, 8)
   with pytest.raises(ValueError, match=r"^backend must be one of \('auto'.*got 'tpu'"):
@@ -369,11 +390,9 @@ def test_block_computations_of_the_rings(spec, backend):
   block's own statistics they give the op's output and gradients."""
   op = OPS[spec.op]
   dtype = _dtype(backend)
-  args = spec.inputs(jax.random.PRNGKey(7), dtype, 24)
+  args = spec.inputs(jax.random.PRNGKey(7), dtype, spec.length or 24)
   _runnable(spec, backend, *args)
-  kwargs = dict(causal=True) if spec.op == "flash_attention" else {}
-  if spec.op == "dilated_attention":
-    kwargs = dict(segment_lengths=(8,), dilation_rates=(2,), causal=True)
+  kwargs = dict(causal=True) if spec.op == "flash_attention" else dict(spec.keywords)
   problem, arrays = op.bind(*args, **kwargs)
   if spec.op == "flash_attention":
     problem = dataclasses.replace(problem, return_lse=True)  # what a ring's blocks ask for

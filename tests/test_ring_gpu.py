@@ -1,6 +1,6 @@
 """Ring and dilated ring attention over every local GPU (needs at least 2) with the
-Triton blocks (and the ring with "auto"'s: the Hopper ones on an H100), against
-single-device attention, forward and gradients."""
+Triton blocks and with "auto"'s (the Hopper ones on an H100), against single-device
+attention on the Triton kernels, forward and gradients."""
 
 import functools
 
@@ -70,13 +70,14 @@ def test_ring_documents(mesh, causal, layout, kv_exchange):
   _compare(fn, ref, q, k, v, do)
 
 
+@pytest.mark.parametrize("backend", ["pallas_triton", "auto"])  # auto: Hopper's on an H100
 @pytest.mark.parametrize("causal", [False, True])
-def test_dilated_ring(mesh, causal):
+def test_dilated_ring(mesh, causal, backend):
   seq = 4096 * mesh.size
   q, k, v, do = _inputs(seq, 8, 8, 64, seed=1)
   pairs = dict(segment_lengths=(1024, 4096, 8192, seq), dilation_rates=(1, 2, 4, 8))
   fn = functools.partial(sharded_dilated_ring_attention, mesh=mesh, axis_name="sp",
-                         causal=causal, backend="pallas_triton", **pairs)
+                         causal=causal, backend=backend, **pairs)
   ref = functools.partial(jattn.dilated_attention, causal=causal, backend="pallas_triton",
                           **pairs)
   _compare(fn, ref, q, k, v, do)
