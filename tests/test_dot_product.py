@@ -95,6 +95,17 @@ def test_rows_of_large_bias_keep_their_gradients(implementation):
   np.testing.assert_allclose(lse(bias), lse(exact) + top, rtol=1e-6, atol=1e-5)
 
 
+def test_the_large_row_check_stays_one_branch_under_vmap():
+  """The kernels' check for rows of large bias is a ``cond``; under ``vmap`` its
+  predicate is one for the whole batch (a batched one would run both branches)."""
+  q, k, v = (jnp.stack([x, -x]) for x in inputs(4))
+  bias = jax.random.normal(jax.random.key(5), (2, 2, 1, 12, 12))
+  loss = lambda q, k, v, b: jnp.sum(jattn.dot_product_attention(
+      q, k, v, b, implementation="pallas_triton"))
+  jaxpr = jax.make_jaxpr(jax.vmap(jax.grad(loss, argnums=(0, 3))))(q, k, v, bias)
+  assert str(jaxpr).count(" cond[") == 2  # the forward's and the backward's
+
+
 def test_unbatched_inputs_and_the_default_implementation():
   q, k, v = (x[0] for x in inputs(2))
   bias = jax.random.normal(jax.random.key(3), (4, 12, 12))  # [heads, q_len, kv_len]

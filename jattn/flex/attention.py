@@ -180,10 +180,18 @@ def _dense_bias(p) -> bool:
   return p.score_mod is not None and p.score_mod.dense_bias
 
 
+@jax.custom_batching.custom_vmap
 def _has_large_rows(lse):
   """Whether some row (that sees a key) has a log-sum-exp beyond ``LARGE_ROW``: the one
   check the kernels pay for a bias's rows of large values (``row_shift``)."""
   return jnp.any((jnp.abs(lse) > LARGE_ROW) & (jnp.abs(lse) < -EMPTY_ROW_LSE))
+
+
+@_has_large_rows.def_vmap
+def _(axis_size, in_batched, lse):
+  # One answer for the whole batch: a batched predicate would make the cond run both
+  # branches; the shifted one leaves rows that need no shift as they are.
+  return _has_large_rows(lse), False
 
 
 # dS is [batch, heads, q_len, kv_len] whatever the bias's shape: written out only while
