@@ -160,8 +160,10 @@ class _FlexKernels:
 
     if _dense_bias(p):
       # A row's float32 lse keeps its log(sum) only near 0: such rows' weights come from
-      # the shifted bias's lse, recomputed (the forward returned the unshifted one). dS
-      # leaves the cond as the kernels wrote it: its float32 sum would be a full pass.
+      # the shifted bias's lse, recomputed (the forward returned the unshifted one; so
+      # this holds for this op's own lse, not one merged with other blocks, which no
+      # ring passes flex). dS leaves the cond as the kernels wrote it: its float32 sum
+      # would be a full pass.
       def shifted():
         consts_s, mods_s, _ = self._shifted_bias(call, consts, mods)
         return grads(consts_s, mods_s, self._kernel_forward(call, q, k, v, mods_s)[1])
