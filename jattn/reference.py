@@ -76,6 +76,14 @@ def guarded_values(v):
   return bad[..., 0], clear(v, bad)
 
 
+def idle_cleared(x, active):
+  """``x [..., rows, heads, d]`` with its rows that are not ``active`` (``[..., rows]``,
+  broadcastable) zeroed: queries that see no key and keys no query sees (padding, a
+  cache's unused tail) take no part, and what they hold then reaches no gradient
+  through ``0 * NaN``, as the kernels skip them."""
+  return jnp.where(active[..., None, None], x, jnp.zeros((), x.dtype))
+
+
 def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_ids=None,
                               kv_segment_ids=None, local_window=None, softcap=None, sinks=None,
                               dropout_rate: float = 0.0, dropout_seed=None,
@@ -106,6 +114,11 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
   group = q_heads // kv_heads
   scale = scale_of(scale, head_dim)
   dtype = compute_dtype(q)
+  mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
+                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                        lengths=lengths)
+  q = idle_cleared(q, jnp.any(mask, axis=-1)[:, 0])
+  k = idle_cleared(k, jnp.any(mask, axis=-2)[:, 0])
   qg = q.reshape(batch, q_len, kv_heads, group, head_dim)
   precision = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=dtype,
@@ -115,9 +128,6 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, q_segment_id
     logits = jnp.where(jnp.moveaxis(bad, 1, 2)[:, :, None, None, :], jnp.nan, logits)
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
-  mask = attention_mask(q_len, kv_len, causal=causal, local_window=local_window,
-                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                        lengths=lengths)
   mask = mask[:, :, None]  # [b, 1, 1, q, k] against logits [b, h, g, q, k]
   if sinks is not None:  # one more logit per row, always allowed, attending to nothing
     sink = floor_sinks(sinks).astype(dtype).reshape(1, kv_heads, group, 1, 1)
@@ -169,6 +179,8 @@ def flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max
     mask &= pos_k[None] <= q_abs + right
   if left is not None:
     mask &= pos_k[None] >= q_abs - left
+  q = idle_cleared(q, jnp.any(mask, axis=1))
+  k = idle_cleared(k, jnp.any(mask, axis=0))
   qg = q.reshape(total_q, kv_heads, group, head_dim)
   precision = jax.lax.Precision.HIGHEST
   logits = jnp.einsum("qhgd,khd->hgqk", qg, k, preferred_element_type=dtype,

@@ -313,6 +313,29 @@ def test_varlen_forward_and_gradients_match_a_loop_over_sequences(backend, dtype
   assert np.all(np.asarray(o, np.float32)[sum(lq):] == 0)  # rows past the last sequence
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("op", ["decode", "varlen"])
+def test_garbage_past_the_lengths_reaches_no_gradient(op, backend):
+  """A cache's unused tail (past ``kv_lengths``) or the query rows past the last packed
+  sequence holding NaN: the gradients are those with zeros there (xla's were NaN)."""
+  q, k, v, do = _normal(jax.random.PRNGKey(9), [(1, 3, 2, 16), (1, 12, 1, 16),
+                                                (1, 12, 1, 16), (1, 3, 2, 16)])
+  if op == "decode":
+    fn = lambda q, k, v: jattn.flash_attention(q, k, v, causal=True, backend=backend,
+                                               kv_lengths=jnp.array([7], jnp.int32))
+    dirty = lambda q, k, v: (q, k.at[:, 7:].set(jnp.nan), v.at[:, 7:].set(jnp.nan))
+  else:
+    cu_q, cu_k = jnp.array([0, 2], jnp.int32), jnp.array([0, 12], jnp.int32)
+    q, k, v, do = q[0], k[0], v[0], do[0]
+    fn = lambda q, k, v: jattn.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, max_seqlen_q=2, max_seqlen_k=12, backend=backend)
+    dirty = lambda q, k, v: (q.at[2:].set(jnp.nan), k, v)
+  clean = jax.vjp(fn, q, k, v)[1](do)
+  grads = jax.vjp(fn, *dirty(q, k, v))[1](do)
+  for g, g_clean in zip(grads, clean):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_clean), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("change,error,match", [
     (dict(cu_seqlens_q=jnp.array([0.0, 4.0])), TypeError, "cu_seqlens_q must be integers"),
     (dict(cu_seqlens_q=jnp.array([1, 4])), ValueError, "cu_seqlens_q must run from 0"),
