@@ -28,7 +28,7 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
-from jattn.kernels.common.softmax import backward_delta
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, exact_empty_rows
 from jattn.kernels.flash.decode_config import (DECODE_MAX_Q_LEN, decode_config,
                                                mosaic_decode_config)
 from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
@@ -161,8 +161,12 @@ def flash_cache_key(p: FlashProblem) -> tuple[str, ...]:
 def sink_grad(sinks, lse, delta):
   """d loss / d sinks ``[q_heads]`` float32: a sink's weight in row ``(b, h, q)`` is
   ``exp(sink[h] - lse)``, and it attends to nothing, so it takes ``-weight * delta``
-  (``delta = rowsum(o * do) - dlse``, ``[batch, q_heads, q_len]``)."""
-  weight = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+  (``delta = rowsum(o * do) - dlse``, ``[batch, q_heads, q_len]``). A sink at or below
+  ``EMPTY_ROW_LSE`` is no sink (``floor_sinks``): no gradient. The weight is at most 1:
+  the kernels' lse of a row the sink dominates is rounded through their base-2 units
+  (off by an ulp of the sink), and exp of a large sink less it is not."""
+  sinks = sinks.astype(jnp.float32)[None, :, None]
+  weight = jnp.where(sinks <= EMPTY_ROW_LSE, 0.0, jnp.minimum(jnp.exp(sinks - lse), 1.0))
   return -jnp.sum(weight * delta, axis=(0, 2))
 
 
@@ -394,7 +398,7 @@ class FlashAttention(SoftmaxOp):
 
   def finish(self, problem, outputs):
     o, lse = outputs
-    return (o, lse) if problem.return_lse else o
+    return (o, exact_empty_rows(lse)) if problem.return_lse else o
 
   def shard_rule(self, p: FlashProblem) -> ShardRule:
     refusals = ()

@@ -25,6 +25,7 @@ from jattn.core.validation import (check_array, check_flag, check_heads, check_i
                                    check_same_dtype, check_shape, positive_number, scale_of,
                                    window_arg)
 from jattn.flash import ServingProblem, decode_forward, hopper_decodes, row_lengths, sink_arg
+from jattn.kernels.common.softmax import exact_empty_rows
 from jattn.kernels.flash.mosaic_decode import mosaic_decode_runs
 from jattn.reference import flash_attention_reference
 
@@ -142,7 +143,7 @@ class PagedAttention(Op):
 
   def finish(self, problem, outputs):
     o, lse = outputs
-    return (o, lse) if problem.return_lse else o
+    return (o, exact_empty_rows(lse)) if problem.return_lse else o
 
   def example(self, p: PagedProblem, key):
     kq, kk, kv, kt, kl = jax.random.split(key, 5)

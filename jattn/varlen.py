@@ -26,7 +26,8 @@ from jattn.core.validation import (check_array, check_flag, check_heads, check_p
 from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, mosaic_budget,
                          sink_arg, sink_grad)
 from jattn.kernels.common.config import default_block_config
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, floor_sinks
+from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, backward_delta, exact_empty_rows,
+                                          floor_sinks)
 from jattn.kernels.common.tiling import packed_positions, round_up
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config, flash_mosaic_backward,
                                  flash_mosaic_forward)
@@ -294,7 +295,7 @@ class FlashVarlen(Op):
 
   def finish(self, problem, outputs):
     o, lse = outputs
-    return (o, lse) if problem.return_lse else o
+    return (o, exact_empty_rows(lse)) if problem.return_lse else o
 
   def example(self, p: VarlenProblem, key):
     kq, kk, kv, kl = jax.random.split(key, 4)

@@ -23,6 +23,7 @@ import pytest
 
 import jattn
 from conftest import ON_GPU, rel_err
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn import reference
 from jattn.core.op import OPS
 
@@ -278,6 +279,26 @@ def test_sinks_follow_the_dense_formula(backend):
   np.testing.assert_allclose(out[:, :, 1], np.asarray(no_sink, np.float32)[:, :, 0],
                              atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
   assert np.isfinite(out[:, :, 3]).all()
+
+
+@pytest.mark.parametrize("backend", ("xla",) + KERNELS)
+def test_sinks_of_rows_that_see_no_key(backend):
+  """Rows that see no key (``kv_lengths`` 0), a scale that is no power of two: a sink at
+  the floor (-1e30, -inf) is no sink, with no gradient and ``lse`` exactly
+  ``EMPTY_ROW_LSE``; another sink is the row's whole softmax: ``lse = sink``, weight 1
+  (the kernels' lse of a sink of 1e6 is an ulp off it, and the weight exp(sink - lse)
+  was 1.06)."""
+  dtype = _dtype(backend)
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 2, 4, 64), dtype) for i in range(3))
+  sinks = jnp.array([-1e30, -np.inf, 1e6, -20.0], jnp.float32)
+  f = lambda s: jattn.flash_attention(q, k, v, sinks=s, kv_lengths=jnp.array([0]), scale=0.557,
+                                      return_lse=True, backend=backend)
+  (o, lse), pull = jax.vjp(f, sinks)
+  (dsinks,) = pull((jnp.zeros_like(o), jnp.ones_like(lse)))
+  assert not np.asarray(o, np.float32).any()
+  np.testing.assert_array_equal(np.asarray(lse[0, :2]), np.float32(EMPTY_ROW_LSE))
+  np.testing.assert_allclose(np.asarray(lse[0, 2:, 0]), [1e6, -20.0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(dsinks), [0.0, 0.0, 2.0, 2.0], atol=1e-4)
 
 
 # --- gradients where the softmax saturates -----------------------------------------------

@@ -59,7 +59,16 @@ def floor_sinks(sinks):
   rescale ``exp2(-inf - -inf)``). A sink of +inf or NaN becomes NaN: as in the dense
   formula (``exp(inf) / exp(inf)``), every row of its head is NaN."""
   sinks = sinks.astype(jnp.float32)
-  return jnp.where(jnp.isposinf(sinks), jnp.nan, jnp.maximum(sinks, EMPTY_ROW_LSE))
+  # (a select, not a maximum: autodiff gives a maximum's tie at the floor half a gradient)
+  floored = jnp.where(sinks <= EMPTY_ROW_LSE, EMPTY_ROW_LSE, sinks)
+  return jnp.where(jnp.isposinf(sinks), jnp.nan, floored)
+
+
+def exact_empty_rows(lse):
+  """``lse`` with the rows that saw no key at exactly ``EMPTY_ROW_LSE``: a sink at the
+  floor (no sink) passes through the kernels' base-2 units, which round it by an ulp."""
+  near = jnp.abs(lse - EMPTY_ROW_LSE) <= 1e-6 * -EMPTY_ROW_LSE
+  return jnp.where(near, jnp.asarray(EMPTY_ROW_LSE, lse.dtype), lse)
 
 
 def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
