@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jattn.core.op import Problem, SoftmaxOp, XlaImpl
 from jattn.core.validation import FLOAT_DTYPES, check_array, check_same_dtype, check_shape, scale_of
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
+from jattn.kernels.common.softmax import row_shift
 from jattn.kernels.window import (default_window_config, window_triton_backward,
                                   window_triton_forward)
 from jattn.reference import additive_window_mask, window_attention_reference
@@ -118,6 +119,8 @@ class WindowAttention(SoftmaxOp):
                         "attend) or an additive float mask")
       # A constant: no gradient flows to it.
       mask = jax.lax.stop_gradient(additive_window_mask(mask))
+    # Rows of large bias (-1e9 padding rows) keep their log-sum-exp small (row_shift).
+    bias = bias - row_shift(bias)
     problem = WindowProblem(windows=windows, tokens=tokens, heads=heads, head_dim=head_dim,
                             dtype=q.dtype, scale=scale_of(scale, head_dim),
                             mask_windows=mask_windows)

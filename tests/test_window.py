@@ -107,6 +107,22 @@ def test_boolean_and_additive_masks_agree():
   chex.assert_trees_all_close(run(allowed), run(additive), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["pallas_triton", "xla"])
+def test_rows_of_large_bias_keep_their_gradients(backend):
+  """Bias rows of ``-1e9`` (a padding row) or near ``+5e3``: as the reference on the bias
+  less each row's maximum (the same softmax, without float32's rounding of the large
+  values), the bias's gradient included. Unshifted, the kernels' float32 lse lost its
+  log(sum) there, and their gradients were off by up to ``tokens``-fold."""
+  q, k, v, bias, _, do = _inputs(windows=2, tokens=8, heads=2, head_dim=8)
+  bias = bias.at[0, 3].add(-1e9).at[1, 5].add(5e3)
+  exact = bias - bias.max(axis=-1, keepdims=True)
+  ours = jax.vjp(lambda *a: jattn.window_attention(*a, backend=backend), q, k, v, bias)
+  ref = jax.vjp(window_attention_reference, q, k, v, exact)
+  assert _rel(ours[0], ref[0]) < 1e-5
+  for g, g_ref in zip(ours[1](do), ref[1](do)):
+    assert _rel(g, g_ref) < 1e-5
+
+
 @pytest.mark.parametrize("masked", [-1e9, float(np.finfo(np.float32).min)])
 def test_huge_negative_mask_values_mask(masked):
   """Torch-style masks (-1e9, the dtype's lowest): a row masked everywhere gives zeros

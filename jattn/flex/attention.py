@@ -28,10 +28,9 @@ from jattn.flex.array_grads import score_array_grads, summed_over_broadcast
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
-from jattn.flex.mods import LARGE_ROW, row_shift
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LARGE_ROW, row_shift
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)

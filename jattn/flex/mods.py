@@ -14,7 +14,6 @@ import functools
 import operator
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 
 
@@ -136,32 +135,12 @@ def broadcast_at(x, b, h, q_idx, kv_idx):
   return x[tuple(0 if n == 1 else i for n, i in zip(x.shape, index))]
 
 
-# A row whose log-sum-exp (or largest bias) is beyond this many nats from 0 loses
-# gradient precision in float32: a fuzz against jax.nn found 5e-4 relative at 1e3.
-LARGE_ROW = 64.0
-
-
-def row_shift(bias):
-  """What ``flex_attention`` takes off each row of a ``bias_score`` bias:
-  ``[..., q_len, 1]`` in the bias's dtype, the row's largest value where that is beyond
-  ``LARGE_ROW`` in magnitude (finite rows only), else 0; no gradient.
-
-  A constant shift of a row changes neither the softmax nor any gradient, but keeps the
-  row's log-sum-exp small: the kernels keep it in float32 and the backward recomputes
-  the weights from it, so a row of ``-1e9`` (an additive padding mask) would lose its
-  ``log(sum)`` and get gradients off by up to 2x. The kernels shift only when some
-  row's log-sum-exp is beyond ``LARGE_ROW`` (the check costs no pass over the bias)."""
-  top = jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))
-  large = jnp.isfinite(top) & (jnp.abs(top) > LARGE_ROW)
-  return jnp.where(large, top, jnp.zeros((), top.dtype))
-
-
 def bias_score(bias) -> Callable:
   """An additive bias ``[q_heads, q_len, kv_len]`` (or ``[batch, q_heads, q_len,
   kv_len]``; axes of size 1 broadcast), e.g. DAT's and Swin's relative-position bias.
   It gets a gradient: the score gradients summed over the axes it broadcasts, one
   block of query rows at a time. Rows of large values are taken shifted
-  (``row_shift``)."""
+  (``jattn.kernels.common.softmax.row_shift``)."""
   if bias.ndim not in (3, 4):
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")

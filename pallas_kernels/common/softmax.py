@@ -64,6 +64,27 @@ def floor_sinks(sinks):
   return jnp.where(jnp.isposinf(sinks), jnp.nan, floored)
 
 
+# A row whose log-sum-exp (or largest bias) is beyond this many nats from 0 loses
+# gradient precision in float32: a fuzz against jax.nn found 5e-4 relative at 1e3.
+LARGE_ROW = 64.0
+
+
+def row_shift(bias):
+  """What is taken off each row of a dense bias (``flex.bias_score``'s, window
+  attention's): ``[..., q_len, 1]`` in the bias's dtype, the row's largest value where
+  that is beyond ``LARGE_ROW`` in magnitude (finite rows only), else 0; no gradient.
+
+  A constant shift of a row changes neither the softmax nor any gradient, but keeps the
+  row's log-sum-exp small: the kernels keep it in float32 and the backward recomputes
+  the weights from it, so a row of ``-1e9`` (an additive padding mask) would lose its
+  ``log(sum)`` and get gradients off by up to ``kv_len``-fold. flex's kernels shift only
+  when some row's log-sum-exp is beyond ``LARGE_ROW`` (the check costs no pass over the
+  bias); window attention's bias is small and always goes through it."""
+  top = jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))
+  large = jnp.isfinite(top) & (jnp.abs(top) > LARGE_ROW)
+  return jnp.where(large, top, jnp.zeros((), top.dtype))
+
+
 def exact_empty_rows(lse):
   """``lse`` with the rows that saw no key at exactly ``EMPTY_ROW_LSE``: a sink at the
   floor (no sink) passes through the kernels' base-2 units, which round it by an ulp."""
