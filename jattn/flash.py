@@ -170,6 +170,13 @@ def sink_grad(sinks, lse, delta):
   return -jnp.sum(weight * delta, axis=(0, 2))
 
 
+def softmax_outputs(problem, outputs):
+  """What a flash-family op returns from its ``(o, lse)``: ``o``, with ``problem.return_lse``
+  also ``lse`` (its rows that saw no key at exactly ``EMPTY_ROW_LSE``)."""
+  o, lse = outputs
+  return (o, exact_empty_rows(lse)) if problem.return_lse else o
+
+
 def _feature_grads(p: FlashProblem, sinks, o, lse, cotangents) -> tuple:
   """The gradients after dq, dk, dv: segment ids, sinks, dropout seed, lengths."""
   dsinks = None
@@ -397,8 +404,7 @@ class FlashAttention(SoftmaxOp):
     return problem, (q, k, v, q_segment_ids, kv_segment_ids, sinks, seed, lengths)
 
   def finish(self, problem, outputs):
-    o, lse = outputs
-    return (o, exact_empty_rows(lse)) if problem.return_lse else o
+    return softmax_outputs(problem, outputs)
 
   def shard_rule(self, p: FlashProblem) -> ShardRule:
     refusals = ()

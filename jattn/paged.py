@@ -24,8 +24,8 @@ from jattn.core.sharding import PER_Q_HEAD, PER_ROW, Q_HEADS, ROW_STATS, Axes, S
 from jattn.core.validation import (check_array, check_flag, check_heads, check_integer_array,
                                    check_same_dtype, check_shape, positive_number, scale_of,
                                    window_arg)
-from jattn.flash import ServingProblem, decode_forward, hopper_decodes, row_lengths, sink_arg
-from jattn.kernels.common.softmax import exact_empty_rows
+from jattn.flash import (ServingProblem, decode_forward, hopper_decodes, row_lengths, sink_arg,
+                         softmax_outputs)
 from jattn.kernels.flash.mosaic_decode import mosaic_decode_runs
 from jattn.reference import flash_attention_reference
 
@@ -142,8 +142,7 @@ class PagedAttention(Op):
                      sink_arg(sinks, q_heads))
 
   def finish(self, problem, outputs):
-    o, lse = outputs
-    return (o, exact_empty_rows(lse)) if problem.return_lse else o
+    return softmax_outputs(problem, outputs)
 
   def example(self, p: PagedProblem, key):
     kq, kk, kv, kt, kl = jax.random.split(key, 5)

@@ -24,10 +24,9 @@ from jattn.core.validation import (check_array, check_flag, check_heads, check_p
                                    check_same_dtype, check_shape, positive_number, scale_of,
                                    window_arg)
 from jattn.flash import (AttentionTritonImpl, ServingProblem, flash_cache_key, mosaic_budget,
-                         sink_arg, sink_grad)
+                         sink_arg, sink_grad, softmax_outputs)
 from jattn.kernels.common.config import default_block_config
-from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, backward_delta, exact_empty_rows,
-                                          floor_sinks)
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, floor_sinks
 from jattn.kernels.common.tiling import packed_positions, round_up
 from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config, flash_mosaic_backward,
                                  flash_mosaic_forward)
@@ -294,8 +293,7 @@ class FlashVarlen(Op):
                      sink_arg(sinks, q_heads))
 
   def finish(self, problem, outputs):
-    o, lse = outputs
-    return (o, exact_empty_rows(lse)) if problem.return_lse else o
+    return softmax_outputs(problem, outputs)
 
   def example(self, p: VarlenProblem, key):
     kq, kk, kv, kl = jax.random.split(key, 4)

@@ -30,7 +30,7 @@ from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LARGE_ROW, row_shift
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LARGE_ROW, row_shift, unshifted_lse
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
@@ -115,20 +115,20 @@ class _FlexKernels:
       def shifted():
         consts_s, mods_s, shift = self._shifted_bias(call, consts, mods)
         o_s, lse_s = self._kernel_forward(call, q, k, v, mods_s)
-        return o_s, jnp.where(lse_s == EMPTY_ROW_LSE, lse_s, lse_s + shift)
+        return o_s, unshifted_lse(lse_s, shift)
 
       o, lse = jax.lax.cond(_has_large_rows(lse), shifted, lambda: (o, lse))
     return (o, lse), ((q, k, v), consts, mods, o, lse)
 
   def _shifted_bias(self, call, consts, mods):
-    """A dense bias's rows of large values shifted (``row_shift``): ``(the arrays,
-    the mods, the shift as [batch or 1, heads or 1, q_len or 1] float32)``."""
+    """A dense bias's rows of large values shifted: ``(the arrays, the mods, the shift
+    (``row_shift``'s))``."""
     p = call.problem
     bias = consts[0]
     shift = row_shift(bias)
     arrays = self._function(p.score_mod, (bias - shift,), p, call)[1]
     return ((bias - shift,) + tuple(consts[1:]), dataclasses.replace(mods, score_arrays=arrays),
-            shift[..., 0].astype(jnp.float32))
+            shift)
 
   # Whether the backward kernels can write dS out (``_kernel_backward``'s ``ds_dtype``).
   writes_ds = False
@@ -309,16 +309,15 @@ class XlaFlex(XlaImpl):
   def forward(self, call, q, k, v, *rest):
     p = call.problem
     score_consts, mask_consts = p.split_consts(p.split_arrays(rest)[0])
-    shift = 0.0
+    shift = None
     if _dense_bias(p):  # the kernels' rows, exactly: float32 would round q·k off them
       shift = row_shift(score_consts[0])
       score_consts = (score_consts[0] - shift,)
-      shift = shift[..., 0].astype(jnp.float32)
     score = None if p.score_mod is None else p.score_mod.bind(score_consts)
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
     o, lse = flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
                                       guard_values=p.has_functions)
-    return (o, jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift)), None
+    return (o, lse if shift is None else unshifted_lse(lse, shift)), None
 
 
 class FlexAttention(SoftmaxOp):
