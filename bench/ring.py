@@ -273,8 +273,9 @@ PAIR_SETS = {
 def dilated(args, env):
   rows = []
   seq = args.dilated
+  sets = [(name, PAIR_SETS[name]) for name in args.pair_sets.split(",")]
   for (name, (segments, rates)), devices, mode in itertools.product(
-      PAIR_SETS.items(), map(int, args.devices.split(",")), args.modes.split(",")):
+      sets, map(int, args.devices.split(",")), args.modes.split(",")):
     if devices > len(jax.devices()):
       continue
     segments = tuple(min(w, seq) for w in segments)
@@ -290,7 +291,7 @@ def dilated(args, env):
                                    segment_lengths=segments, dilation_rates=rates, causal=True,
                                    backend=args.backend)
       fn, n = step_fn(attend, mesh, mode)
-      seconds = _time(fn, (q, k, v, do)[:n], reps=5, inner=1)
+      seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
       flops = dilated_flops(1, seq, args.heads, args.head_dim, segments, rates, True, mode)
       row.update(ms=seconds * 1e3, tflops_per_device=flops / seconds / devices / 1e12)
     except Exception as e:
@@ -327,6 +328,8 @@ def main():
   parser.add_argument("--longest", action="store_true")
   parser.add_argument("--max-seconds", type=float, default=15.0)
   parser.add_argument("--dilated", type=int, help="dilated ring attention at this length")
+  parser.add_argument("--pair-sets", default=",".join(PAIR_SETS),
+                      help=f"with --dilated: which of {', '.join(PAIR_SETS)}")
   parser.add_argument("--documents", type=int, help="packed sequences of this many documents")
   parser.add_argument("--document-masks", default="full,causal",
                       help="--documents' rows: full (non-causal) and / or causal")
