@@ -33,6 +33,7 @@ from jax import lax
 from jattn.core.op import Call
 from jattn.core.validation import check_flag, scale_of
 from jattn.dilated import DILATED
+from jattn.kernels.common.softmax import EMPTY_ROW_LSE
 from jattn.parallel.blocks import (block_backward, block_forward, empty_rows, merge,
                                    ring_backward, ring_forward)
 from jattn.parallel.checks import bound_axis_size, check_split, mesh_axis_size
@@ -84,46 +85,19 @@ def plan_pair(w: int, r: int, *, local: int, devices: int, heads: int, kv_heads:
 
 
 # --- between the shard and a spanning pair's dilated rows -----------------------------
-# A spanning pair covers 1 / r of the shard's rows (per head, those of its slot). Its
-# results go into the shard's arrays at those rows only, in place: merging or adding
-# whole shards in float32 took a full pass each, more than the pair's own work.
-
-def _view(x, pair: _Pair, rows: tuple[tuple[int, int], ...]):
-  """``x [b, L, h, D]`` viewed ``[b, L / r, r, h, D]``, and the index that takes its
-  ``(head, slot)`` ``rows`` as ``[b, L / r, len(rows), D]``."""
-  b, n, h, d = x.shape
-  index = (slice(None), slice(None), jnp.array([s for _, s in rows]),
-           jnp.array([g for g, _ in rows]))
-  return x.reshape(b, n // pair.r, pair.r, h, d), index
-
-
-def _query_rows(pair: _Pair):
-  return tuple((h, s) for h, s in enumerate(pair.slots))
-
 
 def _queries(x, pair: _Pair):
   """``[b, L, heads, D] -> [b, L / r, heads, D]``: each head's rows of its slot."""
-  view, index = _view(x, pair, _query_rows(pair))
-  return view[index]
+  b, n, h, d = x.shape
+  return x.reshape(b, n // pair.r, pair.r, h, d)[:, :, jnp.array(pair.slots), jnp.arange(h), :]
 
 
 def _sparse_kv(x, pair: _Pair):
   """``[b, L, kv_heads, D] -> [b, L / r, len(combos), D]``: the rows sent."""
-  view, index = _view(x, pair, pair.combos)
-  return view[index]
-
-
-def _add_queries(x, g, pair: _Pair):
-  """``x [b, L, heads, D]`` plus ``g [b, L / r, heads, D]`` at each head's slot rows."""
-  view, index = _view(x, pair, _query_rows(pair))
-  return view.at[index].add(g).reshape(x.shape)
-
-
-def _add_sparse_kv(x, g, pair: _Pair):
-  """``x [b, L, kv_heads, D]`` plus ``g [b, L / r, len(combos), D]`` at the rows sent
-  (the combos are distinct: no two rows of ``g`` land on one)."""
-  view, index = _view(x, pair, pair.combos)
-  return view.at[index].add(g).reshape(x.shape)
+  b, n, hk, d = x.shape
+  slot = jnp.array([s for _, s in pair.combos])
+  head = jnp.array([g for g, _ in pair.combos])
+  return x.reshape(b, n // pair.r, pair.r, hk, d)[:, :, slot, head, :]
 
 
 def _per_head(x, pair: _Pair):
@@ -131,26 +105,21 @@ def _per_head(x, pair: _Pair):
   return x[:, :, jnp.array(pair.head_combo), :]
 
 
-def _stats_view(lse):
-  """``lse [b, h, L]`` as ``[b, L, h, 1]``, which ``_view`` indexes as it does ``o``."""
-  return jnp.moveaxis(lse, 1, 2)[..., None]
-
-
 def _row_stats(lse, pair: _Pair):
   """``lse [b, heads, L] -> [b, heads, L / r]`` at each head's slot."""
-  return jnp.moveaxis(_queries(_stats_view(lse), pair)[..., 0], 1, 2)
+  b, h, n = lse.shape
+  return jnp.take_along_axis(lse.reshape(b, h, n // pair.r, pair.r),
+                             jnp.array(pair.slots).reshape(1, h, 1, 1), axis=3)[..., 0]
 
 
-def _merge_rows(acc, part, pair: _Pair):
-  """``acc`` (the shard's ``(o [b, L, h, D] float32, lse [b, h, L])``) with a spanning
-  pair's ``part`` (its ``(o, lse)`` at its rows) merged in at those rows."""
-  o, lse = acc
-  o_view, index = _view(o, pair, _query_rows(pair))
-  lse_view, _ = _view(_stats_view(lse), pair, _query_rows(pair))
-  o_rows, lse_rows = merge((o_view[index], jnp.moveaxis(lse_view[index][..., 0], 1, 2)), part)
-  o = o_view.at[index].set(o_rows).reshape(o.shape)
-  lse_view = lse_view.at[index].set(jnp.moveaxis(lse_rows, 1, 2)[..., None])
-  return o, jnp.moveaxis(lse_view.reshape(o.shape[:3]), 1, 2)
+def _scatter(o, lse, pair: _Pair):
+  """A pair's ``(o [b, rows, h, D], lse [b, h, rows])`` back on the shard's positions;
+  positions the pair does not cover get ``(0, EMPTY_ROW_LSE)``."""
+  b, rows, h, d = o.shape
+  covered = jnp.arange(pair.r)[:, None] == jnp.array(pair.slots)[None, :]  # [r, h]
+  o = jnp.where(covered[None, None, :, :, None], o[:, :, None], 0.0)
+  lse = jnp.where(covered.T[None, :, None, :], lse[..., None], EMPTY_ROW_LSE)
+  return o.reshape(b, rows * pair.r, h, d), lse.reshape(b, h, rows * pair.r)
 
 
 # --- the group rings -------------------------------------------------------------------
@@ -216,28 +185,30 @@ def _pair_forward(st: _Static, pair: _Pair, q, k, v):
   acc = ring_forward((_sparse_kv(k, pair), _sparse_kv(v, pair)), pair.group,
                      functools.partial(_hop, st.devices, pair.group), attend, st.axis_name,
                      lambda step, blocks: _needed(st, pair, step))
-  return acc
+  return _scatter(*acc, pair)
 
 
 def _forward(st: _Static, q, k, v):
   acc = DILATED.partial(st.local, (q, k, v)) if st.local else empty_rows(q, v)
   for pair in st.pairs:
     if pair.group > 1:
-      acc = _merge_rows(acc, _pair_forward(st, pair, q, k, v), pair)
+      acc = merge(acc, _pair_forward(st, pair, q, k, v))
   return acc
 
 
 def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
-  """One spanning pair's gradients, float32, given the mixture's ``(o, lse)``: ``dq`` at
-  its query rows ``[b, L / r, heads, D]`` and ``dk``, ``dv`` at the rows sent ``[b, L / r,
-  combos, D]`` (``_add_queries``, ``_add_sparse_kv`` put them on the shard)."""
+  """``(dq, dk, dv)`` float32 of one spanning pair's blocks, given the mixture's
+  ``(o, lse)``."""
+  # The gathers are linear: their transposes scatter the gradients back. Taken as VJPs
+  # at the arrays themselves, so that they vary over the axes those do (a user's
+  # shard_map checks it).
+  transpose = lambda f, x: jax.vjp(f, x.astype(jnp.float32))[1]
+  pull_q = transpose(lambda x: _queries(x, pair), q)
+  pull_kv = transpose(lambda x: _sparse_kv(x, pair), k)
   qd, od, dod = (_queries(x, pair) for x in (q, o, do))
   lsed = _row_stats(lse, pair)
   kc, vc = _sparse_kv(k, pair), _sparse_kv(v, pair)
-  # Query heads that share a sent row sum their gradients into it: the transpose of
-  # _per_head, taken as a VJP at kc so that it varies over the axes kc does (a user's
-  # shard_map checks it).
-  to_combos = jax.vjp(lambda x: _per_head(x, pair), kc.astype(jnp.float32))[1]
+  to_combos = transpose(lambda x: _per_head(x, pair), kc)
 
   def grads(step, blocks):
     mine, src, _ = _position(st, pair, step)
@@ -248,7 +219,7 @@ def _pair_backward(st: _Static, pair: _Pair, q, k, v, o, lse, do):
   dq, (dk, dv) = ring_backward((kc, vc), pair.group,
                                functools.partial(_hop, st.devices, pair.group), grads,
                                st.axis_name, lambda step, blocks: _needed(st, pair, step))
-  return dq, dk, dv
+  return pull_q(dq)[0], pull_kv(dk)[0], pull_kv(dv)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -271,8 +242,7 @@ def _dilated_ring_bwd(st: _Static, res, do):
   for pair in st.pairs:
     if pair.group > 1:
       g_q, g_k, g_v = _pair_backward(st, pair, q, k, v, o, lse, do)
-      dq = _add_queries(dq, g_q, pair)
-      dk, dv = _add_sparse_kv(dk, g_k, pair), _add_sparse_kv(dv, g_v, pair)
+      dq, dk, dv = dq + g_q, dk + g_k, dv + g_v
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
