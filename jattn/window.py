@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jattn.core.op import Problem, SoftmaxOp, XlaImpl
 from jattn.core.validation import FLOAT_DTYPES, check_array, check_same_dtype, check_shape, scale_of
 from jattn.kernels.common.config import BlockConfig, padded_head_dim
-from jattn.kernels.common.softmax import row_shift
+from jattn.kernels.common.softmax import shared_row_shift
 from jattn.kernels.window import (default_window_config, window_triton_backward,
                                   window_triton_forward)
 from jattn.reference import additive_window_mask, window_attention_reference
@@ -27,6 +27,16 @@ from jattn.core.sharding import PER_Q_HEAD, Q_HEADS, REPLICATED, ROW_STATS, Shar
 from jattn.tuning.spaces import BlockTritonImpl
 
 LAYOUT = "windows, tokens, heads, head_dim"
+
+
+def _row_shift(bias, mask):
+  """What ``bias [heads, tokens, tokens]`` takes off its rows (``shared_row_shift``, in
+  its dtype), from each row's largest value over the keys the additive ``mask
+  [mask_windows, tokens, tokens]`` (or None) leaves it, in every window."""
+  if mask is None:
+    return shared_row_shift(jnp.max(bias, axis=-1, keepdims=True)).astype(bias.dtype)
+  peaks = jnp.max(bias.astype(jnp.float32)[None] + mask[:, None], axis=-1, keepdims=True)
+  return shared_row_shift(peaks, (0,))[0].astype(bias.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +129,8 @@ class WindowAttention(SoftmaxOp):
                         "attend) or an additive float mask")
       # A constant: no gradient flows to it.
       mask = jax.lax.stop_gradient(additive_window_mask(mask))
-    # Rows of large bias (-1e9 padding rows) keep their log-sum-exp small (row_shift).
-    bias = bias - row_shift(bias)
+    # Rows of large bias (-1e9 padding rows) keep their log-sum-exp small.
+    bias = bias - _row_shift(bias, mask)
     problem = WindowProblem(windows=windows, tokens=tokens, heads=heads, head_dim=head_dim,
                             dtype=q.dtype, scale=scale_of(scale, head_dim),
                             mask_windows=mask_windows)

@@ -95,6 +95,20 @@ def test_rows_of_large_bias_keep_their_gradients(implementation):
   np.testing.assert_allclose(lse(bias), lse(exact) + top, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("hidden_by", ["causal", "lengths"])
+def test_large_bias_at_keys_a_row_does_not_see(implementation, hidden_by):
+  """A bias's large values at keys that the causal mask, or another batch row's key
+  length, hides from a row are no shift for that row: each row had been shifted by its
+  bias row's maximum, and rows that see only small values lost them to the shift
+  (outputs off by 1 at 1e9, 6e-4 at 1e4)."""
+  q, k, v = inputs(6)
+  bias = jax.random.normal(jax.random.key(7), (1, 1, 12, 12)).at[..., 11].set(1e9)
+  case = (dict(is_causal=True) if hidden_by == "causal"
+          else dict(key_value_seq_lengths=jnp.array([12, 9], jnp.int32)))
+  assert_close(*both(q, k, v, implementation=implementation, bias=bias, **case))
+
+
 def test_the_large_row_check_stays_one_branch_under_vmap():
   """The kernels' check for rows of large bias is a ``cond``; under ``vmap`` its
   predicate is one for the whole batch (a batched one would run both branches)."""

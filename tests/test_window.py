@@ -123,6 +123,22 @@ def test_rows_of_large_bias_keep_their_gradients(backend):
     assert _rel(g, g_ref) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["pallas_triton", "xla"])
+def test_large_bias_at_a_key_a_mask_hides(backend):
+  """A bias's large value at a key that a boolean mask hides from a row (in one of two
+  windows) is no shift for that row: each row had been shifted by its bias row's
+  maximum, and in the window that hides the key the row lost its other values to it."""
+  q, k, v, bias, _, do = _inputs(windows=2, tokens=8, heads=2, head_dim=8)
+  bias = bias.at[:, 3, 5].set(1e9)
+  allowed = jnp.ones((2, 8, 8), bool).at[0, 3, 5].set(False)
+  ours = jax.vjp(lambda *a: jattn.window_attention(*a, mask=allowed, backend=backend),
+                 q, k, v, bias)
+  ref = jax.vjp(lambda *a: window_attention_reference(*a, mask=allowed), q, k, v, bias)
+  assert _rel(ours[0], ref[0]) < 1e-5
+  for g, g_ref in zip(ours[1](do), ref[1](do)):
+    assert _rel(g, g_ref) < 1e-5
+
+
 @pytest.mark.parametrize("masked", [-1e9, float(np.finfo(np.float32).min)])
 def test_huge_negative_mask_values_mask(masked):
   """Torch-style masks (-1e9, the dtype's lowest): a row masked everywhere gives zeros

@@ -30,7 +30,8 @@ from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
-from jattn.kernels.common.softmax import EMPTY_ROW_LSE, LARGE_ROW, row_shift, unshifted_lse
+from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, LARGE_ROW, shared_row_shift,
+                                          unshifted_lse)
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
@@ -113,19 +114,19 @@ class _FlexKernels:
     o, lse = self._kernel_forward(call, q, k, v, mods)
     if _dense_bias(call.problem):
       def shifted():
-        consts_s, mods_s, shift = self._shifted_bias(call, consts, mods)
+        consts_s, mods_s, shift = self._shifted_bias(call, consts, mods, lse)
         o_s, lse_s = self._kernel_forward(call, q, k, v, mods_s)
         return o_s, unshifted_lse(lse_s, shift)
 
       o, lse = jax.lax.cond(_has_large_rows(lse), shifted, lambda: (o, lse))
     return (o, lse), ((q, k, v), consts, mods, o, lse)
 
-  def _shifted_bias(self, call, consts, mods):
-    """A dense bias's rows of large values shifted: ``(the arrays, the mods, the shift
-    (``row_shift``'s))``."""
+  def _shifted_bias(self, call, consts, mods, lse):
+    """A dense bias's rows of large values shifted by ``_bias_shift`` from the rows'
+    ``lse``: ``(the arrays, the mods, the shift)``."""
     p = call.problem
     bias = consts[0]
-    shift = row_shift(bias)
+    shift = _bias_shift(bias, lse)
     arrays = self._function(p.score_mod, (bias - shift,), p, call)[1]
     return ((bias - shift,) + tuple(consts[1:]), dataclasses.replace(mods, score_arrays=arrays),
             shift)
@@ -164,7 +165,7 @@ class _FlexKernels:
       # ring passes flex). dS leaves the cond as the kernels wrote it: its float32 sum
       # would be a full pass.
       def shifted():
-        consts_s, mods_s, _ = self._shifted_bias(call, consts, mods)
+        consts_s, mods_s, _ = self._shifted_bias(call, consts, mods, lse)
         return grads(consts_s, mods_s, self._kernel_forward(call, q, k, v, mods_s)[1])
 
       dq, dk, dv, extra = jax.lax.cond(_has_large_rows(lse), shifted,
@@ -181,10 +182,21 @@ def _dense_bias(p) -> bool:
   return p.score_mod is not None and p.score_mod.dense_bias
 
 
+def _bias_shift(bias, lse):
+  """What a dense ``bias`` (``[q_heads, q_len, kv_len]`` or 4-d, axes of size 1
+  broadcast) takes off its rows (``shared_row_shift``: shaped like the bias, its last
+  axis 1, in its dtype), from the log-sum-exp ``lse [batch, q_heads, q_len]`` of the
+  rows it reaches, which counts only the keys they see."""
+  shape = (1,) * (4 - bias.ndim) + bias.shape
+  peaks = jnp.where(lse <= EMPTY_ROW_LSE, -jnp.inf, lse)[..., None]
+  shift = shared_row_shift(peaks, tuple(i for i in range(3) if shape[i] == 1))
+  return shift.reshape(shift.shape[4 - bias.ndim:]).astype(bias.dtype)
+
+
 @jax.custom_batching.custom_vmap
 def _has_large_rows(lse):
   """Whether some row (that sees a key) has a log-sum-exp beyond ``LARGE_ROW``: the one
-  check the kernels pay for a bias's rows of large values (``row_shift``)."""
+  check the kernels pay for a bias's rows of large values (``shared_row_shift``)."""
   return jnp.any((jnp.abs(lse) > LARGE_ROW) & (jnp.abs(lse) < -EMPTY_ROW_LSE))
 
 
@@ -309,15 +321,25 @@ class XlaFlex(XlaImpl):
   def forward(self, call, q, k, v, *rest):
     p = call.problem
     score_consts, mask_consts = p.split_consts(p.split_arrays(rest)[0])
-    shift = None
-    if _dense_bias(p):  # the kernels' rows, exactly: float32 would round q·k off them
-      shift = row_shift(score_consts[0])
-      score_consts = (score_consts[0] - shift,)
-    score = None if p.score_mod is None else p.score_mod.bind(score_consts)
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
-    o, lse = flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
+
+    def attend(score_consts):
+      score = None if p.score_mod is None else p.score_mod.bind(score_consts)
+      return flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
                                       guard_values=p.has_functions)
-    return (o, lse if shift is None else unshifted_lse(lse, shift)), None
+
+    o, lse = attend(score_consts)
+    if _dense_bias(p):  # the kernels' rows, exactly: float32 would round q·k off them
+      bias = score_consts[0]
+
+      def shifted():
+        shift = _bias_shift(bias, lse)
+        o_s, lse_s = attend((bias - shift,))
+        return o_s, unshifted_lse(lse_s, shift)
+
+      o, lse = jax.lax.cond(_has_large_rows(jax.lax.stop_gradient(lse)), shifted,
+                            lambda: (o, lse))
+    return (o, lse), None
 
 
 class FlexAttention(SoftmaxOp):

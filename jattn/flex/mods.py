@@ -140,7 +140,7 @@ def bias_score(bias) -> Callable:
   kv_len]``; axes of size 1 broadcast), e.g. DAT's and Swin's relative-position bias.
   It gets a gradient: the score gradients summed over the axes it broadcasts, one
   block of query rows at a time. Rows of large values are taken shifted
-  (``jattn.kernels.common.softmax.row_shift``)."""
+  (``jattn.kernels.common.softmax.shared_row_shift``)."""
   if bias.ndim not in (3, 4):
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")

@@ -70,26 +70,33 @@ def floor_sinks(sinks):
 LARGE_ROW = 64.0
 
 
-def row_shift(bias):
-  """What is taken off each row of a dense bias (``flex.bias_score``'s, window
-  attention's): ``[..., q_len, 1]`` in the bias's dtype, the row's largest value where
-  that is beyond ``LARGE_ROW`` in magnitude (finite rows only), else 0; no gradient.
+def shared_row_shift(peaks, axes: tuple = ()):
+  """What is taken off rows of a dense bias (``flex.bias_score``'s, window attention's),
+  float32, no gradient. ``peaks``: each row's largest logit (its log-sum-exp will do)
+  over the keys it sees, not finite for a row that sees none; rows along ``axes`` share
+  one bias row, and so one shift (``axes`` are kept, of size 1).
 
   A constant shift of a row changes neither the softmax nor any gradient, but keeps the
   row's log-sum-exp small: the kernels keep it in float32 and the backward recomputes
   the weights from it, so a row of ``-1e9`` (an additive padding mask) would lose its
-  ``log(sum)`` and get gradients off by up to ``kv_len``-fold. flex's kernels shift only
-  when some row's log-sum-exp is beyond ``LARGE_ROW`` (the check costs no pass over the
-  bias); window attention's bias is small and always goes through it."""
-  top = jax.lax.stop_gradient(jnp.max(bias, axis=-1, keepdims=True))
-  large = jnp.isfinite(top) & (jnp.abs(top) > LARGE_ROW)
-  return jnp.where(large, top, jnp.zeros((), top.dtype))
+  ``log(sum)`` and get gradients off by up to ``kv_len``-fold. A shift must lie between
+  0 and the row's peak: past the peak the logits the row sees lose their digits to it
+  (a row's largest bias value at a key its mask hides is no shift for it). So rows
+  that share a shift take the peak nearest 0 where all their peaks have one sign, else
+  0; and a shift within ``LARGE_ROW`` of 0 is 0."""
+  peaks = jax.lax.stop_gradient(peaks).astype(jnp.float32)
+  seen = jnp.isfinite(peaks)
+  lo = jnp.min(jnp.where(seen, peaks, jnp.inf), axis=axes, keepdims=True)
+  hi = jnp.max(jnp.where(seen, peaks, -jnp.inf), axis=axes, keepdims=True)
+  shift = jnp.where(jnp.isfinite(lo) & (lo > 0), lo,
+                    jnp.where(jnp.isfinite(hi) & (hi < 0), hi, 0.0))
+  return jnp.where(jnp.abs(shift) > LARGE_ROW, shift, 0.0)
 
 
 def unshifted_lse(lse, shift):
-  """The log-sum-exp of a bias from that of the bias less ``shift`` (``row_shift``'s
-  ``[..., q_len, 1]``, broadcasting against ``lse [..., heads, q_len]``); rows that saw no
-  key keep ``EMPTY_ROW_LSE``."""
+  """The log-sum-exp of a bias from that of the bias less ``shift`` (``[..., q_len, 1]``,
+  broadcasting against ``lse [..., heads, q_len]``); rows that saw no key keep
+  ``EMPTY_ROW_LSE``."""
   return jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift[..., 0].astype(jnp.float32))
 
 
