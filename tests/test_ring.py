@@ -201,6 +201,9 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
                         q_segment_ids=np.repeat([[0, 1]], [16, 16], axis=1),
                         kv_segment_ids=np.repeat([[1, 0]], [16, 16], axis=1))(_Q, _Q, _Q),
      ValueError, r"row 0's query segment at token 0 has id 0, which names another segment"),
+    (lambda m: _sharded(m, layout="segment_zigzag", q_segment_ids=np.zeros((1, 32), int),
+                        kv_segment_ids=np.zeros((1, 32), int))(_Q, _K_LONG, _K_LONG),
+     ValueError, r"kv_segment_ids must be \[batch, kv_len\] = \[1, 64\], got \(1, 32\)"),
     (lambda m: segment_zigzag_order(_Q, np.full((1, 32), 2 ** 30), 2), ValueError,
      r"segment_ids must lie in \[-2\*\*30, 2\*\*30\) .*got \[1073741824, 1073741824\]"),
     (lambda m: _inside(m, axis_name="sp", kv_exchange="all_gather")(_Q, _Q, _Q), ValueError,
@@ -212,7 +215,7 @@ _K_LONG = _inputs(1, 64, 2, 2, 8)[1]
 ], ids=["axis", "axis-in-shard_map", "causal-kv_len", "causal-kv_len-in-shard_map",
         "causal-str", "rank", "k-split", "zigzag-split", "layout", "segment_zigzag-no-ids",
         "segment-length", "segment-twice", "segment-causal-ids", "segment-causal-labels",
-        "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
+        "segment-ids-shape", "segment-id-range", "kv_exchange", "mesh", "zigzag_order"])
 def test_argument_errors_name_the_argument(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)

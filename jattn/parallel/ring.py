@@ -27,7 +27,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from jattn.core.validation import check_attention_inputs, check_choice, check_flag, scale_of
+from jattn.core.validation import (check_attention_inputs, check_choice, check_flag, scale_of,
+                                   segment_ids_arg)
 from jattn.flash import FLASH
 from jattn.parallel.allgather import allgather_attention
 from jattn.parallel.blocks import ring_backend, ring_backward, ring_forward
@@ -225,6 +226,8 @@ def sharded_ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = Fals
   causal = check_flag("causal", causal)
   check_attention_inputs(q, k, v, value_head_dim=True)  # on the whole arrays: errors name them
   _check_causal_lengths(q, k, causal, "")
+  q_segment_ids, kv_segment_ids = segment_ids_arg(q_segment_ids, kv_segment_ids, q.shape[0],
+                                                  q.shape[1], k.shape[1])
   devices = mesh_axis_size(mesh, axis_name)
   check_split({"q": q, "k": k}, devices=devices, axis_name=axis_name,
               chunks=1 if layout == "contiguous" else 2)
