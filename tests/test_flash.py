@@ -372,15 +372,21 @@ def test_bad_inputs_raise_clear_errors(kwargs, error, match):
 def test_flags_are_not_traced():
   with pytest.raises(TypeError, match="causal must be a Python or numpy bool, not a traced"):
     jax.jit(lambda c: jattn.flash_attention(Q, KV, KV, causal=c, backend="xla"))(True)
+  with pytest.raises(ValueError, match="scale must be a concrete number > 0 or None .*traced"):
+    jax.jit(lambda s: jattn.flash_attention(Q, KV, KV, scale=s, backend="xla"))(0.25)
   with pytest.raises(TypeError, match="return_state must be True or False, got 'yes'"):
     jattn.retention(Q, Q, Q, return_state="yes")
 
 
-def test_numpy_scalars_are_taken_as_numbers():
+@pytest.mark.parametrize("numbers", [np, jnp])
+def test_numpy_scalars_are_taken_as_numbers(numbers):
+  """numpy scalars for every option; concrete JAX ones for the scale and softcap (as
+  jax.nn takes a scale)."""
   q, k, v = (jax.random.normal(key, x.shape) for key, x in zip(
       jax.random.split(jax.random.PRNGKey(0), 3), (Q, KV, KV)))
   given = dict(causal=np.bool_(True), local_window=(np.int64(2), np.int32(0)),
-               softcap=np.float32(5.0), scale=np.float16(0.25), dropout_rate=np.float32(0.25))
+               softcap=numbers.float32(5.0), scale=1 / numbers.sqrt(numbers.float32(16)),
+               dropout_rate=np.float32(0.25))
   plain = dict(causal=True, local_window=(2, 0), softcap=5.0, scale=0.25, dropout_rate=0.25)
   key = jax.random.PRNGKey(1)
   out = jattn.flash_attention(q, k, v, dropout_key=key, backend="xla", **given)

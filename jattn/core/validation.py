@@ -97,7 +97,14 @@ def is_int(value) -> bool:
 
 
 def positive_number(name: str, value) -> float:
-  """``value`` (a finite Python or numpy number > 0) as a float."""
+  """``value`` (a finite Python, numpy or concrete 0-d JAX number > 0) as a float. A
+  traced one is refused: the kernels are compiled for the number."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(f"{name} must be a concrete number > 0 or None (the kernels are "
+                     "compiled for it), got a traced value: pass a Python float, or make "
+                     "it a static argument of the jit")
+  if isinstance(value, jax.Array) and value.shape == ():
+    value = np.asarray(value)[()]
   if not (is_number(value) and math.isfinite(value) and value > 0):
     raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
   return float(value)
