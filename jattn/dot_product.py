@@ -74,6 +74,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   mask = None if mask is None else _four_d("mask", mask, full)
   if mask is not None and mask.dtype != jnp.bool_:
     raise TypeError(f"mask must be boolean (an additive mask goes in bias), got {mask.dtype}")
+  if bias is not None and bias.dtype == jnp.bool_:
+    raise TypeError("bias must be numbers added to the logits, got a boolean array (a "
+                    "boolean mask goes in mask)")
   lengths = {}
   for name, arg, given in (("query_seq_lengths", "q_lengths", query_seq_lengths),
                            ("key_value_seq_lengths", "kv_lengths", key_value_seq_lengths)):

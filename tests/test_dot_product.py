@@ -171,6 +171,8 @@ def test_bad_arguments_are_named():
     jattn.dot_product_attention(q, k, v, implementation="flash")
   with pytest.raises(TypeError, match="mask must be boolean"):
     jattn.dot_product_attention(q, k, v, mask=jnp.ones((12, 12)))
+  with pytest.raises(TypeError, match="bias must be numbers .* boolean mask goes in mask"):
+    jattn.dot_product_attention(q, k, v, bias=jnp.ones((12, 12), bool))
   with pytest.raises(ValueError, match=r"bias of shape \(1, 1, 12, 5\) does not broadcast"):
     jattn.dot_product_attention(q, k, v, bias=jnp.ones((12, 5)))
   with pytest.raises(ValueError, match="local_window_size must be an int >= 0"):
