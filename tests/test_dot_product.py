@@ -96,17 +96,33 @@ def test_rows_of_large_bias_keep_their_gradients(implementation):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
-@pytest.mark.parametrize("hidden_by", ["causal", "lengths"])
+@pytest.mark.parametrize("hidden_by", ["causal", "lengths", "padding"])
 def test_large_bias_at_keys_a_row_does_not_see(implementation, hidden_by):
-  """A bias's large values at keys that the causal mask, or another batch row's key
-  length, hides from a row are no shift for that row: each row had been shifted by its
-  bias row's maximum, and rows that see only small values lost them to the shift
-  (outputs off by 1 at 1e9, 6e-4 at 1e4)."""
+  """Rows that share a bias row but see different keys of it get shifts of their own.
+  A large value at keys that the causal mask, or another batch row's key length, hides
+  from a row had shifted that row by it (each row took its bias row's maximum), and
+  the small values the row sees were lost (outputs off by 1 at 1e9, 6e-4 at 1e4). And
+  under a shared additive causal bias of -1e9 with one batch row left-padded, the padded
+  rows, which see only -1e9 keys, went unshifted: the kernels' gradients there were off
+  by the number of keys they see."""
   q, k, v = inputs(6)
   bias = jax.random.normal(jax.random.key(7), (1, 1, 12, 12)).at[..., 11].set(1e9)
-  case = (dict(is_causal=True) if hidden_by == "causal"
-          else dict(key_value_seq_lengths=jnp.array([12, 9], jnp.int32)))
-  assert_close(*both(q, k, v, implementation=implementation, bias=bias, **case))
+  if hidden_by == "causal":
+    case = dict(is_causal=True)
+  elif hidden_by == "lengths":
+    case = dict(key_value_seq_lengths=jnp.array([12, 9], jnp.int32))
+  else:
+    bias = jnp.where(jnp.tri(12, dtype=bool), 0.0, -1e9)[None, None]
+    case = dict(mask=jnp.arange(12)[None, None, None, :] >= jnp.array([5, 0])[:, None, None, None])
+  ours = both(q, k, v, implementation=implementation, bias=bias, **case)[0]
+  if hidden_by == "padding":  # as jax.nn on each row's bias less its top over what it sees
+    top = jnp.where(case["mask"], bias, -jnp.inf).max(axis=-1, keepdims=True)
+    exact = bias - jnp.where(top > -1e30, top, 0.0)
+    value, (dq, dk, dv, dbias) = both(q, k, v, bias=exact, **case)[1]
+    theirs = value, (dq, dk, dv, dbias.sum(axis=0, keepdims=True))
+  else:
+    theirs = both(q, k, v, bias=bias, **case)[1]
+  assert_close(ours, theirs)
 
 
 def test_the_large_row_check_stays_one_branch_under_vmap():

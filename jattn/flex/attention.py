@@ -28,6 +28,7 @@ from jattn.flex.array_grads import score_array_grads, summed_over_broadcast
 from jattn.flex.block_mask import BlockMask
 from jattn.flex.examples import example_mods
 from jattn.flex.functions import ElementFunction, trace
+from jattn.flex.mods import broadcast_at
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
 from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, LARGE_ROW, shared_row_shift,
@@ -114,21 +115,21 @@ class _FlexKernels:
     o, lse = self._kernel_forward(call, q, k, v, mods)
     if _dense_bias(call.problem):
       def shifted():
-        consts_s, mods_s, shift = self._shifted_bias(call, consts, mods, lse)
+        _, mods_s, shift = self._shifted_bias(call, consts, mods, lse)
         o_s, lse_s = self._kernel_forward(call, q, k, v, mods_s)
-        return o_s, unshifted_lse(lse_s, shift)
+        return o_s, unshifted_lse(lse_s, shift[..., None])
 
       o, lse = jax.lax.cond(_has_large_rows(lse), shifted, lambda: (o, lse))
     return (o, lse), ((q, k, v), consts, mods, o, lse)
 
   def _shifted_bias(self, call, consts, mods, lse):
-    """A dense bias's rows of large values shifted by ``_bias_shift`` from the rows'
-    ``lse``: ``(the arrays, the mods, the shift)``."""
-    p = call.problem
-    bias = consts[0]
-    shift = _bias_shift(bias, lse)
-    arrays = self._function(p.score_mod, (bias - shift,), p, call)[1]
-    return ((bias - shift,) + tuple(consts[1:]), dataclasses.replace(mods, score_arrays=arrays),
+    """A dense bias's score function less each row's ``shared_row_shift`` from the rows'
+    ``lse``: ``(the function's problem and arrays, the mods, the shift [batch, q_heads,
+    q_len])``."""
+    shift = _shift_of(lse)
+    problem, arrays = _row_shifted(call.problem, consts[0], shift)
+    score, score_arrays = self._function(problem.score_mod, arrays, problem, call)
+    return ((problem, arrays), dataclasses.replace(mods, score=score, score_arrays=score_arrays),
             shift)
 
   # Whether the backward kernels can write dS out (``_kernel_backward``'s ``ds_dtype``).
@@ -147,31 +148,33 @@ class _FlexKernels:
     writes_ds = (self.writes_ds and _dense_bias(p) and wanted[0]
                  and _ds_fits(p, score_consts[0]))
 
-    def grads(consts, mods, lse):
+    def grads(problem, score_consts, mods, lse):
       """``(dq, dk, dv, dS)`` or ``(dq, dk, dv, the score arrays' gradients)``."""
       if writes_ds:
-        bias = consts[0]
+        bias = score_consts[0]
         ds_dtype = bias.dtype if bias.dtype.itemsize <= 2 else jnp.float32
         return self._kernel_backward(call, q, k, v, o, lse, cotangents, mods,
                                      ds_dtype=ds_dtype)
       dq, dk, dv = self._kernel_backward(call, q, k, v, o, lse, cotangents, mods)
-      return dq, dk, dv, score_array_grads(p, p.split_consts(consts)[0], wanted, mask_consts,
-                                           q, k, v, o, lse, *cotangents)
+      # (a shifted function's extra array, the shift, gets no gradient)
+      wants = wanted + [False] * (len(score_consts) - len(wanted))
+      return dq, dk, dv, score_array_grads(problem, score_consts, wants, mask_consts, q, k,
+                                           v, o, lse, *cotangents)[:len(wanted)]
 
     if _dense_bias(p):
       # A row's float32 lse keeps its log(sum) only near 0: such rows' weights come from
-      # the shifted bias's lse, recomputed (the forward returned the unshifted one; so
-      # this holds for this op's own lse, not one merged with other blocks, which no
+      # the shifted function's lse, recomputed (the forward returned the unshifted one;
+      # so this holds for this op's own lse, not one merged with other blocks, which no
       # ring passes flex). dS leaves the cond as the kernels wrote it: its float32 sum
       # would be a full pass.
       def shifted():
-        consts_s, mods_s, _ = self._shifted_bias(call, consts, mods, lse)
-        return grads(consts_s, mods_s, self._kernel_forward(call, q, k, v, mods_s)[1])
+        (problem, arrays), mods_s, _ = self._shifted_bias(call, consts, mods, lse)
+        return grads(problem, arrays, mods_s, self._kernel_forward(call, q, k, v, mods_s)[1])
 
       dq, dk, dv, extra = jax.lax.cond(_has_large_rows(lse), shifted,
-                                       lambda: grads(consts, mods, lse))
+                                       lambda: grads(p, score_consts, mods, lse))
     else:
-      dq, dk, dv, extra = grads(consts, mods, lse)
+      dq, dk, dv, extra = grads(p, score_consts, mods, lse)
     array_grads = [summed_over_broadcast(extra, score_consts[0].shape)] if writes_ds else extra
     kinds = (None,) if p.block_mask is not None else ()
     return (dq, dk, dv, *array_grads, *(None,) * len(mask_consts), *kinds)
@@ -182,15 +185,24 @@ def _dense_bias(p) -> bool:
   return p.score_mod is not None and p.score_mod.dense_bias
 
 
-def _bias_shift(bias, lse):
-  """What a dense ``bias`` (``[q_heads, q_len, kv_len]`` or 4-d, axes of size 1
-  broadcast) takes off its rows (``shared_row_shift``: shaped like the bias, its last
-  axis 1, in its dtype), from the log-sum-exp ``lse [batch, q_heads, q_len]`` of the
-  rows it reaches, which counts only the keys they see."""
-  shape = (1,) * (4 - bias.ndim) + bias.shape
-  peaks = jnp.where(lse <= EMPTY_ROW_LSE, -jnp.inf, lse)[..., None]
-  shift = shared_row_shift(peaks, tuple(i for i in range(3) if shape[i] == 1))
-  return shift.reshape(shift.shape[4 - bias.ndim:]).astype(bias.dtype)
+def _shift_of(lse):
+  """Each row's shift (``shared_row_shift``) from its log-sum-exp ``[batch, q_heads,
+  q_len]``, which counts only the keys the row sees."""
+  return shared_row_shift(jnp.where(lse <= EMPTY_ROW_LSE, -jnp.inf, lse))
+
+
+def _row_shifted(p, bias, shift):
+  """A dense-bias problem's score function less ``shift [batch, q_heads, q_len]`` (float32)
+  on each row: ``(p with that function, its arrays (bias, shift))``. Per row, not shared
+  along the axes the bias broadcasts: rows that share a bias row may see different keys
+  (masks, lengths), and a shift suits only the row it was taken from."""
+  def score_mod(score, b, h, q_idx, kv_idx):
+    # bias_score's function, the shift taken off the bias first: exactly, where the
+    # row's large values are near it, before the small score is added.
+    return score + (broadcast_at(bias, b, h, q_idx, kv_idx) - shift[b, h, q_idx])
+
+  fn, arrays = trace(score_mod, "score_mod")
+  return dataclasses.replace(p, score_mod=fn), arrays
 
 
 @jax.custom_batching.custom_vmap
@@ -323,19 +335,17 @@ class XlaFlex(XlaImpl):
     score_consts, mask_consts = p.split_consts(p.split_arrays(rest)[0])
     mask = None if p.mask_mod is None else p.mask_mod.bind(mask_consts)
 
-    def attend(score_consts):
-      score = None if p.score_mod is None else p.score_mod.bind(score_consts)
+    def attend(problem, score_consts):
+      score = None if problem.score_mod is None else problem.score_mod.bind(score_consts)
       return flex_attention_reference(q, k, v, score_mod=score, mask_mod=mask, scale=p.scale,
                                       guard_values=p.has_functions)
 
-    o, lse = attend(score_consts)
+    o, lse = attend(p, score_consts)
     if _dense_bias(p):  # the kernels' rows, exactly: float32 would round q·k off them
-      bias = score_consts[0]
-
       def shifted():
-        shift = _bias_shift(bias, lse)
-        o_s, lse_s = attend((bias - shift,))
-        return o_s, unshifted_lse(lse_s, shift)
+        shift = _shift_of(lse)
+        o_s, lse_s = attend(*_row_shifted(p, score_consts[0], shift))
+        return o_s, unshifted_lse(lse_s, shift[..., None])
 
       o, lse = jax.lax.cond(_has_large_rows(jax.lax.stop_gradient(lse)), shifted,
                             lambda: (o, lse))
