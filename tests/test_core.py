@@ -382,3 +382,18 @@ def test_auto_passes_over_an_implementation_only_while_another_can_run_it():
   assert choices["pallas_triton"] is None
   assert dict(VARLEN.choices(problem, info=h100, config=jattn.MosaicBlockConfig()))[
       "pallas_mosaic"] is None
+
+
+def test_only_flags_jaxlib_defines_are_taken(tmp_path, monkeypatch):
+  """A flag counts as defined where a jaxlib library holds its name as a C string, not
+  where only a protobuf descriptor keeps it (jaxlib 0.11.2 keeps a removed flag's name
+  so, and XLA aborts on unknown flags)."""
+  import importlib.machinery
+  import importlib.util
+
+  from jattn.core import device
+  (tmp_path / "libfake.so").write_bytes(b"\x00xla_defined\x00 ... \x1bxla_removedR\x00")
+  spec = importlib.machinery.ModuleSpec("jaxlib", None, is_package=True)
+  spec.submodule_search_locations = [str(tmp_path)]
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+  assert device._flags_defined_by_jaxlib(["xla_defined", "xla_removed"]) == {"xla_defined"}

@@ -64,7 +64,11 @@ def _flags_defined_by_jaxlib(names: list[str]) -> set[str]:
     for lib in glob.glob(os.path.join(folder, "*.so")):
       with open(lib, "rb") as f, contextlib.suppress(ValueError):  # ValueError: empty file
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-          found |= {n for n in names if n not in found and data.find(n.encode()) >= 0}
+          # A flag's definition holds its name as a C string; a protobuf descriptor
+          # (XLA's DebugOptions) keeps a removed flag's name inside other bytes, and
+          # jaxlib 0.11.2 aborts on xla_cpu_use_fusion_emitters, which it has only so.
+          found |= {n for n in names
+                    if n not in found and data.find(b"\0" + n.encode() + b"\0") >= 0}
       if len(found) == len(names):
         return found
   return found
