@@ -138,8 +138,8 @@ class MultiHeadAttention(nnx.Module):
     row) are appended at each row's cached length, and each attends causally to the
     row's cached tokens and those before it in ``x`` (always causal, whatever
     ``causal`` says; no dropout). ``lengths: [batch]`` ints: how many of ``x``'s tokens
-    each row really has (default all; left-aligned, the rest padding, not cached, with
-    zero outputs).
+    each row really has (default all; left-aligned, the rest padding, not cached; their
+    attention is zero, so the layer gives ``out_proj``'s bias there).
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"x must be [batch, seq, {self.embed_dim}], got shape {x.shape}")
