@@ -33,9 +33,10 @@ def _row_shift(bias, mask):
   """What ``bias [heads, tokens, tokens]`` takes off its rows (``shared_row_shift``, in
   its dtype), from each row's largest value over the keys the additive ``mask
   [mask_windows, tokens, tokens]`` (or None) leaves it, in every window."""
-  if mask is None:
-    return shared_row_shift(jnp.max(bias, axis=-1, keepdims=True)).astype(bias.dtype)
-  peaks = jnp.max(bias.astype(jnp.float32)[None] + mask[:, None], axis=-1, keepdims=True)
+  logits = bias.astype(jnp.float32)[None]  # [mask_windows or 1, heads, tokens, tokens]
+  if mask is not None:
+    logits = logits + mask[:, None]
+  peaks = jnp.max(logits, axis=-1, keepdims=True)
   return shared_row_shift(peaks, (0,))[0].astype(bias.dtype)
 
 

@@ -117,7 +117,7 @@ class _FlexKernels:
       def shifted():
         _, mods_s, shift = self._shifted_bias(call, consts, mods, lse)
         o_s, lse_s = self._kernel_forward(call, q, k, v, mods_s)
-        return o_s, unshifted_lse(lse_s, shift[..., None])
+        return o_s, unshifted_lse(lse_s, shift)
 
       o, lse = jax.lax.cond(_has_large_rows(lse), shifted, lambda: (o, lse))
     return (o, lse), ((q, k, v), consts, mods, o, lse)
@@ -345,7 +345,7 @@ class XlaFlex(XlaImpl):
       def shifted():
         shift = _shift_of(lse)
         o_s, lse_s = attend(*_row_shifted(p, score_consts[0], shift))
-        return o_s, unshifted_lse(lse_s, shift[..., None])
+        return o_s, unshifted_lse(lse_s, shift)
 
       o, lse = jax.lax.cond(_has_large_rows(jax.lax.stop_gradient(lse)), shifted,
                             lambda: (o, lse))

@@ -94,10 +94,9 @@ def shared_row_shift(peaks, axes: tuple = ()):
 
 
 def unshifted_lse(lse, shift):
-  """The log-sum-exp of a bias from that of the bias less ``shift`` (``[..., q_len, 1]``,
-  broadcasting against ``lse [..., heads, q_len]``); rows that saw no key keep
-  ``EMPTY_ROW_LSE``."""
-  return jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift[..., 0].astype(jnp.float32))
+  """The log-sum-exp of logits from that of the logits less ``shift`` (float32, shaped
+  as ``lse``: one per row); rows that saw no key keep ``EMPTY_ROW_LSE``."""
+  return jnp.where(lse == EMPTY_ROW_LSE, lse, lse + shift)
 
 
 def exact_empty_rows(lse):
