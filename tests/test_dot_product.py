@@ -181,6 +181,30 @@ def test_the_default_gpu_path_with_one_element_bias_or_mask(case):
     assert abs(float(ours[1][3].reshape(()))) < float(bound)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 4, 1, 1), (2, 1, 256, 1), (2, 1, 1, 256)])
+def test_hopper_kernels_with_rows_of_large_bias(shape):
+  """The Hopper kernels on biases they can split, with rows of large values (5e4, -1e3,
+  a -1e9 padding of keys): against jax.nn's XLA path in float32 on the same values less
+  each row's maximum; the bias's gradient too where it is not exactly 0 (a bias constant
+  along the keys changes no weight)."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in inputs(8, q_len=256, kv_len=256, d=64))
+  bias = jax.random.normal(jax.random.key(9), shape)
+  bias = bias.at[..., :1, :1, :1].add(5e4).at[..., -1:, -1:, -1:].add(-1e3)
+  if shape[-1] > 1:
+    bias = bias.at[1, ..., 200:].set(-1e9)
+  bias = bias.astype(jnp.bfloat16)
+  exact = bias.astype(jnp.float32)
+  exact = exact - exact.max(axis=-1, keepdims=True)
+  ours = both(q, k, v, implementation="pallas_mosaic", bias=bias)[0]
+  reference = both(*(x.astype(jnp.float32) for x in (q, k, v)), bias=exact)[1]
+  ours = jax.tree.map(lambda x: x.astype(jnp.float32), ours)
+  assert_close(ours[0], reference[0], tol=3e-2)  # the loss
+  assert_close(ours[1][:3], reference[1][:3], tol=3e-2)  # q, k, v
+  if shape[-1] > 1:
+    assert_close(ours[1][3], reference[1][3], tol=3e-2)
+
+
 def test_bad_arguments_are_named():
   q, k, v = inputs(4)
   with pytest.raises(ValueError, match="implementation must be one of"):

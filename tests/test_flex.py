@@ -265,6 +265,31 @@ def test_hopper_split_of_the_ready_functions():
   assert "on whole arrays" in trace(stacked, "score_mod")[0].factored.gap
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, HQ, 1, 1), (B, 1, SQ, 1), (B, 1, 1, SK)])
+def test_hopper_kernels_split_the_shifted_bias(shape):
+  """A dense bias the Hopper kernels can split stays split with its rows' shift taken
+  off (one per batch row and query position, or the bias itself where it is constant
+  along the keys): the shifted function had read an array per head and position, and
+  the kernels' trace failed on every such bias (a one-element one included)."""
+  from jattn.flex.attention import _row_shifted, _shift_of
+  bias = 1e4 * jax.random.normal(jax.random.PRNGKey(3), shape)
+  lse = 1e4 * jax.random.normal(jax.random.PRNGKey(4), (B, HQ, SQ))
+  q, k, v = _inputs(5, SQ, SK, HQ, HK, B, D)[:3]
+  problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.bias_score(bias))
+  assert problem.score_mod.factored.gap is None
+  shift = _shift_of(lse, bias, heads_share=True)
+  shifted, arrays = _row_shifted(problem, bias, shift)
+  split = shifted.score_mod.factored
+  assert split.gap is None
+  parts = split.part_arrays(shifted.score_mod.tile_arrays(arrays), B, HQ, SQ, SK)
+  at = {"scalar": lambda x: x[:, :, None, None], "row": lambda x: x[:, None, :, None],
+        "col": lambda x: x[:, None, None, :]}
+  score = jax.random.normal(jax.random.PRNGKey(2), (B, HQ, SQ, SK))
+  args = (score,) + dense_indices(B, HQ, SQ, SK)
+  got = split([at[p.kind](x) for p, x in zip(split.parts, parts)], *args)
+  np.testing.assert_allclose(got, score + (bias - shift), rtol=0, atol=1e-3)
+
+
 def test_hopper_parts_are_padded_with_their_last_value_and_flex_tiles_fit():
   """Padded query rows compute what the last real row does (a zero could make 0/0 there,
   and the dK/dV kernel's last tile reads them); the Hopper cost model takes flex calls."""

@@ -122,15 +122,18 @@ class _FlexKernels:
       o, lse = jax.lax.cond(_has_large_rows(lse), shifted, lambda: (o, lse))
     return (o, lse), ((q, k, v), consts, mods, o, lse)
 
+  # Whether rows of one (batch row, query position) share a shift across heads: where
+  # the kernels read no array per head and position (``FactoredFunction``).
+  heads_share_shift = False
+
   def _shifted_bias(self, call, consts, mods, lse):
-    """A dense bias's score function less each row's ``shared_row_shift`` from the rows'
-    ``lse``: ``(the function's problem and arrays, the mods, the shift [batch, q_heads,
-    q_len])``."""
-    shift = _shift_of(lse)
+    """A dense bias's score function less each row's shift (``_shift_of``): ``(the
+    function's problem and arrays, the mods, the shift shaped as ``lse``)``."""
+    shift = _shift_of(lse, consts[0], self.heads_share_shift)
     problem, arrays = _row_shifted(call.problem, consts[0], shift)
     score, score_arrays = self._function(problem.score_mod, arrays, problem, call)
     return ((problem, arrays), dataclasses.replace(mods, score=score, score_arrays=score_arrays),
-            shift)
+            _as_lse(shift, lse))
 
   # Whether the backward kernels can write dS out (``_kernel_backward``'s ``ds_dtype``).
   writes_ds = False
@@ -185,21 +188,35 @@ def _dense_bias(p) -> bool:
   return p.score_mod is not None and p.score_mod.dense_bias
 
 
-def _shift_of(lse):
-  """Each row's shift (``shared_row_shift``) from its log-sum-exp ``[batch, q_heads,
-  q_len]``, which counts only the keys the row sees."""
-  return shared_row_shift(jnp.where(lse <= EMPTY_ROW_LSE, -jnp.inf, lse))
+def _shift_of(lse, bias, heads_share: bool = False):
+  """What is taken off each row of a dense ``bias`` (float32, 4-d, broadcastable to
+  ``[batch, q_heads, q_len, 1]``). A bias constant along the keys is its own shift:
+  it changes no weight, and off it the logits are the scores, exactly. Otherwise each
+  row's ``shared_row_shift`` from its log-sum-exp ``lse [batch, q_heads, q_len]`` (which
+  counts only the keys the row sees), one per row, not shared along the axes the bias
+  broadcasts: rows that share a bias row may see different keys (masks, lengths), and a
+  shift suits only the row it was taken from; ``heads_share``: one per (batch row,
+  query position), the heads' peaks nearest 0 (a part the Hopper kernels can read)."""
+  if bias.shape[-1] == 1:
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape).astype(jnp.float32)
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(bias), bias, 0.0))
+  peaks = jnp.where(lse <= EMPTY_ROW_LSE, -jnp.inf, lse)
+  return shared_row_shift(peaks, (1,) if heads_share else ())[..., None]
+
+
+def _as_lse(shift, lse):
+  """``_shift_of``'s shift shaped as ``lse`` (one per row)."""
+  return jnp.broadcast_to(shift[..., 0], lse.shape)
 
 
 def _row_shifted(p, bias, shift):
-  """A dense-bias problem's score function less ``shift [batch, q_heads, q_len]`` (float32)
-  on each row: ``(p with that function, its arrays (bias, shift))``. Per row, not shared
-  along the axes the bias broadcasts: rows that share a bias row may see different keys
-  (masks, lengths), and a shift suits only the row it was taken from."""
+  """A dense-bias problem's score function less ``shift`` (``_shift_of``'s) on each row:
+  ``(p with that function, its arrays (bias, shift))``."""
   def score_mod(score, b, h, q_idx, kv_idx):
     # bias_score's function, the shift taken off the bias first: exactly, where the
     # row's large values are near it, before the small score is added.
-    return score + (broadcast_at(bias, b, h, q_idx, kv_idx) - shift[b, h, q_idx])
+    return score + (broadcast_at(bias, b, h, q_idx, kv_idx)
+                    - broadcast_at(shift, b, h, q_idx, kv_idx))
 
   fn, arrays = trace(score_mod, "score_mod")
   return dataclasses.replace(p, score_mod=fn), arrays
@@ -286,6 +303,7 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   first run of full blocks unmasked. Deterministic backward (no fused dQ)."""
 
   config_cls = MosaicBlockConfig
+  heads_share_shift = True
 
   def gaps(self, p):
     wide = (() if mosaic_backward_runs(p.head_dim, p.head_dim)
@@ -343,9 +361,9 @@ class XlaFlex(XlaImpl):
     o, lse = attend(p, score_consts)
     if _dense_bias(p):  # the kernels' rows, exactly: float32 would round q·k off them
       def shifted():
-        shift = _shift_of(lse)
+        shift = _shift_of(lse, score_consts[0])
         o_s, lse_s = attend(*_row_shifted(p, score_consts[0], shift))
-        return o_s, unshifted_lse(lse_s, shift)
+        return o_s, unshifted_lse(lse_s, _as_lse(shift, lse))
 
       o, lse = jax.lax.cond(_has_large_rows(jax.lax.stop_gradient(lse)), shifted,
                             lambda: (o, lse))
