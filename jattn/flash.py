@@ -132,14 +132,16 @@ def row_lengths(q_lengths, kv_lengths, batch: int, q_len: int, kv_len: int):
   arrays' length (None when neither is given)."""
   if q_lengths is None and kv_lengths is None:
     return None
-  columns = []
+  columns = {}
   for name, given, full in (("q_lengths", q_lengths, q_len), ("kv_lengths", kv_lengths, kv_len)):
-    if given is None:
-      columns.append(jnp.full((batch,), full, jnp.int32))
-      continue
-    check_integer_array(name, given, (batch,), "batch")
-    columns.append(jnp.clip(given, 0, full).astype(jnp.int32))
-  return jnp.stack(columns, axis=1)
+    if given is not None:
+      check_integer_array(name, given, (batch,), "batch")
+      columns[name] = jnp.clip(given, 0, full).astype(jnp.int32)
+  # The missing one like the given one (full_like): on a mesh of Explicit axes it takes
+  # the given one's sharding, and the two stack.
+  given = next(iter(columns.values()))
+  return jnp.stack([columns.get("q_lengths", jnp.full_like(given, q_len)),
+                    columns.get("kv_lengths", jnp.full_like(given, kv_len))], axis=1)
 
 
 def has_mask(p: FlashProblem) -> bool:

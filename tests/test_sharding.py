@@ -68,6 +68,9 @@ def _retention(mode):
 CASES = [
     ("window_bias_mask", _window, 8, 8, "model", ("bias", "mask")),
     ("flash_gqa_sinks_segments", _flash, 8, 4, "model", ("sinks", "ids")),
+    # MQA split over batch: its one KV head had made Shardy refuse the op's rule
+    ("flash_mqa", lambda q, k, v: jattn.flash_attention(q, k, v, causal=True, backend=BACKEND),
+     8, 1, None, ()),
     ("flex", _flex, 8, 4, "model", ()),
     ("dilated", _dilated, 8, 8, "model", ()),
     ("retention_parallel", _retention("parallel"), 8, 8, "model", ()),
@@ -206,6 +209,47 @@ def test_fp8_forward_runs_per_shard(mesh_shape):
   assert rel_err(out, fp8(q8, k8, v8, qd, kd, vd)) < 1e-2
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
   assert "all-gather" not in fp8.lower(*sharded).compile().as_text()
+
+
+def _flex_alibi(q, k, v, slopes):  # reads h: split over batch only
+  return jattn.flex_attention(q, k, v, score_mod=jattn.flex.alibi_score(slopes),
+                              mask_mod=jattn.flex.causal_mask(), backend=BACKEND)
+
+
+@pytest.mark.parametrize("case", ["flex_grad_set_mesh", "kv_lengths_set_mesh", "sharded_slopes"])
+def test_odd_placements_run_per_shard(case):
+  """Under ``jax.set_mesh`` of Explicit axes, a flex backward (the kernels' slope check
+  had computed eagerly there, and failed in the partitioner's manual axes) and key
+  lengths split by batch (stacked with a replicated column: a sharding mismatch); on
+  an Auto mesh, an array a flex function closes over sharded by the user is gathered
+  (it was refused as a sharded sequence). Values and gradients as unsharded."""
+  explicit = case != "sharded_slopes"
+  mesh = _mesh(AxisType.Explicit if explicit else AxisType.Auto)
+  ks = jax.random.split(jax.random.key(7), 4)
+  q = _normal(ks[0], (4, SEQ, 8, HEAD_DIM))
+  k, v = (_normal(key, (4, SEQ, 4, HEAD_DIM)) for key in ks[1:3])
+  if case == "kv_lengths_set_mesh":
+    extra, extra_spec = jnp.array([SEQ, 9, 20, 2], jnp.int32), P("data")
+    fn = lambda q, k, v, n: jattn.flash_attention(q, k, v, kv_lengths=n, backend=BACKEND)
+  else:
+    extra = jattn.flex.alibi_slopes(8) * (1 + jax.random.uniform(ks[3], (8,)))
+    extra_spec = P() if explicit else P("model")
+    fn = _flex_alibi
+  args = (q, k, v, extra)
+  sharded = tuple(_put(mesh, x, P("data")) for x in (q, k, v)) + (_put(mesh, extra, extra_spec),)
+  wanted = (0, 1, 2) + ((3,) if jnp.issubdtype(extra.dtype, jnp.floating) else ())
+  step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))),
+                                    argnums=wanted))
+  if explicit:
+    with jax.set_mesh(mesh):
+      value, grads = step(*sharded)
+  else:
+    value, grads = step(*sharded)
+  value_ref, grads_ref = step(*args)
+  assert rel_err(value, value_ref) < TOL
+  for g, g_ref in zip(grads, grads_ref):
+    assert rel_err(g, g_ref) < TOL
+  assert grads[0].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 4)
 
 
 def test_a_sharded_sequence_axis_is_refused_with_a_pointer_to_the_ring():

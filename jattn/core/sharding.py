@@ -64,25 +64,28 @@ PER_Q_HEAD = Axes(heads=0)  # [q_heads]: sinks
 PER_KV_HEAD = Axes(heads=0, kv=True)  # [kv_heads]: FP8 descales
 
 
-def _factors(axes: Axes, ndim: int, group: int, name: str) -> str:
+def _factors(axes: Axes, ndim: int, group: int, name: str, one_kv_head: bool) -> str:
   """One array's dimensions in Shardy's factor notation: ``b`` the batch, ``g`` the KV
-  heads (query heads ``(g r)``), a factor of its own for every other dimension."""
+  heads (query heads ``(g r)``), a factor of its own for every other dimension. With
+  one KV head (MQA) the query heads are ``g`` and the KV head a factor of its own:
+  Shardy takes no factor of size 1 in a compound one."""
   dims = []
   for d in range(ndim):
     if d == axes.batch:
       dims.append("b")
-    elif d == axes.heads:
-      dims.append("g" if axes.kv or group == 1 else "(g r)")
+    elif d == axes.heads and not (axes.kv and one_kv_head):
+      dims.append("g" if axes.kv or group == 1 or one_kv_head else "(g r)")
     else:
       dims.append(f"{name}{d}")
   return " ".join(dims)
 
 
-def _rule_text(in_axes, out_axes, in_ndims, out_ndims, group: int):
-  ins = ", ".join(_factors(a, n, group, f"i{i}x") for i, (a, n) in enumerate(zip(in_axes, in_ndims)))
-  outs = ", ".join(_factors(a, n, group, f"o{i}x")
-                   for i, (a, n) in enumerate(zip(out_axes, out_ndims)))
-  return f"{ins} -> {outs}", ({"r": group} if group > 1 else {})
+def _rule_text(in_axes, out_axes, in_ndims, out_ndims, group: int, one_kv_head: bool):
+  factors = lambda axes, ndims, prefix: ", ".join(
+      _factors(a, n, group, f"{prefix}{i}x", one_kv_head)
+      for i, (a, n) in enumerate(zip(axes, ndims)))
+  sizes = {"r": group} if group > 1 and not one_kv_head else {}
+  return f"{factors(in_axes, in_ndims, 'i')} -> {factors(out_axes, out_ndims, 'o')}", sizes
 
 
 def _spec(sharding, ndim: int) -> tuple:
@@ -110,6 +113,8 @@ def _split(call, names, in_axes, mesh, arg_shapes):
   batch_mesh = q_spec[q_axes.batch] if q_axes.batch is not None else None
   head_mesh = q_spec[q_axes.heads] if q_axes.heads is not None else None
   for name, axes, shape in zip(names, in_axes, arg_shapes):
+    if axes.batch is None and axes.heads is None:
+      continue  # an array every shard reads whole (a flex function's): gathered
     spec = _spec(shape.sharding, len(shape.shape))
     for d, mesh_axes in enumerate(spec):
       if mesh_axes is not None and d not in (axes.batch, axes.heads):
@@ -167,9 +172,11 @@ def _whole(piece: _Piece, *operands):
 
 def _rule(piece: _Piece, mesh, arg_types, result_types):
   ndims = lambda types: [len(t.shape) for t in types]
-  return _rule_text((REPLICATED,) * piece.num_consts + piece.operand_axes, piece.result_axes,
-                    ndims(arg_types), ndims(result_types),
-                    piece.call.op.shard_rule(piece.call.problem).group)
+  in_axes = (REPLICATED,) * piece.num_consts + piece.operand_axes
+  kv_heads = {t.shape[a.heads] for a, t in zip(in_axes, arg_types)
+              if a.kv and a.heads is not None}
+  return _rule_text(in_axes, piece.result_axes, ndims(arg_types), ndims(result_types),
+                    piece.call.op.shard_rule(piece.call.problem).group, kv_heads == {1})
 
 
 def _partition(piece: _Piece, mesh, arg_shapes, result_shape):
