@@ -371,19 +371,6 @@ def test_bad_inputs_raise_errors_naming_the_argument(spec, bad, error, named):
     spec.call(*bad(args), backend="xla")
 
 
-def test_second_derivatives_on_the_kernels_are_refused_by_name():
-  """The kernels' gradients are first-order: a second derivative gets a message naming
-  the op and the way (it stopped in JAX at custom_partitioning); xla's are autodiff's."""
-  q = jax.random.normal(jax.random.PRNGKey(7), (1, 16, 2, 8))
-  def second(backend):
-    loss = lambda q: jnp.sum(jattn.flash_attention(q, q, q, backend=backend) ** 2)
-    return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q)))(q)
-  with pytest.raises(NotImplementedError, match="flash_attention: the pallas_triton backend's "
-                     "gradients are first-order only .* use backend='xla'"):
-    second("pallas_triton")
-  assert jnp.all(jnp.isfinite(second("xla")))
-
-
 @pytest.mark.parametrize("spec", CHECKED_SPECS, ids=lambda s: s.op)
 def test_unknown_backend_is_named(spec):
   args = spec.inputs(jax.random.PRNGKey(6), jnp.float32, 8)

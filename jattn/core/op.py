@@ -310,7 +310,10 @@ def _with_vjp_fwd(call: Call, dtypes, *arrays):
   # differentiated). The flags ride in the residuals' structure (``()``: differentiated).
   flags = tuple(() if a is not None and a.perturbed else None for a in arrays)
   arrays = tuple(None if a is None else a.value for a in arrays)
-  outputs, residuals = _first_order(call, "forward", arrays)
+  if sharding.partitions(call):  # the residuals are rebuilt per shard (``residuals_of``)
+    outputs = sharding.forward(call, arrays)
+    return outputs, (flags, (arrays, outputs))
+  outputs, residuals = call.impl.forward(call, *arrays)
   return outputs, (flags, residuals)
 
 
@@ -320,38 +323,16 @@ def _with_vjp_bwd(call: Call, dtypes, residuals, cotangents):
   cotangents = jax.tree.map(
       lambda c: jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c, cotangents,
       is_leaf=lambda c: isinstance(c, SymbolicZero))
-  grads = _first_order(call, "backward", (residuals, cotangents))
+  if sharding.partitions(call):
+    grads = sharding.backward(call, *residuals, cotangents)
+  else:
+    grads = call.impl.backward(call, residuals, cotangents)
   # Implementations may return float32 gradients; each takes its array's dtype here.
   return tuple(None if g is None or not f else g.astype(d)
                for g, d, f in zip(grads, dtypes, call.differentiated))
 
 
 _with_vjp.defvjp(_with_vjp_fwd, _with_vjp_bwd, symbolic_zeros=True)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _first_order(call: Call, stage: str, args):
-  """The forward's ``(outputs, residuals)`` from ``args = arrays``, or the backward's
-  gradients from ``args = (residuals, cotangents)``."""
-  if stage == "forward":
-    if sharding.partitions(call):  # the residuals are rebuilt per shard (``residuals_of``)
-      outputs = sharding.forward(call, args)
-      return outputs, (args, outputs)
-    return call.impl.forward(call, *args)
-  residuals, cotangents = args
-  if sharding.partitions(call):
-    return sharding.backward(call, *residuals, cotangents)
-  return call.impl.backward(call, residuals, cotangents)
-
-
-@_first_order.defjvp
-def _first_order_jvp(call: Call, stage: str, primals, tangents):
-  # A second derivative differentiates these; it would otherwise stop deep in JAX, at
-  # the kernels' pallas_call or the sharded call's custom_partitioning.
-  raise NotImplementedError(
-      f"{call.op.name}: the {call.impl.backend.name} backend's gradients are first-order "
-      "only (its backward runs kernels); for second and higher derivatives use "
-      "backend='xla'")
 
 
 @functools.partial(jax.jit, static_argnums=0)
