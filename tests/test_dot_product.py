@@ -182,6 +182,20 @@ def test_the_default_gpu_path_with_one_element_bias_or_mask(case):
 
 
 @pytest.mark.gpu
+def test_dense_bias_at_head_dim_128_on_the_gpu():
+  """A dense 16-bit bias alone at head dim 128 on the Triton flex kernels: against
+  jax.nn's XLA path in float32 on the same values, outputs and gradients, the bias's
+  included."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in inputs(10, q_len=384, kv_len=320, d=128))
+  bias = jax.random.normal(jax.random.key(11), (1, 4, 384, 320), jnp.bfloat16)
+  ours = jax.tree.map(lambda x: x.astype(jnp.float32), both(q, k, v, implementation=None,
+                                                           bias=bias)[0])
+  reference = both(*(x.astype(jnp.float32) for x in (q, k, v)),
+                   bias=bias.astype(jnp.float32))[1]
+  assert_close(ours, reference, tol=3e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 4, 1, 1), (2, 1, 256, 1), (2, 1, 1, 256)])
 def test_hopper_kernels_with_rows_of_large_bias(shape):
   """The Hopper kernels on biases they can split, with rows of large values (5e4, -1e3,

@@ -31,6 +31,7 @@ from jattn.flex.functions import ElementFunction, trace
 from jattn.flex.mods import broadcast_at
 from jattn.flash import AttentionTritonImpl, mosaic_budget
 from jattn.kernels.common.block_sparsity import classify_blocks
+from jattn.kernels.common.config import padded_head_dim
 from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, LARGE_ROW, shared_row_shift,
                                           unshifted_lse)
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
@@ -258,6 +259,17 @@ class TritonFlex(_FlexKernels, AttentionTritonImpl):
     unsupported = tuple(f"a {f.kind} the tiles cannot evaluate ({f.kernel_gap})"
                         for f in (p.score_mod, p.mask_mod) if f is not None and f.kernel_gap)
     return super().gaps(p) + unsupported
+
+  def heuristic_config(self, p, info):
+    config = super().heuristic_config(p, info)
+    if (_dense_bias(p) and p.mask_mod is None and p.block_mask is None
+        and p.dtype.itemsize == 2 and 64 < padded_head_dim(p.head_dim) <= 128
+        and p.kv_len >= 8192):
+      # A 16-bit bias alone over long key loops: the sweep's winner there
+      # (bench/results/flex_bias_configs_h100.md); the flash default stays ahead over
+      # 4096 keys and under a mask.
+      return dataclasses.replace(config, num_warps=8, num_stages=3)
+    return config
 
   def tuning_stages(self):
     # Not tuned: a cached config would have to be keyed by the functions too.
