@@ -213,6 +213,11 @@ class DilatedAttention(SoftmaxOp):
     check_attention_inputs(q, k, v, same_length=True)
     batch, seq, heads, head_dim = q.shape
     check_pairs(segment_lengths, dilation_rates)
+    # A segment past the sequence is one segment of it: as the least multiple of r that
+    # covers seq, a w of 2^31 or more stays in the kernels' int32 (it had wrapped there,
+    # silently: zeros under x64) and the dense reference pads no further.
+    segment_lengths = tuple(min(int(w), int(r) * -(-seq // int(r)))
+                            for w, r in zip(segment_lengths, dilation_rates))
     problem = DilatedProblem(batch=batch, seq=seq, heads=heads, kv_heads=k.shape[2],
                              head_dim=head_dim, dtype=q.dtype, segment_lengths=segment_lengths,
                              dilation_rates=dilation_rates, causal=check_flag("causal", causal),

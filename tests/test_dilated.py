@@ -69,11 +69,17 @@ def test_mixing_follows_the_pairs_log_sum_exp():
   np.testing.assert_allclose(lse, np.logaddexp.reduce(lses, axis=0), atol=2e-5)
 
 
-@pytest.mark.parametrize("backend,causal", [("xla", False), ("pallas_triton", True)])
-def test_one_full_segment_is_flash_attention(backend, causal):
+@pytest.mark.parametrize("backend,causal,w", [("xla", False, 40), ("pallas_triton", True, 40),
+                                              ("pallas_triton", False, 2 ** 31),
+                                              ("xla", True, 10 ** 12)])
+def test_one_full_segment_is_flash_attention(backend, causal, w):
+  """Also a segment far past the sequence, under x64: 2^31 keys wrapped in the kernels'
+  int32 (zeros out), and the reference padded to 10^12 rows (the process aborted)."""
   q, k, v, _ = _inputs(2, 40, 4, 2, 16, seed=2)
-  o = jax.jit(lambda q, k, v: jattn.dilated_attention(
-      q, k, v, segment_lengths=[40], dilation_rates=[1], causal=causal, backend=backend))(q, k, v)
+  with jax.enable_x64(w > 2 ** 30):
+    o = jax.jit(lambda q, k, v: jattn.dilated_attention(
+        q, k, v, segment_lengths=[w], dilation_rates=[1], causal=causal,
+        backend=backend))(q, k, v)
   np.testing.assert_allclose(o, jattn.flash_attention(q, k, v, causal=causal, backend="xla"),
                              atol=3e-6)
 
