@@ -213,11 +213,6 @@ class DilatedAttention(SoftmaxOp):
     check_attention_inputs(q, k, v, same_length=True)
     batch, seq, heads, head_dim = q.shape
     check_pairs(segment_lengths, dilation_rates)
-    # A segment past the sequence is one segment of it: as the least multiple of r that
-    # covers seq, a w of 2^31 or more stays in the kernels' int32 (it had wrapped there,
-    # silently: zeros under x64) and the dense reference pads no further.
-    segment_lengths = tuple(min(int(w), int(r) * -(-seq // int(r)))
-                            for w, r in zip(segment_lengths, dilation_rates))
     problem = DilatedProblem(batch=batch, seq=seq, heads=heads, kv_heads=k.shape[2],
                              head_dim=head_dim, dtype=q.dtype, segment_lengths=segment_lengths,
                              dilation_rates=dilation_rates, causal=check_flag("causal", causal),
@@ -271,5 +266,14 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
 
   A single pair ``(seq, 1)`` is exactly full attention.
   """
+  if np.ndim(q) == 4:
+    check_pairs(segment_lengths, dilation_rates)
+    # A segment past the sequence is one segment of it: as the least multiple of r that
+    # covers seq, a w of 2^31 or more stays in the kernels' int32 (it had wrapped there,
+    # silently: zeros under x64) and the dense reference pads no further. (Here, not in
+    # bind: the rings bind local shards with the whole sequence's pairs.)
+    seq = np.shape(q)[1]
+    segment_lengths = [min(int(w), int(r) * -(-seq // int(r)))
+                       for w, r in zip(segment_lengths, dilation_rates)]
   return DILATED(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                  causal=causal, scale=scale, backend=backend, config=config)
