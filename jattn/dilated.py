@@ -86,6 +86,10 @@ class DilatedProblem(Problem):
 def check_pairs(segment_lengths, dilation_rates) -> None:
   """LongNet's pairs: non-empty, matched, positive ints, ``w`` a multiple of ``r``."""
   for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+    items = values if isinstance(values, (list, tuple)) else [values]
+    if any(isinstance(x, jax.core.Tracer) for x in items):
+      raise TypeError(f"{name} must be Python ints, not traced values: the pairs shape the "
+                      "kernels (pass them as static arguments of jit)")
     if np.ndim(values) != 1:
       raise TypeError(f"{name} must be a sequence of ints (one per pair), got {values!r}")
   segment_lengths, dilation_rates = list(segment_lengths), list(dilation_rates)

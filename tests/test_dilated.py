@@ -407,6 +407,8 @@ def test_errors_particular_to_the_pairs():
     call(q, k, v, segment_lengths=8, dilation_rates=2)
   with pytest.raises(ValueError, match=r"positive integers .* got \(w=True, r=2\)"):
     call(q, k, v, segment_lengths=[True])
+  with pytest.raises(TypeError, match="segment_lengths must be Python ints, not traced"):
+    jax.jit(lambda w: call(q, k, v, segment_lengths=[w]))(8)
   with pytest.raises(ValueError, match=r"q's heads \(4\) must be a multiple of k's heads \(3\)"):
     three = jnp.concatenate([k, k[:, :, :1]], axis=2)
     call(q, three, three)
