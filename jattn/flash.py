@@ -139,9 +139,9 @@ def row_lengths(q_lengths, kv_lengths, batch: int, q_len: int, kv_len: int):
       columns[name] = jnp.clip(given, 0, full).astype(jnp.int32)
   # The missing one like the given one (full_like): on a mesh of Explicit axes it takes
   # the given one's sharding, and the two stack.
-  given = next(iter(columns.values()))
-  return jnp.stack([columns.get("q_lengths", jnp.full_like(given, q_len)),
-                    columns.get("kv_lengths", jnp.full_like(given, kv_len))], axis=1)
+  like = next(iter(columns.values()))
+  return jnp.stack([columns.get("q_lengths", jnp.full_like(like, q_len)),
+                    columns.get("kv_lengths", jnp.full_like(like, kv_len))], axis=1)
 
 
 def has_mask(p: FlashProblem) -> bool:

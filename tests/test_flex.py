@@ -230,6 +230,14 @@ def test_hopper_kernels_equal_the_xla_backend(case):
     assert rel_err(g, g_ref) < 2e-2
 
 
+def _dense_parts(split, parts):
+  """A split function's parts (``[B', H']``, ``[B', q]``, ``[B', kv]``) broadcast to
+  ``[batch, heads, q, kv]``."""
+  at = {"scalar": lambda x: x[:, :, None, None], "row": lambda x: x[:, None, :, None],
+        "col": lambda x: x[:, None, None, :]}
+  return [at[p.kind](x) for p, x in zip(split.parts, parts)]
+
+
 def test_hopper_split_of_the_ready_functions():
   """What the Hopper kernels compute outside (parts per head, row or column) and on
   the tiles (the rest) gives the function itself; what reads arrays at positions of
@@ -248,10 +256,8 @@ def test_hopper_split_of_the_ready_functions():
     split = traced.factored
     assert split.gap is None and [p.kind for p in split.parts] == kinds
     parts = split.part_arrays(traced.tile_arrays(consts), B, HQ, SQ, SK)
-    at = {"scalar": lambda x: x[:, :, None, None], "row": lambda x: x[:, None, :, None],
-          "col": lambda x: x[:, None, None, :]}
     args = ((score,) if kind == "score_mod" else ()) + index
-    got = split([at[p.kind](x) for p, x in zip(split.parts, parts)], *args)
+    got = split(_dense_parts(split, parts), *args)
     assert rel_err(got, traced(consts, *args)) < 1e-6
   for fn in (flex.relative_position_score(jnp.ones((HQ, 5))),
              flex.bias_score(jnp.ones((HQ, SQ, SK)))):
@@ -282,11 +288,9 @@ def test_hopper_kernels_split_the_shifted_bias(shape):
   split = shifted.score_mod.factored
   assert split.gap is None
   parts = split.part_arrays(shifted.score_mod.tile_arrays(arrays), B, HQ, SQ, SK)
-  at = {"scalar": lambda x: x[:, :, None, None], "row": lambda x: x[:, None, :, None],
-        "col": lambda x: x[:, None, None, :]}
   score = jax.random.normal(jax.random.PRNGKey(2), (B, HQ, SQ, SK))
   args = (score,) + dense_indices(B, HQ, SQ, SK)
-  got = split([at[p.kind](x) for p, x in zip(split.parts, parts)], *args)
+  got = split(_dense_parts(split, parts), *args)
   np.testing.assert_allclose(got, score + (bias - shift), rtol=0, atol=1e-3)
 
 
@@ -294,8 +298,8 @@ def test_hopper_kernels_split_the_shifted_bias(shape):
                                                  (8192, True, 4)])
 def test_triton_config_for_a_dense_bias_over_long_key_loops(kv_len, mask, warps):
   """A 16-bit dense bias alone over 8192 keys or more takes 8 warps and 3 stages
-  (measured 1.21x over the flash default at 16k on an H100); with fewer keys or a mask,
-  the flash default."""
+  (bench/results/dot_product_bias_configs_ab_h100.md); with fewer keys or a mask, the
+  flash default."""
   from jattn.flex.attention import TritonFlex
   x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
   kv = jnp.zeros((1, kv_len, 2, 128), jnp.bfloat16)
