@@ -156,13 +156,14 @@ def test_kernels_at_gpu_sizes(shape, pairs, causal, dtype, tol):
 
 
 # The Hopper kernels, forward and backward (on the GPU only; their host code on the CPU
-# below): LongNet's pairs, each segment whole and a multiple of the tiles.
+# below): LongNet's pairs, each segment whole and a multiple of the tiles; the last
+# shape's second segment is past the sequence (taken as the whole sequence).
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,pairs,causal,dtype,tol", [
     ((2, 4096, 8, 8, 64), ((512, 1), (1024, 2), (2048, 4), (4096, 8)), False, jnp.bfloat16, 3e-2),
     ((1, 4096, 8, 2, 128), ((1024, 1), (2048, 2), (4096, 4)), True, jnp.float16, 4e-3),
-    ((1, 4096, 4, 1, 80), ((1024, 2), (4096, 8)), False, jnp.bfloat16, 3e-2),
-], ids=["longnet-mha-bf16", "gqa-causal-fp16", "mqa-d80-rate-over-heads-bf16"])
+    ((1, 4096, 4, 1, 80), ((1024, 2), (16384, 8)), False, jnp.bfloat16, 3e-2),
+], ids=["longnet-mha-bf16", "gqa-causal-fp16", "mqa-d80-rate-over-heads-segment-past-seq-bf16"])
 def test_hopper_kernels_at_gpu_sizes(shape, pairs, causal, dtype, tol):
   if jax.devices()[0].platform != "gpu" or jax.devices()[0].compute_capability != "9.0":
     pytest.skip("needs a Hopper GPU")

@@ -5,8 +5,8 @@ Cost model (prunes configs before anything compiles; ``d`` / ``dv`` are the padd
 head dims of q, k and of v, ``W`` the consumer warpgroups, each owning ``block`` rows;
 registers count fp32 accumulator values per consumer thread):
 
-- forward: ``hopper.forward.forward_cost`` (Q tiles, ``stages`` K and V slots; O and
-  the logits in registers);
+- forward: ``hopper.forward.forward_cost`` (Q tiles, ``stages`` K and V slots, the
+  row sums' ones tile; O, the logits and the row sums in registers);
 - dQ: Q and dO tiles per consumer, ``bwd_stages`` K and V slots; dQ and two logit tiles;
 - dK/dV: K and V tiles per consumer, ``bwd_stages`` Q and dO slots with their row
   statistics; dK, dV and two logit tiles;
@@ -105,7 +105,7 @@ def default_mosaic_config(head_dim: int, value_head_dim: int | None = None) -> M
   if d <= 128:
     return MosaicBlockConfig(block_q=64, block_kv=128, stages=2, block_q_dq=64,
                              block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64, bwd_stages=2)
-  wide_tiles = forward_smem_bytes(64, 128, 2, dk, dv, 2, 1) <= HOPPER_SMEM_BYTES
+  wide_tiles = forward_smem_bytes(64, 128, 2, dk, dv, 2, 1, ones_tile=True) <= HOPPER_SMEM_BYTES
   return MosaicBlockConfig(block_q=64, block_kv=128 if wide_tiles else 64, stages=2)
 
 
@@ -162,7 +162,7 @@ def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int,
               + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
   dq_cols = fused_dq_columns(d)
   return {
-      "forward": forward_cost(c.block_q, c.block_kv, c.stages, d, dv, nbytes),
+      "forward": forward_cost(c.block_q, c.block_kv, c.stages, d, dv, nbytes, ones_tile=True),
       "dQ": ((w * c.block_q_dq * (d + dv) + c.bwd_stages * c.block_kv_dq * (d + dv)) * nbytes + o,
              (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / t),
       "dK/dV": (dkv_smem,

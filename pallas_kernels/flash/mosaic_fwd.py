@@ -42,6 +42,13 @@ class SoftmaxRows:
   def n_inputs(self) -> int:  # kernel inputs the rule reads
     return int(self.sinks) + 2 * int(self.descaled)
 
+  @property
+  def mma_row_sums(self) -> bool:
+    """Whether the denominator sums the 16-bit weights V meets, on the tensor cores
+    (``rows_forward``). Not under dropout, whose denominator counts the dropped weights
+    too, nor in FP8, whose recipe sums the float32 weights."""
+    return not self.positions.dropout and not self.descaled
+
   def bind(self, inputs, t: ConsumerRows) -> Rows:
     c = log2_units(self.scale, self.positions.score is not None or self.softcap is not None)
     value_scale = None
@@ -56,11 +63,17 @@ class SoftmaxRows:
         s = self.positions.apply_mask(s, self.spec, tile)
       m_next = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2((m - m_next) * c)
-      p = jnp.exp2((s - lax.broadcast_in_dim(m_next, s.shape, [0])) * c)
+      if self.descaled or self.mma_row_sums:
+        # One FFMA per weight, FlashAttention-3's form. Its top weight may miss 1 by the
+        # rounding of m * c, which in 16 bits the row sums of the very weights V meets
+        # cancel (a one-hot row's output is its value exactly); FP8 rounds coarser.
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next * c, s.shape, [0]))
+      else:  # the max subtracted first: a saturated row's top weight is exactly 1
+        p = jnp.exp2((s - lax.broadcast_in_dim(m_next, s.shape, [0])) * c)
 
       def late(stats):
         m, l = stats
-        return m, l * alpha + p.sum(axis=1)
+        return m, l * alpha + (0.0 if self.mma_row_sums else p.sum(axis=1))
 
       # Dropout: the denominator counts every weight, V meets the kept ones (selected
       # in 16 bits: half the registers of an fp32 copy of the tile).
@@ -69,8 +82,10 @@ class SoftmaxRows:
         p_v = jnp.where(self.positions.kept(tile), p_v, jnp.zeros((), t.dtype))
       return p_v, alpha, (m_next, l), late
 
-    def finish(acc, stats):
+    def finish(acc, stats, row_sums=None):
       m, l = stats
+      if row_sums is not None:
+        l = l + row_sums
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
       # Dropout scales the kept weights by 1 / (1 - rate).

@@ -25,7 +25,8 @@ which the 8-bit weights' registers serve as the A operand as they lie
 
 The row rule says how a consumer turns each score tile into the tile it multiplies
 with V, and how it finishes its rows. A rule is a hashable object with ``n_inputs``
-(extra kernel inputs it reads) and ``bind(inputs, ConsumerRows) -> Rows``. Flash
+(extra kernel inputs it reads), ``mma_row_sums`` (whether the kernel sums its weights'
+rows on the tensor cores for it) and ``bind(inputs, ConsumerRows) -> Rows``. Flash
 attention's is the online softmax (``flash.mosaic_fwd.SoftmaxRows``); parallel
 retention's is its decay (``retention.mosaic.DecayRows``).
 """
@@ -49,6 +50,11 @@ from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_SMEM_OVERHEAD
                                          THREADS_PER_WARPGROUP)
 from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
 from jattn.kernels.hopper.work import QueryTiles
+
+
+# Rows of the ones tile a rule's ``mma_row_sums`` multiply its weights with: the
+# narrowest wgmma (N = 8).
+ONES_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,10 @@ class Rows(NamedTuple):
   with V, ``acc_scale`` a per-row factor for the accumulator (or None), ``late`` None
   or a function of the statistics that may run after the consumer's turn on the
   tensor cores. ``finish(acc, stats) -> (o, row_stat)``: the rows' fp32 output and
-  the ``[block_q]`` float32 statistic the kernel saves.
+  the ``[block_q]`` float32 statistic the kernel saves; for a rule whose
+  ``mma_row_sums``, ``finish(acc, stats, row_sums)`` with ``row_sums`` the sums of
+  its ``p`` tiles' rows (each scaled by the ``acc_scale`` after it, as the
+  accumulator is), taken on the tensor cores by a wgmma with a ones tile.
   """
 
   init: tuple
@@ -101,31 +110,40 @@ def own_output_tile(block_q: int, dk: int, dv: int, nbytes: int, out_nbytes: int
 
 
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                       nbytes: int, q_buffers: int, out_nbytes: int | None = None) -> int:
+                       nbytes: int, q_buffers: int, out_nbytes: int | None = None,
+                       ones_tile: bool = False) -> int:
   """Shared memory of the forward kernel's tiles: ``q_buffers`` Q tiles per consumer
   (which take the output tile where ``output_view_rows`` says so, else an output tile
-  of its own) and ``stages`` K and V slots. ``out_nbytes``: the output's bytes per
-  value (default ``nbytes``)."""
+  of its own), ``stages`` K and V slots and, with ``ones_tile``, the ones tile of a
+  rule's ``mma_row_sums``. ``out_nbytes``: the output's bytes per value (default
+  ``nbytes``)."""
   out_nbytes = nbytes if out_nbytes is None else out_nbytes
   out = (mp.CONSUMERS * block_q * dv * out_nbytes
          if own_output_tile(block_q, dk, dv, nbytes, out_nbytes) else 0)
-  tiles = q_buffers * mp.CONSUMERS * block_q * dk + stages * block_kv * (dk + dv)
+  tiles = (q_buffers * mp.CONSUMERS * block_q * dk + stages * block_kv * (dk + dv)
+           + ones_tile * ONES_ROWS * block_kv)
   return tiles * nbytes + out
 
 
 def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                      nbytes: int, out_nbytes: int | None = None) -> int:
+                      nbytes: int, out_nbytes: int | None = None,
+                      ones_tile: bool = False) -> int:
   """2 (the next work item's Q prefetched) where that fits the shared memory, else 1."""
-  double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2, out_nbytes)
+  double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2, out_nbytes,
+                              ones_tile)
   return 2 if double <= HOPPER_SMEM_BYTES else 1
 
 
 def forward_cost(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                 nbytes: int, out_nbytes: int | None = None) -> tuple[int, float]:
+                 nbytes: int, out_nbytes: int | None = None,
+                 ones_tile: bool = False) -> tuple[int, float]:
   """The forward kernel's shared-memory bytes (with one Q buffer: it takes a second
-  where that fits) and fp32 accumulators per consumer thread (O and the logits)."""
-  smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1, out_nbytes)
-  return smem + MOSAIC_SMEM_OVERHEAD, (block_q * dv + block_q * block_kv) / THREADS_PER_WARPGROUP
+  where that fits) and fp32 accumulators per consumer thread (O, the logits and, with
+  ``ones_tile``, the row sums)."""
+  smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1, out_nbytes,
+                            ones_tile)
+  accumulators = block_q * (dv + block_kv + ones_tile * ONES_ROWS)
+  return smem + MOSAIC_SMEM_OVERHEAD, accumulators / THREADS_PER_WARPGROUP
 
 
 class _Item(NamedTuple):
@@ -232,6 +250,10 @@ class _Forward:
 
   def consumer(self):
     plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
+    if self.rule.mma_row_sums:
+      pl.when(self.wg == 0)(lambda: plgpu.copy_gmem_to_smem(
+          self.refs["ones"], self.smem["ones"], self.smem["ones_ready"]))
+      plgpu.barrier_wait(self.smem["ones_ready"])
     if self.persistent:
       pl.when(self.n_local > 0)(lambda: self.load_q(jnp.int32(0), 0))
       lax.fori_loop(jnp.int32(0), self.n_local, self.work, jnp.int32(0))
@@ -269,11 +291,14 @@ class _Forward:
 
     pl.when(wg == 1)(self.take_turn)  # consumer 1 starts half a step behind consumer 0
     width = self.refs["o"].shape[-1]
-    acc = plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32), plgpu.Layout.WGMMA)
+    zeros = lambda n: plgpu.layout_cast(jnp.zeros((block_q, n), jnp.float32),
+                                        plgpu.Layout.WGMMA)
+    acc = (zeros(width),) + ((zeros(ONES_ROWS),) if self.rule.mma_row_sums else ())
     acc, stats = mp.visit_blocks((c_lo, c_hi), own, functools.partial(self.step, rows),
                                  functools.partial(self.skip, rows), (acc, row_rule.init))
     pl.when(wg == 0)(self.take_turn)
-    self.write(rows, buf, *row_rule.finish(acc, stats))
+    sums = (acc[1].max(axis=1),) if self.rule.mma_row_sums else ()  # its columns are equal
+    self.write(rows, buf, *row_rule.finish(acc[0], stats, *sums))
     if self.persistent and self.q_buffers == 1:
       self.load_next_q(t, buf)
     return first_use + (c_hi - c_lo)
@@ -304,7 +329,7 @@ class _Forward:
                 self.items.kind.rows_per_position)
     p, acc_scale, stats, late = rows.rule.update(s, stats, j, masked, tile)
     if acc_scale is not None:
-      acc = acc * lax.broadcast_in_dim(acc_scale, acc.shape, [0])
+      acc = tuple(a * lax.broadcast_in_dim(acc_scale, a.shape, [0]) for a in acc)
     v_tile = smem["v"].at[slot]
     if self.addressing.values_transposed:  # 8 bits: B keys-fastest, in the operand's order
       p, v_tile = mp.eight_bit_operand(p), v_tile.transpose((1, 0))
@@ -321,11 +346,13 @@ class _Forward:
     if not early_stats and late is not None:
       stats = late(stats)
 
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p, v_tile)
+    def pv(acc_refs):
+      plgpu.wgmma(acc_refs[0], p, v_tile)
+      if len(acc_refs) > 1:  # the row sums of p: p times a ones tile
+        plgpu.wgmma(acc_refs[1], p, smem["ones"].transpose((1, 0)))
       self.wait_next_k(rows, j)
 
-    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
     plgpu.barrier_arrive(smem["v_free"].at[slot])
     return acc, stats
 
@@ -387,12 +414,13 @@ class _Forward:
 def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: QueryTiles,
             addressing, block_kv: int, stages: int, group: int, persistent: bool,
             q_buffers: int, **smem):
-  n_in = 3 + positions.n_refs + rule.n_inputs + addressing.n_inputs
+  n_in = 3 + positions.n_refs + rule.n_inputs + addressing.n_inputs + rule.mma_row_sums
   (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
+  ones_ref = extra.pop() if rule.mma_row_sums else None
   row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
   named = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, stat=stat_ref, rows=row_refs,
                cols=col_refs, scalars=scalar_refs, ranges=ranges_ref,
-               rule=rest[:rule.n_inputs], addressing=rest[rule.n_inputs:])
+               rule=rest[:rule.n_inputs], addressing=rest[rule.n_inputs:], ones=ones_ref)
   bound_items = items.bind()
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
   n_local = bound_items.per_cta(cta, n_ctas)
@@ -452,9 +480,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
                        heavy_first=spec.right is not None)
   stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize,
-                                out_dtype.itemsize) if persistent else 1
+                                out_dtype.itemsize, rule.mma_row_sums) if persistent else 1
   smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs,
                   out_dtype, addressing.values_transposed)
+  if rule.mma_row_sums:
+    smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), q.dtype),
+                ones_ready=plgpu.Barrier(num_arrivals=1))
+    inputs = (*inputs, jnp.ones((ONES_ROWS, block_kv), q.dtype))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
                              addressing=addressing, block_kv=block_kv, stages=stages,
                              group=q_heads // k.shape[2] if group is None else group,
