@@ -42,15 +42,16 @@ class SoftmaxRows:
   def n_inputs(self) -> int:  # kernel inputs the rule reads
     return int(self.sinks) + 2 * int(self.descaled)
 
-  @property
-  def mma_row_sums(self) -> bool:
-    """Whether the denominator sums the 16-bit weights V meets, on the tensor cores
-    (``rows_forward``). Not under dropout, whose denominator counts the dropped weights
-    too, nor in FP8, whose recipe sums the float32 weights."""
-    return not self.positions.dropout and not self.descaled
+  def mma_row_sums(self, dtype) -> bool:
+    """Whether the denominator sums the weights V meets, on the tensor cores
+    (``rows_forward``): for bfloat16 inputs without dropout (whose denominator counts
+    the dropped weights too). Not in float16, whose range the weights' exponent may
+    leave (below), nor in FP8, whose recipe sums the float32 weights."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and not self.positions.dropout
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
     c = log2_units(self.scale, self.positions.score is not None or self.softcap is not None)
+    mma_sums = self.mma_row_sums(t.dtype)
     value_scale = None
     if self.descaled:
       logit_scale, value_scale = (x[t.head] for x in inputs[int(self.sinks):])
@@ -63,17 +64,22 @@ class SoftmaxRows:
         s = self.positions.apply_mask(s, self.spec, tile)
       m_next = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2((m - m_next) * c)
-      if self.descaled or self.mma_row_sums:
-        # One FFMA per weight, FlashAttention-3's form. Its top weight may miss 1 by the
-        # rounding of m * c, which in 16 bits the row sums of the very weights V meets
-        # cancel (a one-hot row's output is its value exactly); FP8 rounds coarser.
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_next * c, s.shape, [0]))
+      if self.descaled or mma_sums:
+        # One FFMA per weight, FlashAttention-3's form. The top weight is 2^e, e the
+        # rounding of m * c (|e| <= ulp(m * c) / 2): the row sums of the very bf16
+        # weights V meets cancel it (a one-hot row's output is its value exactly) while
+        # |m * c| < 2^31; past that, 2^e leaves bf16's range (rows of NaN, see finish).
+        # float16's range ends at 2^16 (|m * c| >= 2^28 would do it): it subtracts first.
+        # (m * c floored at float32's lowest: a row that has seen no key, m = -1e30,
+        # under a scale past 3.4e8 would otherwise meet -inf - -inf.)
+        mc = jnp.maximum(m_next * c, -3.4e38)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(mc, s.shape, [0]))
       else:  # the max subtracted first: a saturated row's top weight is exactly 1
         p = jnp.exp2((s - lax.broadcast_in_dim(m_next, s.shape, [0])) * c)
 
       def late(stats):
         m, l = stats
-        return m, l * alpha + (0.0 if self.mma_row_sums else p.sum(axis=1))
+        return m, l * alpha + (0.0 if mma_sums else p.sum(axis=1))
 
       # Dropout: the denominator counts every weight, V meets the kept ones (selected
       # in 16 bits: half the registers of an fp32 copy of the tile).
@@ -84,9 +90,12 @@ class SoftmaxRows:
 
     def finish(acc, stats, row_sums=None):
       m, l = stats
+      empty = l == 0.0
       if row_sums is not None:
         l = l + row_sums
-      empty = l == 0.0
+        # A row that saw keys yet sums to 0 lost its weights to bf16's range (logits
+        # past 2^31 / c): it keeps l = 0, so its output is NaN, not an empty row's zeros.
+        empty = (l == 0.0) & (m == EMPTY_ROW_LSE)
       l_safe = jnp.where(empty, 1.0, l)
       # Dropout scales the kept weights by 1 / (1 - rate).
       l_out = l_safe * (1.0 - self.positions.dropout) if self.positions.dropout else l_safe

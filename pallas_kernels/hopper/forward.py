@@ -25,8 +25,9 @@ which the 8-bit weights' registers serve as the A operand as they lie
 
 The row rule says how a consumer turns each score tile into the tile it multiplies
 with V, and how it finishes its rows. A rule is a hashable object with ``n_inputs``
-(extra kernel inputs it reads), ``mma_row_sums`` (whether the kernel sums its weights'
-rows on the tensor cores for it) and ``bind(inputs, ConsumerRows) -> Rows``. Flash
+(extra kernel inputs it reads), ``mma_row_sums(dtype)`` (whether, for inputs of that
+dtype, the kernel sums its weights' rows on the tensor cores for it) and
+``bind(inputs, ConsumerRows) -> Rows``. Flash
 attention's is the online softmax (``flash.mosaic_fwd.SoftmaxRows``); parallel
 retention's is its decay (``retention.mosaic.DecayRows``).
 """
@@ -52,7 +53,7 @@ from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
 from jattn.kernels.hopper.work import QueryTiles
 
 
-# Rows of the ones tile a rule's ``mma_row_sums`` multiply its weights with: the
+# Rows of the ones tile a rule's ``mma_row_sums`` multiplies its weights with: the
 # narrowest wgmma (N = 8).
 ONES_ROWS = 8
 
@@ -82,7 +83,7 @@ class Rows(NamedTuple):
   with V, ``acc_scale`` a per-row factor for the accumulator (or None), ``late`` None
   or a function of the statistics that may run after the consumer's turn on the
   tensor cores. ``finish(acc, stats) -> (o, row_stat)``: the rows' fp32 output and
-  the ``[block_q]`` float32 statistic the kernel saves; for a rule whose
+  the ``[block_q]`` float32 statistic the kernel saves; where the rule's
   ``mma_row_sums``, ``finish(acc, stats, row_sums)`` with ``row_sums`` the sums of
   its ``p`` tiles' rows (each scaled by the ``acc_scale`` after it, as the
   accumulator is), taken on the tensor cores by a wgmma with a ones tile.
@@ -194,6 +195,7 @@ class _Forward:
   group: int
   persistent: bool
   q_buffers: int
+  mma_sums: bool  # the rule's ``mma_row_sums`` for these inputs
   refs: dict
   smem: dict
   cta: Any
@@ -250,7 +252,7 @@ class _Forward:
 
   def consumer(self):
     plgpu.set_max_registers(mp.CONSUMER_REGISTERS, action="increase")
-    if self.rule.mma_row_sums:
+    if self.mma_sums:
       pl.when(self.wg == 0)(lambda: plgpu.copy_gmem_to_smem(
           self.refs["ones"], self.smem["ones"], self.smem["ones_ready"]))
       plgpu.barrier_wait(self.smem["ones_ready"])
@@ -293,11 +295,11 @@ class _Forward:
     width = self.refs["o"].shape[-1]
     zeros = lambda n: plgpu.layout_cast(jnp.zeros((block_q, n), jnp.float32),
                                         plgpu.Layout.WGMMA)
-    acc = (zeros(width),) + ((zeros(ONES_ROWS),) if self.rule.mma_row_sums else ())
+    acc = (zeros(width),) + ((zeros(ONES_ROWS),) if self.mma_sums else ())
     acc, stats = mp.visit_blocks((c_lo, c_hi), own, functools.partial(self.step, rows),
                                  functools.partial(self.skip, rows), (acc, row_rule.init))
     pl.when(wg == 0)(self.take_turn)
-    sums = (acc[1].max(axis=1),) if self.rule.mma_row_sums else ()  # its columns are equal
+    sums = (acc[1].max(axis=1),) if self.mma_sums else ()  # its columns are equal
     self.write(rows, buf, *row_rule.finish(acc[0], stats, *sums))
     if self.persistent and self.q_buffers == 1:
       self.load_next_q(t, buf)
@@ -413,10 +415,10 @@ class _Forward:
 
 def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: QueryTiles,
             addressing, block_kv: int, stages: int, group: int, persistent: bool,
-            q_buffers: int, **smem):
-  n_in = 3 + positions.n_refs + rule.n_inputs + addressing.n_inputs + rule.mma_row_sums
+            q_buffers: int, mma_sums: bool, **smem):
+  n_in = 3 + positions.n_refs + rule.n_inputs + addressing.n_inputs + mma_sums
   (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
-  ones_ref = extra.pop() if rule.mma_row_sums else None
+  ones_ref = extra.pop() if mma_sums else None
   row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
   named = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, stat=stat_ref, rows=row_refs,
                cols=col_refs, scalars=scalar_refs, ranges=ranges_ref,
@@ -429,7 +431,7 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
     plgpu.barrier_wait(smem["schedule"])
 
   kernel = _Forward(rule, spec, positions, bound_items, addressing, block_kv, stages, group,
-                    persistent, q_buffers, named, smem, cta, n_ctas, n_local,
+                    persistent, q_buffers, mma_sums, named, smem, cta, n_ctas, n_local,
                     lax.axis_index("wg"), take_turn)
   pl.when(kernel.wg < mp.CONSUMERS)(kernel.consumer)
   pl.when(kernel.wg == mp.PRODUCER)(kernel.producer)
@@ -479,18 +481,19 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
                        mp.CONSUMERS, tiles_fastest=persistent,
                        heavy_first=spec.right is not None)
   stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
+  mma_sums = rule.mma_row_sums(q.dtype)
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize,
-                                out_dtype.itemsize, rule.mma_row_sums) if persistent else 1
+                                out_dtype.itemsize, mma_sums) if persistent else 1
   smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs,
                   out_dtype, addressing.values_transposed)
-  if rule.mma_row_sums:
+  if mma_sums:
     smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), q.dtype),
                 ones_ready=plgpu.Barrier(num_arrivals=1))
     inputs = (*inputs, jnp.ones((ONES_ROWS, block_kv), q.dtype))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
                              addressing=addressing, block_kv=block_kv, stages=stages,
                              group=q_heads // k.shape[2] if group is None else group,
-                             persistent=persistent, q_buffers=q_buffers)
+                             persistent=persistent, q_buffers=q_buffers, mma_sums=mma_sums)
   return mp.kernel(
       kernel,
       out_type=items.out_shapes(batch, q_len_p, q_heads, dv, out_dtype),

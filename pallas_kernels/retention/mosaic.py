@@ -53,7 +53,10 @@ class DecayRows:
   scale: float
   normalize: bool
   n_inputs = 1
-  mma_row_sums = False  # its denominator sums |s|, not the weights
+
+  def mma_row_sums(self, dtype) -> bool:
+    del dtype
+    return False  # its denominator sums |s|, not the weights
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
     (log2_decay_ref,) = inputs
