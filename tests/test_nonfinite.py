@@ -307,8 +307,9 @@ def _grads(f, args, do):
   return jax.vjp(jax.jit(f), *args)[1](do)  # jitted: eagerly, every op compiles on its own
 
 
-# bf16 at 1e4: logits near 2^29 in base-2 units, where the Hopper bf16 forward's FFMA
-# exponent puts its top weight as far as 2^16 from 1 (within bf16's range: exact).
+# bf16 at 1e4: logits up to about 2^29.6 in base-2 units, where the Hopper bf16
+# forward's FFMA exponent puts its top weight up to about 2^29 from 1 (within bf16's
+# range, and the row sums of the same weights cancel it: exact).
 SATURATED = [(jnp.float16, 100.0), (jnp.bfloat16, 1e3), (jnp.float32, 1e4), (jnp.float16, 1e4),
              (jnp.bfloat16, 1e4)]
 

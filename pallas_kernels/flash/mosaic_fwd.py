@@ -68,7 +68,9 @@ class SoftmaxRows:
         # One FFMA per weight, FlashAttention-3's form. The top weight is 2^e, e the
         # rounding of m * c (|e| <= ulp(m * c) / 2): the row sums of the very bf16
         # weights V meets cancel it (a one-hot row's output is its value exactly) while
-        # |m * c| < 2^31; past that, 2^e leaves bf16's range (rows of NaN, see finish).
+        # |m * c| < 2^31; past that, 2^e may leave bf16's range (NaN or zero rows, see
+        # finish). FP8 sums float32 weights, so its top weight is e4m3(2^e) over 2^e:
+        # under 0.3% off while |m * c| < 2^16, out of e4m3's range from 2^27.
         # float16's range ends at 2^16 (|m * c| >= 2^28 would do it): it subtracts first.
         # (m * c floored at float32's lowest: a row that has seen no key, m = -1e30,
         # under a scale past 3.4e8 would otherwise meet -inf - -inf.)
@@ -94,7 +96,8 @@ class SoftmaxRows:
       if row_sums is not None:
         l = l + row_sums
         # A row that saw keys yet sums to 0 lost its weights to bf16's range (logits
-        # past 2^31 / c): it keeps l = 0, so its output is NaN, not an empty row's zeros.
+        # past 2^31 / c): it keeps l = 0, so its output is NaN, not an empty row's zeros
+        # (one whose sum overflows instead, or that a sink keeps above 0, gives zeros).
         empty = (l == 0.0) & (m == EMPTY_ROW_LSE)
       l_safe = jnp.where(empty, 1.0, l)
       # Dropout scales the kept weights by 1 / (1 - rate).
