@@ -5,10 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
+from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.masking import segment_block_ranges as _segment_block_ranges
-from jattn.kernels.hopper.inputs import segment_ranges
+from jattn.kernels.hopper.forward import forward_cost
+from jattn.kernels.hopper.inputs import PositionInputs, segment_ranges
 from jattn.kernels.flash import MosaicBlockConfig
 from jattn.kernels.flash.mosaic import mosaic_layout
+from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
 
 # Jitted: eagerly, every primitive compiles anew for each example's shapes.
 segment_block_ranges = jax.jit(_segment_block_ranges, static_argnums=(2, 3, 4, 5),
@@ -127,3 +130,21 @@ def test_retention_keeps_every_segment_block_masked():
   np.testing.assert_array_equal(ranges[:, 1], ranges[:, 0])
   np.testing.assert_array_equal(ranges[:, 2], ranges[:, 0])
   assert (ranges[:, 3] > ranges[:, 0]).all()
+
+
+def test_the_forward_sums_rows_on_the_tensor_cores_only_in_bfloat16_without_dropout():
+  """Where the row sums come from the MMA the weights' exponent is one FFMA, whose top
+  weight 2^e (|e| up to half an ulp of m * c) float16 cannot hold past |m * c| = 2^28;
+  dropout's denominator counts weights V never meets; FP8's recipe sums float32."""
+  spec = MaskSpec.build(128, 128, causal=True, local_window=None, kv_padded=False,
+                        segments=False)
+  rule = SoftmaxRows(spec, 0.1)
+  assert rule.mma_row_sums(jnp.bfloat16)
+  assert not rule.mma_row_sums(jnp.float16)
+  assert not rule.mma_row_sums(jnp.float8_e4m3fn)
+  assert not SoftmaxRows(spec, 0.1, positions=PositionInputs(dropout=0.1)).mma_row_sums(
+      jnp.bfloat16)
+  # The ones tile and its accumulator are counted only where they exist.
+  (smem, regs), (smem1, regs1) = (forward_cost(64, 128, 2, 128, 128, 2, ones_tile=o)
+                                  for o in (False, True))
+  assert (smem1 - smem, regs1 - regs) == (8 * 128 * 2, 64 * 8 / 128)
