@@ -64,7 +64,7 @@ class MosaicPaged(_ForwardOnly, MosaicImpl):
     runs = mosaic_decode_runs(p.q_heads, p.kv_heads, p.head_dims, p.page_size)
     return super().gaps(p) + (() if runs else (
         "page sizes that are not a multiple of 64, query heads per KV head that do not "
-        "divide 64 or head dims not a multiple of 64",))
+        "divide 64, or head dims not a multiple of 64 or past 384",))
 
   def forward(self, call, q, k_pages, v_pages, tables, lengths, sinks):
     p = call.problem

@@ -12,7 +12,12 @@ import pytest
 
 import jattn
 from conftest import ON_GPU, rel_err
-from jattn.kernels.flash.decode_config import DecodeConfig, decode_config
+from jattn.kernels.flash.decode_config import (MOSAIC_DECODE_BLOCK_K, MOSAIC_DECODE_ROWS,
+                                               DecodeConfig, decode_config,
+                                               mosaic_decode_config)
+from jattn.kernels.flash.mosaic_decode import mosaic_decode_runs
+from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES
+from jattn.kernels.hopper.forward import forward_smem_bytes
 from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.paged import gather_pages
 from jattn.reference import flash_attention_reference
@@ -146,6 +151,19 @@ def test_decode_split_follows_the_cost_model():
   assert decode_config(8, 64, 32, 8, 8192, 128, 128, 2, h100).block_m == 128
 
 
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128), (192, 128), (192, 192), (256, 256),
+                                   (384, 384)])
+def test_hopper_decode_ring_fits_the_shared_memory(dk, dv):
+  """The Hopper decode kernel's K/V ring is as deep as the shared memory allows (4
+  stages took 240 KB at head dim 192 and 320 KB at 256, past the 227 KB a CTA has)."""
+  c = mosaic_decode_config(2, 1, 16, 1, 4096, dk, dv, 2, 132)
+  fits = lambda stages: forward_smem_bytes(MOSAIC_DECODE_ROWS, MOSAIC_DECODE_BLOCK_K, stages,
+                                           dk, dv, 2, 1, ones_tile=True) <= HOPPER_SMEM_BYTES
+  assert fits(c.num_stages) and (c.num_stages == 4 or not fits(c.num_stages + 1))
+  assert mosaic_decode_runs(16, 1, (dk, dv))
+  assert not mosaic_decode_runs(16, 1, (512, 512))  # not one stage fits: the Triton kernel
+
+
 def test_write_kv_pages_then_gather_gives_the_cache():
   batch, page, heads, d = 2, 4, 2, 8
   k_new, v_new = _normal(jax.random.PRNGKey(0), [(batch, 6, heads, d), (batch, 6, heads, d)])
@@ -227,6 +245,7 @@ HOPPER_DECODE_CASES = [
     (64, 8, 4, 128, 1500, True, None, None, False, None),
     (1, 8, 1, 128, 1024, False, None, None, True, 64),
     (5, 4, 2, 64, 900, True, None, None, False, 256),
+    (1, 16, 1, 256, 700, False, None, None, False, None),  # head dim 256: a 2-stage ring
 ]
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from jattn.kernels.common.config import clamp_block
+from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES
+from jattn.kernels.hopper.forward import forward_smem_bytes
 
 # Programs that stream together on one SM: with 64-key tiles in 3 stages, shared memory
 # holds 2 to 4 (head dims 128 to 64), and programs beyond the slots still help hide the
@@ -33,6 +35,11 @@ MAX_BLOCK_M = 128
 # At most this many query positions run the decode kernels (decode, speculative
 # decoding, chunked prefill); more run the flash kernels.
 DECODE_MAX_Q_LEN = 64
+# The Hopper decode kernel: packed query rows per consumer warpgroup (a wgmma's M), keys
+# per tile, and the deepest K/V ring it takes.
+MOSAIC_DECODE_ROWS = 64
+MOSAIC_DECODE_BLOCK_K = 64
+MOSAIC_DECODE_MAX_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +89,30 @@ def decode_config(batch: int, q_len: int, q_heads: int, kv_heads: int, kv_len: i
                       num_warps=4 if block_m <= 64 else 8, num_stages=3)
 
 
+def mosaic_decode_stages(head_dim: int, value_head_dim: int, itemsize: int) -> int:
+  """The deepest K/V ring (at most ``MOSAIC_DECODE_MAX_STAGES``) with which the Hopper
+  decode kernel's tiles fit the shared memory at these head dims (multiples of 64);
+  0 where not even one stage does."""
+  fits = lambda stages: forward_smem_bytes(
+      MOSAIC_DECODE_ROWS, MOSAIC_DECODE_BLOCK_K, stages, head_dim, value_head_dim, itemsize,
+      1, ones_tile=True) <= HOPPER_SMEM_BYTES
+  return next((s for s in range(MOSAIC_DECODE_MAX_STAGES, 0, -1) if fits(s)), 0)
+
+
 def mosaic_decode_config(batch: int, q_len: int, q_heads: int, kv_heads: int, kv_len: int,
                          head_dim: int, value_head_dim: int, itemsize: int,
                          sm_count: int | None) -> DecodeConfig:
   """The Hopper decode kernel's config: one CTA per SM (its K/V ring fills the shared
-  memory) over tiles of 128 packed rows, 64-key tiles in 4 stages; the split by the
-  same model."""
-  rows = 128
+  memory) over tiles of 128 packed rows, 64-key tiles in the deepest ring up to 4
+  stages that fits (``mosaic_decode_stages``: 4 up to head dim 128, 3 at 192, 2 at
+  256); the split by the same model."""
+  rows = 2 * MOSAIC_DECODE_ROWS
   row_tiles = -(-q_len * (q_heads // kv_heads) // rows)
-  block_k = 64
+  block_k = MOSAIC_DECODE_BLOCK_K
   blocks = -(-kv_len // block_k)
   block_bytes = block_k * (head_dim + value_head_dim) * itemsize
   merge_blocks = 2 * rows * (value_head_dim * itemsize + 4) / block_bytes
   splits = best_splits(batch * kv_heads * row_tiles, blocks, sm_count or 4, merge_blocks)
   return DecodeConfig(block_m=rows, block_k=block_k, splits=splits, num_warps=4,
-                      num_stages=4)
+                      num_stages=max(1, mosaic_decode_stages(head_dim, value_head_dim,
+                                                             itemsize)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.tiling import pad_to, round_up
-from jattn.kernels.flash.decode_config import DecodeConfig
+from jattn.kernels.flash.decode_config import DecodeConfig, mosaic_decode_stages
 from jattn.kernels.flash.decode_rows import full_lengths, merge_splits, pack_rows
 from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
 from jattn.kernels.hopper import pipeline as mp
@@ -28,9 +28,11 @@ def mosaic_decode_runs(q_heads: int, kv_heads: int, head_dims: tuple[int, ...],
                        page_size: int | None = None, block_kv: int = 64) -> bool:
   """Whether the Hopper decode kernel takes the problem: a group that divides a
   consumer's rows (positions are whole in each), head dims that need no padding of the
-  cache (multiples of 64), and pages a multiple of the key tile."""
+  cache (multiples of 64) and whose tiles fit the shared memory (up to 384 at 16
+  bits), and pages a multiple of the key tile."""
   group = q_heads // kv_heads
   return (DECODE_BLOCK_Q % group == 0 and all(d % MOSAIC_BLOCK == 0 for d in head_dims)
+          and mosaic_decode_stages(head_dims[0], head_dims[-1], 2) > 0
           and (page_size is None or page_size % block_kv == 0))
 
 
