@@ -118,10 +118,10 @@ def online_softmax_step(carry, s, c, v, fast_fp32: bool = False, kept=None):
   running max ``m`` in the units of ``s``: the subtraction comes first, so the largest
   logit weighs exactly 1 (``s * c - m * c`` fused into one FMA leaves it off by the
   rounding of ``m * c``: 2^e with ``|e|`` up to half an ulp of ``m * c``, which passes
-  1 at ``|m * c| >= 2^24``). And the denominator sums the weights as the PV matmul takes them (in v's
-  dtype), so the output is a convex combination of v whatever the weights are (a
-  compiler may also compute ``s`` twice, once for the max and once for the weights,
-  rounded differently: XLA on the CPU does, in interpret mode)."""
+  1 at ``|m * c| >= 2^24``). And the denominator sums the weights as the PV matmul
+  takes them (in v's dtype), so the output is a convex combination of v whatever the
+  weights are (a compiler may also compute ``s`` twice, once for the max and once for
+  the weights, rounded differently: XLA on the CPU does, in interpret mode)."""
   acc, m_prev, l_prev = carry
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
   alpha = jnp.exp2((m_prev - m_next) * c)

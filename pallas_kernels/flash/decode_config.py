@@ -23,6 +23,7 @@ import dataclasses
 from jattn.kernels.common.config import clamp_block
 from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES
 from jattn.kernels.hopper.forward import forward_smem_bytes
+from jattn.kernels.hopper.pipeline import CONSUMERS
 
 # Programs that stream together on one SM: with 64-key tiles in 3 stages, shared memory
 # holds 2 to 4 (head dims 128 to 64), and programs beyond the slots still help hide the
@@ -106,7 +107,7 @@ def mosaic_decode_config(batch: int, q_len: int, q_heads: int, kv_heads: int, kv
   memory) over tiles of 128 packed rows, 64-key tiles in the deepest ring up to 4
   stages that fits (``mosaic_decode_stages``: 4 up to head dim 128, 3 at 192, 2 at
   256); the split by the same model."""
-  rows = 2 * MOSAIC_DECODE_ROWS
+  rows = CONSUMERS * MOSAIC_DECODE_ROWS
   row_tiles = -(-q_len * (q_heads // kv_heads) // rows)
   block_k = MOSAIC_DECODE_BLOCK_K
   blocks = -(-kv_len // block_k)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.tiling import pad_to, round_up
-from jattn.kernels.flash.decode_config import DecodeConfig, mosaic_decode_stages
+from jattn.kernels.flash.decode_config import (MOSAIC_DECODE_BLOCK_K, MOSAIC_DECODE_ROWS,
+                                               DecodeConfig, mosaic_decode_stages)
 from jattn.kernels.flash.decode_rows import full_lengths, merge_splits, pack_rows
 from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
 from jattn.kernels.hopper import pipeline as mp
@@ -20,18 +21,15 @@ from jattn.kernels.hopper.forward import rows_forward
 from jattn.kernels.hopper.inputs import PositionInputs, position_arrays
 from jattn.kernels.hopper.work import DecodeItems
 
-# Rows per consumer warpgroup: a wgmma's M.
-DECODE_BLOCK_Q = 64
-
-
 def mosaic_decode_runs(q_heads: int, kv_heads: int, head_dims: tuple[int, ...],
-                       page_size: int | None = None, block_kv: int = 64) -> bool:
+                       page_size: int | None = None,
+                       block_kv: int = MOSAIC_DECODE_BLOCK_K) -> bool:
   """Whether the Hopper decode kernel takes the problem: a group that divides a
   consumer's rows (positions are whole in each), head dims that need no padding of the
   cache (multiples of 64) and whose tiles fit the shared memory (up to 384 at 16
   bits), and pages a multiple of the key tile."""
   group = q_heads // kv_heads
-  return (DECODE_BLOCK_Q % group == 0 and all(d % MOSAIC_BLOCK == 0 for d in head_dims)
+  return (MOSAIC_DECODE_ROWS % group == 0 and all(d % MOSAIC_BLOCK == 0 for d in head_dims)
           and mosaic_decode_stages(head_dims[0], head_dims[-1], 2) > 0
           and (page_size is None or page_size % block_kv == 0))
 
@@ -54,7 +52,7 @@ def flash_mosaic_decode(q, k, v, lengths, *, causal: bool, scale: float, local_w
   kv_heads, dv = k.shape[2], v.shape[-1]
   group = q_heads // kv_heads
   c = config
-  rows = mp.CONSUMERS * DECODE_BLOCK_Q
+  rows = mp.CONSUMERS * MOSAIC_DECODE_ROWS
   rows_p = round_up(q_len * group, rows)
   if block_tables is None:
     kv_len = k.shape[1]
@@ -74,12 +72,12 @@ def flash_mosaic_decode(q, k, v, lengths, *, causal: bool, scale: float, local_w
   split_blocks = -(-n_blocks // c.splits)
   items = DecodeItems(n_tiles=rows_p // rows, n_heads=kv_heads, n_batch=batch,
                       n_splits=-(-n_blocks // split_blocks), split_blocks=split_blocks,
-                      block_q=DECODE_BLOCK_Q, consumers=mp.CONSUMERS, group=group,
+                      block_q=MOSAIC_DECODE_ROWS, consumers=mp.CONSUMERS, group=group,
                       q_len=q_len)
   packed = pack_rows(q, kv_heads, rows_p, mosaic_head_dim(head_dim)).transpose(0, 2, 1, 3)
   o, lse = rows_forward(packed, k, v, (*inputs, *extra), rule=SoftmaxRows(spec, scale, softcap,
                                                                           positions),
-                        spec=spec, block_q=DECODE_BLOCK_Q, block_kv=c.block_k,
+                        spec=spec, block_q=MOSAIC_DECODE_ROWS, block_kv=c.block_k,
                         stages=c.num_stages, persistent=False, positions=positions,
                         addressing=addressing, items=items, group=1)
   # o: [batch, splits, rows_p, kv_heads, dv], lse: [batch, splits, kv_heads, rows_p]

@@ -92,8 +92,9 @@ class SoftmaxRows:
 
     def finish(acc, stats, row_sums=None):
       m, l = stats
-      empty = l == 0.0
-      if row_sums is not None:
+      if row_sums is None:
+        empty = l == 0.0
+      else:
         l = l + row_sums
         # A row that saw keys yet sums to 0 lost its weights to bf16's range (logits
         # past 2^31 / c): it keeps l = 0, so its output is NaN, not an empty row's zeros

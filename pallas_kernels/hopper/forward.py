@@ -485,10 +485,8 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize,
                                 out_dtype.itemsize, mma_sums) if persistent else 1
   smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs,
-                  out_dtype, addressing.values_transposed)
-  if mma_sums:
-    smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), q.dtype),
-                ones_ready=plgpu.Barrier(num_arrivals=1))
+                  out_dtype, addressing.values_transposed, mma_sums)
+  if mma_sums:  # the ones tile's source, copied in once per CTA
     inputs = (*inputs, jnp.ones((ONES_ROWS, block_kv), q.dtype))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
                              addressing=addressing, block_kv=block_kv, stages=stages,
@@ -504,8 +502,10 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
 
 
 def _scratch(q, dk: int, dv: int, block_q: int, block_kv: int, stages: int, q_buffers: int,
-             positions: PositionInputs, inputs, out_dtype, values_transposed: bool) -> dict:
-  """The forward kernel's shared memory: tiles, barriers, the per-position vectors."""
+             positions: PositionInputs, inputs, out_dtype, values_transposed: bool,
+             ones_tile: bool) -> dict:
+  """The forward kernel's shared memory: tiles, barriers, the per-position vectors and,
+  with ``ones_tile``, the ones tile of the MMA row sums with its barrier."""
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
   q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype)
   own_out = own_output_tile(block_q, dk, dv, q.dtype.itemsize, out_dtype.itemsize)
@@ -525,5 +525,8 @@ def _scratch(q, dk: int, dv: int, block_q: int, block_kv: int, stages: int, q_bu
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   if own_out:
     smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), out_dtype)
+  if ones_tile:
+    smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), q.dtype),
+                ones_ready=plgpu.Barrier(num_arrivals=1))
   smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
   return smem
