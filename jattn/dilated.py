@@ -185,6 +185,12 @@ class MosaicDilated(MosaicImpl):
     return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels,
                          shared_memory_limit(info))
 
+  def compile_misfit(self, config, p, info):
+    kernels = ("forward", "dQ", "dK/dV") if mosaic_backward_runs(p.head_dim, p.head_dim) else (
+        "forward",)
+    return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels,
+                         shared_memory_limit(info), register_budget=None)
+
   def forward(self, call, q, k, v):
     p = call.problem
     o, lse = dilated_mosaic_forward(q, k, v, pairs=p.pairs, causal=p.causal, scale=p.scale,

@@ -29,6 +29,7 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config,
                                  flash_triton_backward, flash_triton_forward)
 from jattn.kernels.common.dropout import seed_of
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, backward_delta, exact_empty_rows
+from jattn.kernels.flash.mosaic_bwd import FUSED_DQ_SUPPORTED
 from jattn.kernels.flash.decode_config import (DECODE_MAX_Q_LEN, decode_config,
                                                mosaic_decode_config)
 from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decode_preferred,
@@ -36,6 +37,8 @@ from jattn.kernels.flash.mosaic_decode import (flash_mosaic_decode, mosaic_decod
 from jattn.kernels.flash.triton_decode import flash_triton_decode
 from jattn.kernels.flash.config import (BACKWARD_SEARCH, FORWARD_SEARCH, backward_kernels,
                                         backward_modelled, mosaic_backward_runs, mosaic_misfit)
+from jattn.kernels.hopper.budget import MOSAIC_REGISTER_BUDGET
+from jattn.kernels.hopper.inputs import PositionInputs
 from jattn.reference import flash_attention_reference
 from jattn.tuning.spaces import BlockTritonImpl
 
@@ -270,10 +273,15 @@ def _triton_gradients(p: FlashProblem, residuals, cotangents, config: BlockConfi
 
 
 def mosaic_budget(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
-                  kernels: tuple[str, ...], info: GPUInfo) -> str | None:
+                  kernels: tuple[str, ...], info: GPUInfo,
+                  positions: PositionInputs = PositionInputs(),
+                  registers: bool = True) -> str | None:
   """Why the Hopper ``kernels`` of config ``c`` do not fit ``info``'s device at head
-  dims ``(dk, dv)`` (None: they fit); the cost model is ``kernels.flash.config``'s."""
-  return mosaic_misfit(c, head_dims, nbytes, kernels, shared_memory_limit(info))
+  dims ``(dk, dv)`` with the per-position inputs of ``positions`` (None: they fit);
+  the cost model is ``kernels.flash.config``'s. ``registers=False``: shared memory
+  only, the limit the compiler enforces (``Impl.compile_misfit``)."""
+  return mosaic_misfit(c, head_dims, nbytes, kernels, shared_memory_limit(info),
+                       positions.vectors, MOSAIC_REGISTER_BUDGET if registers else None)
 
 
 class MosaicFlash(MosaicImpl):
@@ -295,16 +303,30 @@ class MosaicFlash(MosaicImpl):
     return "pallas_mosaic" if mosaic_backward_runs(*p.head_dims) else "pallas_triton"
 
   def normalize_config(self, config, p):
-    # Deterministic calls never run the fused dQ (its reduce-adds vary the sum order).
-    return dataclasses.replace(config, fused_dq=config.fused_dq and not p.deterministic)
+    # Deterministic calls never run the fused dQ (its reduce-adds vary the sum order);
+    # nor does jax before 0.11.
+    return dataclasses.replace(config, fused_dq=(config.fused_dq and not p.deterministic
+                                                 and FUSED_DQ_SUPPORTED))
+
+  def _positions(self, p) -> PositionInputs:
+    return PositionInputs(segments=p.segment_ids, dropout=p.dropout_rate)
 
   def fits(self, config, p, info, kernels=()):
+    config = self.normalize_config(config, p)
     if not kernels:
       if self.backward_backend(p) == "pallas_mosaic" and backward_modelled(*p.head_dims):
         kernels = ("forward", *backward_kernels(config, p.deterministic))
       else:  # the model's register counts do not hold for the wide heads' backward
         kernels = ("forward",)
-    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, kernels, info)
+    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, kernels, info,
+                         self._positions(p))
+
+  def compile_misfit(self, config, p, info):
+    config = self.normalize_config(config, p)
+    backward = (backward_kernels(config, p.deterministic)
+                if self.backward_backend(p) == "pallas_mosaic" else ())
+    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, ("forward", *backward), info,
+                         self._positions(p), registers=False)
 
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem

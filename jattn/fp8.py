@@ -28,6 +28,8 @@ from jattn.core.validation import (FLOAT_DTYPES, check_flag, check_heads, check_
                                    check_shape, scale_of, segment_ids_arg, window_arg)
 from jattn.kernels.flash.config import MosaicBlockConfig, default_fp8_config, fp8_misfit
 from jattn.kernels.flash.mosaic import flash_mosaic_forward_fp8
+from jattn.kernels.hopper.budget import MOSAIC_REGISTER_BUDGET, mosaic_head_dim
+from jattn.kernels.hopper.inputs import PositionInputs
 from jattn.reference import attention_mask, guarded_values
 
 E4M3 = jnp.float8_e4m3fn
@@ -211,8 +213,23 @@ class MosaicFp8(_ForwardOnly, MosaicImpl):
                               masked=p.causal or p.local_window is not None,
                               kv_len=p.kv_len)
 
+  def gaps(self, p: Fp8Problem):
+    # An 8-bit tile's rows are one 128-byte swizzle wide (or 64): a padded head dim of
+    # 192 splits into neither.
+    odd = tuple(d for d in p.head_dims if mosaic_head_dim(d) == 192)
+    return super().gaps(p) + ((f"head dims that pad to 192 (got {odd[0]}): 8-bit tiles take "
+                               f"64 or multiples of 128",) if odd else ())
+
+  def _misfit(self, config, p: Fp8Problem, info, registers: bool):
+    return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info),
+                      PositionInputs(segments=p.segment_ids).vectors,
+                      MOSAIC_REGISTER_BUDGET if registers else None)
+
   def fits(self, config, p: Fp8Problem, info, kernels=()):
-    return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info))
+    return self._misfit(config, p, info, registers=True)
+
+  def compile_misfit(self, config, p: Fp8Problem, info):
+    return self._misfit(config, p, info, registers=False)
 
   def forward(self, call, q, k, v, q_descale, k_descale, v_descale, q_seg, kv_seg):
     p = call.problem

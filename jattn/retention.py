@@ -43,14 +43,16 @@ from jattn.core.op import MosaicImpl, Op, Problem, TritonImpl, XlaImpl, run
 from jattn.core.sharding import PER_Q_HEAD, PER_ROW, Q_HEADS, REPLICATED, Axes, ShardRule
 from jattn.core.validation import (check_array, check_choice, check_flag, check_positive_int,
                                    check_same_dtype, check_shape, scale_of)
-from jattn.kernels.common.config import padded_head_dim
+from jattn.kernels.common.config import over_budget, padded_head_dim
 from jattn.kernels.retention import (MIN_CHUNK, ChunkwiseConfig, default_chunkwise_config,
                                      default_parallel_config, fitting_chunk,
                                      retention_chunkwise_backward, retention_chunkwise_forward,
                                      retention_parallel_backward, retention_parallel_forward,
                                      retention_step_backward, retention_step_forward)
-from jattn.kernels.flash.config import (FORWARD_SEARCH, MosaicBlockConfig,
-                                        default_mosaic_config, mosaic_misfit)
+from jattn.kernels.flash.config import FORWARD_SEARCH, MosaicBlockConfig, default_mosaic_config
+from jattn.kernels.hopper.budget import MOSAIC_REGISTER_BUDGET, mosaic_head_dim
+from jattn.kernels.hopper.forward import forward_cost
+from jattn.kernels.hopper.inputs import PositionInputs
 from jattn.kernels.retention.config import CHUNKWISE_SEARCH, grad_kernel_bytes
 from jattn.kernels.retention.mosaic import retention_mosaic_forward
 from jattn.kernels.retention.packing import final_states, sequence_bounds, sequence_ids
@@ -311,7 +313,7 @@ class MosaicParallel(MosaicImpl):
   residuals_of = _rerun_forward
 
   def heuristic_config(self, p, info):
-    return default_mosaic_config(max(p.dk, p.dv))
+    return default_mosaic_config(p.dk, p.dv)
 
   def cache_key(self, p):
     return _cache_fields(p) + (str(p.normalize),)
@@ -319,10 +321,21 @@ class MosaicParallel(MosaicImpl):
   def tuning_stages(self):
     return FORWARD_SEARCH
 
+  def _misfit(self, config, p, info, registers: bool):
+    # The forward kernel alone: the backward runs the Triton kernels. Its rows reduce
+    # only for the abs-sum denominator; packed sequences add segment ids.
+    cost = forward_cost(config.block_q, config.block_kv, config.stages, mosaic_head_dim(p.dk),
+                        mosaic_head_dim(p.dv), p.dtype.itemsize,
+                        vectors=PositionInputs(segments=p.sequences is not None).vectors,
+                        reduces=p.normalize == "abs_sum")
+    return over_budget("forward", cost, shared_memory_limit(info),
+                       MOSAIC_REGISTER_BUDGET if registers else None)
+
   def fits(self, config, p, info, kernels=()):
-    # The forward kernel alone: the backward runs the Triton kernels.
-    return mosaic_misfit(config, (p.dk, p.dv), p.dtype.itemsize, ("forward",),
-                         shared_memory_limit(info))
+    return self._misfit(config, p, info, registers=True)
+
+  def compile_misfit(self, config, p, info):
+    return self._misfit(config, p, info, registers=False)
 
   def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
     p = call.problem
@@ -365,7 +378,6 @@ class TritonChunkwise(TritonImpl):
   residuals_of = _rerun_forward
 
   config_cls = ChunkwiseConfig
-  exact_fit = True  # grad_kernel_bytes matches what Triton asks for (docs/backends.md)
 
   def gaps(self, p):
     chunk = p.chunk_size
@@ -400,6 +412,9 @@ class TritonChunkwise(TritonImpl):
       return (f"needs {need // 1024} KiB of shared memory at chunk {config.chunk} "
               f"(dk={p.dk}, dv={p.dv}, {p.dtype.name}) > {limit // 1024} KiB")
     return None
+
+  # grad_kernel_bytes matches what Triton asks for (docs/backends.md)
+  compile_misfit = fits
 
   def forward(self, call, q, k, v, decay, state, cu_seqlens=None):
     p = call.problem

@@ -32,6 +32,7 @@ from jattn.kernels.flash import (MosaicBlockConfig, default_mosaic_config, flash
                                  flash_mosaic_forward)
 from jattn.kernels.flash.config import mosaic_backward_runs
 from jattn.kernels.hopper.budget import MOSAIC_BLOCK
+from jattn.kernels.hopper.inputs import PositionInputs
 from jattn.kernels.flash.triton import flash_triton_varlen_backward, flash_triton_varlen_forward
 from jattn.reference import flash_attention_varlen_reference
 
@@ -182,7 +183,12 @@ class MosaicVarlen(MosaicImpl):
 
   def fits(self, config, p, info, kernels=()):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize,
-                         kernels or ("forward", "dQ", "dK/dV"), info)
+                         kernels or ("forward", "dQ", "dK/dV"), info,
+                         PositionInputs(segments=self.one_row(p)))
+
+  def compile_misfit(self, config, p, info):
+    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, ("forward", "dQ", "dK/dV"),
+                         info, PositionInputs(segments=self.one_row(p)), registers=False)
 
   def _segments(self, p, cu):
     return packed_ids(cu, p.total_q, p.q_len, -1), packed_ids(cu, p.total_k, p.kv_len, -2)

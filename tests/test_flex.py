@@ -324,6 +324,24 @@ def test_hopper_parts_are_padded_with_their_last_value_and_flex_tiles_fit():
   problem, _ = FLEX.bind(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
                          mask_mod=flex.causal_mask())
   assert MosaicFlex().fits(default_mosaic_config(D), problem, h100) is None
+  # Each per-row or per-column part is a vector in shared memory per tile: 20 products
+  # of them at head dim 128 pass the 227 KiB a CTA has in the dQ kernel, and "auto"
+  # takes Triton.
+  x = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+
+  def products(n):
+    rows, cols = (jax.random.normal(jax.random.PRNGKey(i), (n, 1, 256)) for i in (0, 1))
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+      for i in range(n):
+        s = s + rows[i][b, q_idx] * cols[i][b, kv_idx]
+      return s
+    return FLEX.bind(x, x, x, score_mod=score_mod)[0]
+
+  assert FLEX.prepare(products(4), info=h100).impl.backend.name == "pallas_mosaic"
+  assert MosaicFlex().compile_misfit(default_mosaic_config(128), products(20), h100) == (
+      "dQ shared memory: 239,696 B > 232,448 B")
+  assert FLEX.prepare(products(20), info=h100).impl.backend.name == "pallas_triton"
 
 
 def test_block_ranges_cover_every_nonempty_tile():

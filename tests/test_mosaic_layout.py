@@ -1,16 +1,26 @@
 """Host-side tiling of the Hopper kernels (the kernels themselves run with ``-m gpu``)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
+
+import jattn
+import jattn.core.op as op
+from jattn.core.device import describe
 
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.masking import segment_block_ranges as _segment_block_ranges
-from jattn.kernels.hopper.forward import forward_cost
+from jattn.kernels.flash.config import default_mosaic_config, mosaic_costs
+from jattn.kernels.hopper.budget import mosaic_head_dim
+from jattn.kernels.hopper.forward import forward_cost, forward_q_buffers, forward_smem_bytes
 from jattn.kernels.hopper.inputs import PositionInputs, segment_ranges
 from jattn.kernels.flash import MosaicBlockConfig
 from jattn.kernels.flash.mosaic import mosaic_layout
+from jattn.kernels.flash.mosaic_bwd import FUSED_DQ_SUPPORTED
 from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
 
 # Jitted: eagerly, every primitive compiles anew for each example's shapes.
@@ -147,4 +157,52 @@ def test_the_forward_sums_rows_on_the_tensor_cores_only_in_bfloat16_without_drop
   # The ones tile and its accumulator are counted only where they exist.
   (smem, regs), (smem1, regs1) = (forward_cost(64, 128, 2, 128, 128, 2, ones_tile=o)
                                   for o in (False, True))
-  assert (smem1 - smem, regs1 - regs) == (8 * 128 * 2, 64 * 8 / 128)
+  assert (smem1 - smem, regs1 - regs) == (8 * 128 * 2 + 8, 64 * 8 / 128)  # tile, barrier
+
+
+@pytest.mark.parametrize("dk, dv, dtype, dropout, config", [
+    (128, 128, jnp.bfloat16, False, None),
+    (192, 128, jnp.float16, True, None),
+    pytest.param(64, 64, jnp.bfloat16, True,
+                 dataclasses.replace(default_mosaic_config(64), fused_dq=True),
+                 marks=pytest.mark.skipif(not FUSED_DQ_SUPPORTED, reason="jax < 0.11")),
+])
+def test_shared_memory_model_counts_what_mosaic_gpu_counts(monkeypatch, dk, dv, dtype, dropout,
+                                                           config):
+  """Lowered for CUDA here (no GPU), each Hopper kernel asks Mosaic GPU for exactly the
+  shared memory the cost model counts: ``"auto"`` rules a backend out on that count."""
+  from jax.experimental.mosaic.gpu import core as mosaic_core
+  counted = []
+  count = mosaic_core._smem_tree_size
+  monkeypatch.setattr(mosaic_core, "_smem_tree_size",
+                      lambda tree: counted.append(count(tree)) or counted[-1])
+
+  class Unlimited:  # lets every kernel lower, so that each one's count is seen
+    shared_memory_per_block_optin = 1 << 30
+
+  devices = jax.local_devices
+  monkeypatch.setattr(jax, "local_devices",
+                      lambda *a, **k: devices(*a, **k) if a or k else [Unlimited()])
+  monkeypatch.setattr(op, "current_device", lambda: describe(
+      "NVIDIA H100 80GB HBM3", (9, 0), shared_memory_per_block_bytes=232448, interpret=False))
+  monkeypatch.setenv("JATTN_INTERPRET", "0")
+  config = config or default_mosaic_config(dk, dv)
+  drop = dict(dropout_rate=0.1, dropout_key=jax.random.key(0)) if dropout else {}
+
+  def loss(q, k, v):
+    o = jattn.flash_attention(q, k, v, backend="pallas_mosaic", config=config,
+                              deterministic=not config.fused_dq, **drop)
+    return jnp.sum(o.astype(jnp.float32))
+
+  shape = lambda d: jax.ShapeDtypeStruct((1, 256, 2, d), dtype)
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(shape(dk), shape(dk), shape(dv)).lower(
+      lowering_platforms=("cuda",))
+  vectors = PositionInputs(dropout=0.1 if dropout else 0.0).vectors
+  ones = dtype == jnp.bfloat16 and not dropout
+  fwd = (config.block_q, config.block_kv, config.stages, mosaic_head_dim(dk),
+         mosaic_head_dim(dv), 2)
+  q_buffers = forward_q_buffers(*fwd, ones_tile=ones, vectors=vectors)  # persistent: no mask
+  costs = mosaic_costs(config, fwd[3], 2, fwd[4], vectors)
+  backward = ("dK/dV+dQ",) if config.fused_dq else ("dQ", "dK/dV")
+  assert counted == [forward_smem_bytes(*fwd, q_buffers, ones_tile=ones, vectors=vectors),
+                     *(costs[name][0] for name in backward)]

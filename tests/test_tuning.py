@@ -21,6 +21,7 @@ from jattn.kernels.common.config import (BLOCK_SEARCH, REGISTER_BUDGET, BlockCon
                                          SearchGrid, default_block_config)
 from jattn.kernels.flash import MosaicBlockConfig, default_mosaic_config
 from jattn.kernels.flash.config import BACKWARD_SEARCH, FORWARD_SEARCH
+from jattn.kernels.flash.mosaic_bwd import FUSED_DQ_SUPPORTED
 from jattn.kernels.hopper.forward import output_view_rows
 from jattn.tuning import search
 
@@ -81,7 +82,7 @@ def test_shared_memory_limit(info, limit):
 def test_cost_model_prunes_oversize_tiles_and_keeps_small_ones():
   big = BlockConfig(block_q=128, block_k=128, num_stages=4)
   reason = TRITON.fits(big, problem(head_dim=256), FAKE_99K)
-  assert reason.startswith("forward shared memory: ") and "> 99 KiB" in reason
+  assert reason.startswith("forward shared memory: ") and reason.endswith("> 101,376 B")
   assert TRITON.fits(SMALL, problem(head_dim=64), FAKE_99K) is None
 
 
@@ -131,6 +132,54 @@ def test_wide_heads_take_128_key_forward_tiles_where_the_shared_memory_allows(dk
         dataclasses.replace(config, block_kv=128), wide, FAKE_H100, ("forward",))
 
 
+def test_auto_passes_over_hopper_kernels_the_compiler_would_refuse():
+  """Padded head dims (192, 256) ask 233,568 B of a CTA's 232,448 (Mosaic GPU's own count
+  on the CPU lowering): "auto" takes the Triton kernels; a named backend says why."""
+  wide = problem(head_dim=192, value_head_dim=256, causal=False)
+  assert dict(FLASH.choices(wide, FAKE_H100))["pallas_mosaic"] == (
+      "forward shared memory: 233,568 B > 232,448 B")
+  assert FLASH.prepare(wide, info=FAKE_H100).impl is TRITON
+  with pytest.raises(ValueError, match="forward shared memory: 233,568 B > 232,448 B"):
+    FLASH.prepare(wide, "pallas_mosaic", info=FAKE_H100)
+  assert FLASH.prepare(problem(head_dim=192, causal=False), info=FAKE_H100).impl is MOSAIC
+
+
+def test_a_tuned_config_that_does_not_fit_a_call_with_more_inputs_gives_way_to_the_heuristic():
+  """Tuned configs are kept per shape, not per segment ids or dropout, whose vectors need
+  shared memory: where the tuned one would overflow, the heuristic's runs."""
+  tuned = MosaicBlockConfig(block_q=64, block_kv=128, stages=2, block_q_dq=128, block_kv_dq=64,
+                            bwd_stages=3)
+  plain = problem(causal=False)
+  cache.save_config(cache.TuningKey(H100, "flash_attention", "pallas_mosaic",
+                                    MOSAIC.cache_key(plain)), tuned, ms=1.0, mode="fwd+bwd")
+  assert FLASH.prepare(plain, "pallas_mosaic", info=FAKE_H100).config == tuned
+  packed = dataclasses.replace(plain, segment_ids=True, dropout_rate=0.1)
+  assert MOSAIC.compile_misfit(tuned, packed, FAKE_H100) == (
+      "dQ shared memory: 235,632 B > 232,448 B")
+  assert FLASH.prepare(packed, "pallas_mosaic", info=FAKE_H100).config == (
+      MOSAIC.heuristic_config(packed, FAKE_H100))
+
+
+def test_the_other_hopper_ops_route_by_the_compilers_count():
+  """Retention's Hopper forward at (dk, dv) = (192, 256) with the abs-sum denominator (a
+  row reduction's scratch) or packed sequences (segment ids); FP8 at head dim 256 with a
+  float32 output tile; FP8 at a padded 192, which its 8-bit tiles cannot split."""
+  from jattn.fp8 import FP8_FLASH
+  from jattn.retention import RETENTION_PARALLEL
+  retention = lambda **kw: RETENTION_PARALLEL.prepare(RETENTION_PARALLEL.problem(
+      q_len=512, dk=192, dv=256, dtype=jnp.bfloat16, heads=2, **kw),
+      info=FAKE_H100).impl.backend.name
+  assert retention() == "pallas_mosaic"
+  assert retention(normalize="abs_sum") == retention(sequences=3) == "pallas_triton"
+  fp8 = lambda d, out: FP8_FLASH.prepare(FP8_FLASH.problem(q_len=4096, head_dim=d,
+                                                           out_dtype=out), info=FAKE_H100)
+  assert fp8(256, jnp.bfloat16).impl.backend.name == "pallas_mosaic"
+  assert fp8(256, jnp.float32).impl.backend.name == "xla"
+  assert fp8(128, jnp.float32).config.block_kv == 256
+  assert "head dims that pad to 192" in dict(FP8_FLASH.choices(
+      FP8_FLASH.problem(q_len=4096, head_dim=160), FAKE_H100))["pallas_mosaic"]
+
+
 @pytest.mark.parametrize("dk, dv, rows", [(192, 128, 96), (128, 64, 128), (256, 128, 128),
                                           (128, 128, 64), (256, 192, None), (128, 192, None)])
 def test_the_forward_output_takes_a_view_of_the_q_tile_of_exactly_its_bytes(dk, dv, rows):
@@ -142,11 +191,13 @@ def test_fused_dq_is_costed_and_tuned_only_for_calls_that_allow_any_order():
   it, so neither its cost nor a fused candidate applies to them."""
   det = problem(dtype=jnp.float16, causal=False)
   any_order = dataclasses.replace(det, deterministic=False)
-  fused = dataclasses.replace(default_mosaic_config(128), fused_dq=True, bwd_stages=3,
+  fused = dataclasses.replace(default_mosaic_config(128), fused_dq=True, bwd_stages=4,
                               block_kv_dq=64)
   assert MOSAIC.fits(fused, det, FAKE_H100) is None  # runs the two kernels
-  assert "dK/dV+dQ shared memory" in MOSAIC.fits(fused, any_order, FAKE_H100)
-  for p, expected in ((det, {False}), (any_order, {False, True})):
+  # (jax before 0.11 runs no fused dQ: FUSED_DQ_SUPPORTED)
+  reason = MOSAIC.fits(fused, any_order, FAKE_H100)
+  assert "dK/dV+dQ shared memory" in reason if FUSED_DQ_SUPPORTED else reason is None
+  for p, expected in ((det, {False}), (any_order, {False, FUSED_DQ_SUPPORTED})):
     cands = _stage(search.plan("flash_attention", "pallas_mosaic", p, info=FAKE_H100),
                    "fused dQ")
     assert {c.config.fused_dq for c in cands if c.reason is None} == expected

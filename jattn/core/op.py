@@ -185,10 +185,6 @@ class Impl:
   backend: ClassVar[Backend]
   config_cls: ClassVar[type | None] = None
   has_backward: ClassVar[bool] = False
-  # Whether ``fits`` matches what the compiler accepts (then a chosen config that does
-  # not fit rules the backend out for the problem), rather than a conservative model
-  # that only prunes the autotuner's candidates (some configs it prunes do compile).
-  exact_fit: ClassVar[bool] = False
 
   def supported_on(self, info: GPUInfo) -> str | None:
     """Why ``info``'s device cannot run this implementation (None: it can)."""
@@ -226,6 +222,13 @@ class Impl:
     """Why ``config`` does not fit ``info``'s device (shared memory, registers): the
     family's cost model, restricted to ``kernels`` (a ``SearchGrid``'s; none named:
     every kernel the config runs)."""
+    return None
+
+  def compile_misfit(self, config, problem, info: GPUInfo) -> str | None:
+    """Why the compiler would refuse ``config`` for ``problem`` on ``info``'s device: a
+    hard limit (shared memory per block) counted as the compiler counts it, for every
+    kernel the call may compile (None: it compiles, or the family has no such count).
+    ``"auto"`` does not take a backend whose chosen config the compiler would refuse."""
     return None
 
   def forward(self, call: "Call", *arrays):
@@ -462,11 +465,15 @@ class Op:
     if reason is not None:
       return reason, None
     chosen = self.config_for(impl, problem, info, config)
-    # An exact model vets the configs jattn picks; one the caller gives is the compiler's
-    # to accept. Interpret mode has no limits.
-    if (impl.exact_fit and config is None and info.is_gpu
-        and not (impl.backend.interpretable and info.interpret)):
-      reason = impl.fits(chosen, problem, info)
+    # The configs jattn picks must compile (a tuned one, kept per shape, may not fit a
+    # call with more inputs: then the heuristic's); one the caller gives is the
+    # compiler's to accept. Interpret mode has no limits.
+    if config is None and info.is_gpu and not (impl.backend.interpretable and info.interpret):
+      reason = impl.compile_misfit(chosen, problem, info)
+      if reason is not None:
+        heuristic = impl.heuristic_config(problem, info)
+        if heuristic != chosen and impl.compile_misfit(heuristic, problem, info) is None:
+          reason, chosen = None, heuristic
     return reason, chosen
 
   def choices(self, problem, info: GPUInfo | None = None, config=None) -> list[tuple[str, str | None]]:

@@ -38,6 +38,7 @@ from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_con
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
 from jattn.kernels.flash.config import mosaic_backward_runs
+from jattn.kernels.hopper.inputs import PositionInputs
 from jattn.reference import flex_attention_reference
 
 
@@ -331,10 +332,20 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def tuning_stages(self):
     return ()  # as TritonFlex
 
+  @staticmethod
+  def _positions(p) -> PositionInputs:
+    """The functions' per-row and per-column parts, held in shared memory per tile."""
+    factored = lambda f: None if f is None else f.factored
+    return PositionInputs(mask=factored(p.mask_mod), score=factored(p.score_mod))
+
   def fits(self, config, p, info, kernels=()):
     # (never the fused dQ: the backward is deterministic)
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         kernels or ("forward", "dQ", "dK/dV"), info)
+                         kernels or ("forward", "dQ", "dK/dV"), info, self._positions(p))
+
+  def compile_misfit(self, config, p, info):
+    return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
+                         ("forward", "dQ", "dK/dV"), info, self._positions(p), registers=False)
 
   def _finest_tiles(self, call):
     c = call.config

@@ -4,7 +4,9 @@ An implementation lists its config family's ``SearchGrid``s (``Impl.tuning_stage
 a stage varies some config fields over a small grid, keeps the others at the previous
 stage's winner, and is timed in its mode (``"fwd"`` or ``"fwd+bwd"``). Before anything
 is compiled, the part of the implementation's cost model that the stage's fields
-change (``impl.fits(..., stage.kernels)``) prunes candidates that cannot fit the device.
+change (``impl.fits(..., stage.kernels)``) prunes candidates that cannot fit the device,
+as does any limit the compiler enforces on the kernels a candidate runs
+(``impl.compile_misfit``).
 """
 
 from __future__ import annotations
@@ -52,19 +54,26 @@ def _candidates(impl: Impl, problem, stage: SearchGrid, base) -> list:
                             for c in itertools.chain([base], grid)))
 
 
+def _misfit(impl: Impl, config, problem, info: GPUInfo, stage: SearchGrid) -> str | None:
+  """Why ``config`` is pruned: the stage's part of the cost model, or a limit the
+  compiler enforces on any kernel the config runs (``Impl.compile_misfit``)."""
+  return (impl.fits(config, problem, info, stage.kernels)
+          or impl.compile_misfit(config, problem, info))
+
+
 def _start(impl: Impl, problem, info: GPUInfo):
   """The heuristic config, with any stage that does not fit ``info`` moved to its first
   candidate that does (e.g. the d128 tiles on a 99 KiB GPU)."""
   base = impl.normalize_config(impl.heuristic_config(problem, info), problem)
   for stage in impl.tuning_stages():
-    if impl.fits(base, problem, info, stage.kernels) is not None:
+    if _misfit(impl, base, problem, info, stage) is not None:
       base = next((c for c in _candidates(impl, problem, stage, base)
-                   if impl.fits(c, problem, info, stage.kernels) is None), base)
+                   if _misfit(impl, c, problem, info, stage) is None), base)
   return base
 
 
 def _split(impl: Impl, problem, stage: SearchGrid, base, info) -> list[Candidate]:
-  return [Candidate(stage, c, impl.fits(c, problem, info, stage.kernels))
+  return [Candidate(stage, c, _misfit(impl, c, problem, info, stage))
           for c in _candidates(impl, problem, stage, base)]
 
 

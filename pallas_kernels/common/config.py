@@ -155,14 +155,14 @@ def block_misfit(c: BlockConfig, head_dims: tuple[int, ...], nbytes: int,
 
 
 def over_budget(name: str, cost: tuple[int, float], smem_limit: int,
-                register_budget: int) -> str | None:
+                register_budget: int | None) -> str | None:
   """Why a kernel of ``cost = (shared-memory bytes, fp32 accumulators per thread)``
-  does not fit ``smem_limit`` bytes of shared memory and ``register_budget`` (None: it
-  fits). Every family's cost model ends here."""
+  does not fit ``smem_limit`` bytes of shared memory and ``register_budget`` (None:
+  shared memory only) (None: it fits). Every family's cost model ends here."""
   smem, per_thread = cost
   if smem > smem_limit:
-    return f"{name} shared memory: {smem // 1024} KiB > {smem_limit // 1024} KiB"
-  if per_thread > register_budget:
+    return f"{name} shared memory: {smem:,} B > {smem_limit:,} B"
+  if register_budget is not None and per_thread > register_budget:
     return f"{name} registers: {per_thread:.0f} fp32/thread > {register_budget}"
   return None
 

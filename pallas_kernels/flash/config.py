@@ -3,7 +3,9 @@ its search space and its cost model (shared memory and registers per kernel).
 
 Cost model (prunes configs before anything compiles; ``d`` / ``dv`` are the padded
 head dims of q, k and of v, ``W`` the consumer warpgroups, each owning ``block`` rows;
-registers count fp32 accumulator values per consumer thread):
+registers count fp32 accumulator values per consumer thread; shared memory is counted
+from each kernel's own buffer list as Mosaic GPU counts it, ``pipeline.smem_bytes``,
+with a vector per tile for each per-position input):
 
 - forward: ``hopper.forward.forward_cost`` (Q tiles, ``stages`` K and V slots, the
   row sums' ones tile; O, the logits and the row sums in registers);
@@ -19,18 +21,15 @@ from __future__ import annotations
 import dataclasses
 
 from jattn.kernels.common.config import SearchGrid, over_budget
-from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_BLOCK,
-                                         MOSAIC_REGISTER_BUDGET, MOSAIC_SMEM_OVERHEAD,
-                                         THREADS_PER_WARPGROUP, mosaic_head_dim)
-from jattn.kernels.hopper.forward import forward_cost, forward_smem_bytes
-from jattn.kernels.hopper.pipeline import CONSUMERS
+import jax.numpy as jnp
 
-# The backward keeps a consumer's dK and dV accumulators (block_kv_dkv x (dk + dv) fp32)
-# in registers: up to dk + dv = 256 with any tiles the cost model admits, up to 320
-# (dk = 192, dv = 128) with the 64-row tiles of wide heads, whose dK/dV kernel feeds
-# its own ring (no producer warpgroup). Wider heads take the Triton backward.
-MOSAIC_MAX_BWD_WIDTH = 320
-MOSAIC_MODELLED_BWD_WIDTH = 256
+from jattn.kernels.flash.mosaic_bwd import dkv_scratch, dq_scratch
+from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_BLOCK,
+                                         MOSAIC_MAX_BWD_WIDTH, MOSAIC_MODELLED_BWD_WIDTH,
+                                         MOSAIC_REGISTER_BUDGET, THREADS_PER_WARPGROUP,
+                                         fused_dq_columns, mosaic_head_dim)
+from jattn.kernels.hopper.forward import forward_cost, forward_smem_bytes
+from jattn.kernels.hopper.pipeline import smem_bytes, stand_in_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,51 +124,53 @@ def default_fp8_config(head_dim: int, value_head_dim: int | None = None,
   dv = mosaic_head_dim(head_dim if value_head_dim is None else value_head_dim)
   if max(dk, dv) <= 64:
     return MosaicBlockConfig(block_q=128, block_kv=128, stages=2)
-  fits = lambda block_kv: forward_smem_bytes(64, block_kv, 2, dk, dv, 1, 1, out_nbytes) + (
-      MOSAIC_SMEM_OVERHEAD) <= HOPPER_SMEM_BYTES
+  fits = lambda block_kv: forward_smem_bytes(64, block_kv, 2, dk, dv, 1, 1,
+                                             out_nbytes) <= HOPPER_SMEM_BYTES
   widest = 128 if masked and kv_len < 8192 else 256
-  block_kv = next(b for b in sorted(FP8_BLOCK_KV, reverse=True) if b <= widest and (
-      fits(b) or b == min(FP8_BLOCK_KV)))
+  # None fits (say head dim 256 with a float32 output): the smallest, which
+  # ``fp8_misfit`` refuses, so that ``"auto"`` runs another backend.
+  block_kv = next((b for b in sorted(FP8_BLOCK_KV, reverse=True) if b <= widest and fits(b)),
+                  min(FP8_BLOCK_KV))
   return MosaicBlockConfig(block_q=64, block_kv=block_kv, stages=2)
 
 
 def fp8_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], out_nbytes: int,
-               smem_limit: int) -> str | None:
+               smem_limit: int, vectors: tuple[int, int] = (0, 0),
+               register_budget: int | None = MOSAIC_REGISTER_BUDGET) -> str | None:
   """Why config ``c`` does not fit the FP8 forward at head dims ``(dk, dv)`` on a device
-  with ``smem_limit`` bytes of shared memory per CTA (None: it fits)."""
+  with ``smem_limit`` bytes of shared memory per CTA (None: it fits); ``vectors`` as
+  ``mosaic_costs``'; ``register_budget`` None: shared memory only."""
   if c.block_kv not in FP8_BLOCK_KV:
     return f"FP8 forward block_kv must be one of {FP8_BLOCK_KV}, got {c.block_kv}"
   dk, dv = (mosaic_head_dim(d) for d in head_dims)
-  cost = forward_cost(c.block_q, c.block_kv, c.stages, dk, dv, 1, out_nbytes)
-  return over_budget("forward", cost, smem_limit, MOSAIC_REGISTER_BUDGET)
+  cost = forward_cost(c.block_q, c.block_kv, c.stages, dk, dv, 1, out_nbytes,
+                      vectors=vectors)
+  return over_budget("forward", cost, smem_limit, register_budget)
 
 
-def fused_dq_columns(head_dim: int) -> int:
-  """Head-dim columns of the fused dQ tile each consumer computes: with head dims that
-  split into whole 64-wide tiles, the consumers share one dQ tile (each summing both
-  consumers' dS over its half of the columns); else each its own, over all columns."""
-  half = head_dim // CONSUMERS
-  return half if half % MOSAIC_BLOCK == 0 else head_dim
-
-
-def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int,
-                 dv: int | None = None) -> dict[str, tuple[int, float]]:
-  """Per Hopper kernel: shared-memory bytes and fp32 accumulators per consumer thread;
-  ``d`` the padded head dim of q and k, ``dv`` of v (default ``d``)."""
-  w, o, t = CONSUMERS, MOSAIC_SMEM_OVERHEAD, THREADS_PER_WARPGROUP
+def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int, dv: int | None = None,
+                 vectors: tuple[int, int] = (0, 0)) -> dict[str, tuple[int, float]]:
+  """Per Hopper kernel: shared-memory bytes as Mosaic GPU counts them (the kernels' own
+  buffer lists) and fp32 accumulators per consumer thread; ``d`` the padded head dim of
+  q and k, ``dv`` of v (default ``d``); ``vectors`` the ``(row, col)`` counts of
+  per-position vectors (segment ids, dropout's hashes, a function's parts)."""
+  t = THREADS_PER_WARPGROUP
   dv = d if dv is None else dv
-  dkv_smem = ((w * c.block_kv_dkv * (d + dv) + c.bwd_stages * c.block_q_dkv * (d + dv)) * nbytes
-              + c.bwd_stages * 2 * c.block_q_dkv * 4 + o)
+  dtype = stand_in_dtype(nbytes)
+  rows, cols = ((jnp.int32,) * n for n in vectors)
+  dkv = lambda fuse: smem_bytes(dkv_scratch(dtype, d, dv, c.block_q_dkv, c.block_kv_dkv,
+                                            c.bwd_stages, rows, cols, fuse), reduces=False)
   dq_cols = fused_dq_columns(d)
   return {
-      "forward": forward_cost(c.block_q, c.block_kv, c.stages, d, dv, nbytes, ones_tile=True),
-      "dQ": ((w * c.block_q_dq * (d + dv) + c.bwd_stages * c.block_kv_dq * (d + dv)) * nbytes + o,
+      "forward": forward_cost(c.block_q, c.block_kv, c.stages, d, dv, nbytes, ones_tile=True,
+                              vectors=vectors),
+      "dQ": (smem_bytes(dq_scratch(dtype, d, dv, c.block_q_dq, c.block_kv_dq, c.bwd_stages,
+                                   rows, cols), reduces=False),
              (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / t),
-      "dK/dV": (dkv_smem,
+      "dK/dV": (dkv(False),
                 (c.block_kv_dkv * (d + dv) + 2 * c.block_q_dkv * c.block_kv_dkv) / t),
       # The dQ accumulator is live once S and dP are spent.
-      "dK/dV+dQ": (dkv_smem + (2 * w * c.block_kv_dkv * c.block_q_dkv * nbytes
-                               + w * c.block_q_dkv * dq_cols * 4),
+      "dK/dV+dQ": (dkv(True),
                    (c.block_kv_dkv * (d + dv) + max(2 * c.block_q_dkv * c.block_kv_dkv,
                                                     c.block_q_dkv * (dq_cols + c.block_kv_dkv)))
                    / t),
@@ -177,14 +178,16 @@ def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int,
 
 
 def mosaic_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
-                  kernels: tuple[str, ...], smem_limit: int) -> str | None:
+                  kernels: tuple[str, ...], smem_limit: int, vectors: tuple[int, int] = (0, 0),
+                  register_budget: int | None = MOSAIC_REGISTER_BUDGET) -> str | None:
   """Why the Hopper ``kernels`` (names of ``mosaic_costs``) of config ``c`` do not fit
   a device with ``smem_limit`` bytes of shared memory per CTA at head dims
-  ``(dk, dv)`` (None: they fit)."""
+  ``(dk, dv)`` with ``vectors`` (as ``mosaic_costs``') (None: they fit);
+  ``register_budget`` None: shared memory only, the limit the compiler enforces."""
   dk, dv = (mosaic_head_dim(d) for d in head_dims)
-  costs = mosaic_costs(c, dk, nbytes, dv)
+  costs = mosaic_costs(c, dk, nbytes, dv, vectors)
   for name in kernels:
-    reason = over_budget(name, costs[name], smem_limit, MOSAIC_REGISTER_BUDGET)
+    reason = over_budget(name, costs[name], smem_limit, register_budget)
     if reason is not None:
       return reason
   return None

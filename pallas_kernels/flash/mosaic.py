@@ -1,7 +1,7 @@
 """Host side of the Hopper (Pallas Mosaic GPU) flash attention: pads inputs to the
 tile grid and runs the forward kernel, or the dQ and dK/dV kernels given the saved
 ``(o, lse)``. The backward takes padded ``head_dim + head_dim_v`` up to
-``config.MOSAIC_MAX_BWD_WIDTH`` (``mosaic_backward_runs``): wider dK and dV
+``hopper.budget.MOSAIC_MAX_BWD_WIDTH`` (``mosaic_backward_runs``): wider dK and dV
 accumulators do not fit a warpgroup's registers.
 
 FlexAttention's functions come as a ``FlexMods`` whose functions are split for
@@ -19,8 +19,8 @@ from jattn.kernels.common.dropout import backward_rows, hash_arrays
 from jattn.kernels.common.masking import MaskSpec
 from jattn.kernels.common.softmax import backward_delta, backward_lse, floor_sinks
 from jattn.kernels.common.tiling import pad_rows, pad_to, tile_axis
-from jattn.kernels.flash.config import (MOSAIC_MAX_BWD_WIDTH, MosaicBlockConfig,
-                                        mosaic_backward_runs)
+from jattn.kernels.flash.config import MosaicBlockConfig, mosaic_backward_runs
+from jattn.kernels.hopper.budget import MOSAIC_MAX_BWD_WIDTH
 from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_fwd import mosaic_forward
 from jattn.kernels.flash.triton import FlexMods

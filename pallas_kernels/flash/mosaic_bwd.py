@@ -42,7 +42,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, kv_block_range, narrow, q_block_range
 from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
-from jattn.kernels.flash.config import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
+from jattn.kernels.hopper.budget import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV, ContiguousQ
 from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
@@ -147,8 +147,8 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     mp.copy_vectors(row_refs, [my(b) for b in positions.buffers(smem, ROW)], batch, q_start,
                     block_q, ready, head)
     plgpu.barrier_wait(ready)
-    lse = plgpu.load(my(smem["lse"]), layout=mp.ROW)
-    delta = plgpu.load(my(smem["delta"]), layout=mp.ROW)
+    lse = mp.load(my(smem["lse"]), mp.ROW)
+    delta = mp.load(my(smem["delta"]), mp.ROW)
     row_vectors = positions.load(smem, ROW, my, mp.ROW)
     scalars = positions.read_scalars(scalar_refs, batch, head)
     shape = (block_q, block_kv)
@@ -271,7 +271,7 @@ class _QStream:
 
   def stat(self, name: str, slot):
     """``lse`` or ``delta`` of the slot's block: one value per query, a score column."""
-    return plgpu.load(self.smem[name].at[slot], layout=mp.COL)
+    return mp.load(self.smem[name].at[slot], mp.COL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,6 +587,49 @@ def _barrier(n, arrivals=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
+def dq_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int,
+               row_dtypes: tuple = (), col_dtypes: tuple = ()) -> dict:
+  """The dQ kernel's shared memory: each consumer's Q and dO tiles with their row
+  statistics, ``stages`` K and V slots, the barriers and the per-position vectors
+  (``PositionInputs.scratch``)."""
+  smem = dict(
+      q=mp.tile_smem((mp.CONSUMERS, block_q, d), dtype),
+      do=mp.tile_smem((mp.CONSUMERS, block_q, dv), dtype),
+      lse=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
+      delta=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
+      k=mp.tile_smem((stages, block_kv, d), dtype),
+      v=mp.tile_smem((stages, block_kv, dv), dtype),
+      rows_ready=_barrier(mp.CONSUMERS, 4 + len(row_dtypes)),
+      k_ready=_barrier(stages, 1 + len(col_dtypes)), v_ready=_barrier(stages),
+      k_free=_barrier(stages, mp.CONSUMERS), v_free=_barrier(stages, mp.CONSUMERS))
+  smem.update(PositionInputs.scratch(row_dtypes, col_dtypes, (mp.CONSUMERS, block_q),
+                                     (stages, block_kv)))
+  return smem
+
+
+def dkv_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int,
+                row_dtypes: tuple = (), col_dtypes: tuple = (), fuse_dq: bool = False) -> dict:
+  """The dK/dV kernel's shared memory: each consumer's K and V tiles, ``stages`` Q and
+  dO slots with their row statistics, the barriers, the per-position vectors and,
+  with ``fuse_dq``, the dS tiles and float32 dQ tile of the fused dQ."""
+  smem = dict(
+      k=mp.tile_smem((mp.CONSUMERS, block_kv, d), dtype),
+      v=mp.tile_smem((mp.CONSUMERS, block_kv, dv), dtype),
+      q=mp.tile_smem((stages, block_q, d), dtype),
+      do=mp.tile_smem((stages, block_q, dv), dtype),
+      lse=plgpu.SMEM((stages, block_q), jnp.float32),
+      delta=plgpu.SMEM((stages, block_q), jnp.float32),
+      kv_ready=_barrier(mp.CONSUMERS, 2 + len(col_dtypes)),
+      q_ready=_barrier(stages, 4 + len(row_dtypes)), q_free=_barrier(stages, mp.CONSUMERS))
+  smem.update(PositionInputs.scratch(row_dtypes, col_dtypes, (stages, block_q),
+                                     (mp.CONSUMERS, block_kv)))
+  if fuse_dq:
+    smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), dtype),
+                dq=mp.tile_smem((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32),
+                ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
+  return smem
+
+
 def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: float,
               block_q: int, block_kv: int, stages: int, softcap: float | None = None,
               positions: PositionInputs = PositionInputs(), layout: BackwardLayout = BackwardLayout()):
@@ -596,17 +639,8 @@ def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: flo
   batch, q_len_p, _, d = q.shape
   q_heads = layout.q_layout.n_heads(q)
   stages = max(1, min(stages, k.shape[1] // block_kv))
-  smem = dict(
-      q=mp.tile_smem((mp.CONSUMERS, block_q, d), q.dtype),
-      do=mp.tile_smem((mp.CONSUMERS, block_q, v.shape[-1]), q.dtype),
-      lse=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-      delta=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-      k=mp.tile_smem((stages, block_kv, d), q.dtype),
-      v=mp.tile_smem((stages, block_kv, v.shape[-1]), q.dtype),
-      rows_ready=_barrier(mp.CONSUMERS, 4 + positions.n_rows),
-      k_ready=_barrier(stages, 1 + positions.n_cols), v_ready=_barrier(stages),
-      k_free=_barrier(stages, mp.CONSUMERS), v_free=_barrier(stages, mp.CONSUMERS))
-  smem.update(positions.scratch(inputs, (mp.CONSUMERS, block_q), (stages, block_kv)))
+  smem = dq_scratch(q.dtype, d, v.shape[-1], block_q, block_kv, stages,
+                    *positions.vector_dtypes(inputs))
   return mp.kernel(
       functools.partial(_dq_kernel, spec=spec, positions=positions, scale=scale,
                         softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
@@ -635,20 +669,8 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   kv_heads = q_heads // group
   stages = max(1, min(stages, group * (q_len_p // block_q)))
   fuse_dq = dq_acc is not None
-  smem = dict(
-      k=mp.tile_smem((mp.CONSUMERS, block_kv, d), k.dtype),
-      v=mp.tile_smem((mp.CONSUMERS, block_kv, v.shape[-1]), k.dtype),
-      q=mp.tile_smem((stages, block_q, d), q.dtype),
-      do=mp.tile_smem((stages, block_q, v.shape[-1]), q.dtype),
-      lse=plgpu.SMEM((stages, block_q), jnp.float32),
-      delta=plgpu.SMEM((stages, block_q), jnp.float32),
-      kv_ready=_barrier(mp.CONSUMERS, 2 + positions.n_cols),
-      q_ready=_barrier(stages, 4 + positions.n_rows), q_free=_barrier(stages, mp.CONSUMERS))
-  smem.update(positions.scratch(inputs, (stages, block_q), (mp.CONSUMERS, block_kv)))
-  if fuse_dq:
-    smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), q.dtype),
-                dq=mp.tile_smem((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32),
-                ds_ready=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
+  smem = dkv_scratch(q.dtype, d, v.shape[-1], block_q, block_kv, stages,
+                     *positions.vector_dtypes(inputs), fuse_dq)
   # Folding lse and delta into the accumulators' initial values frees their registers
   # (``_FoldedStats``); plain logits only, and not for wider heads, where it spills.
   wide = d + v.shape[-1] > MOSAIC_MODELLED_BWD_WIDTH
@@ -672,6 +694,11 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
         *args, dq_acc)
   return mp.kernel(body, out_type=out_type, scratch_types=smem, producer=not self_fed,
                    **grid)(*args)
+
+
+# The fused dQ writes a ``jax.Ref`` under ``custom_vmap``, which jax 0.10 cannot
+# discharge ("no state discharge rule for custom_vmap_call", lowering on jax 0.10.2).
+FUSED_DQ_SUPPORTED = jax.__version_info__ >= (0, 11)
 
 
 def _fold_vmap_into_batch(fn):
@@ -727,6 +754,8 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
   if not layout.plain and (fused_dq or positions != PositionInputs()):
     raise ValueError("the backward kernels read a non-plain layout without per-position "
                      "inputs and without the fused dQ")
+  if fused_dq and not FUSED_DQ_SUPPORTED:
+    raise ValueError(f"the fused dQ (config.fused_dq) needs jax >= 0.11, got {jax.__version__}")
   bq_dq, bkv_dq, bq_dkv, bkv_dkv = blocks
   args = (q, k, v, do, lse2, delta)
   dkv = functools.partial(mosaic_dkv, spec=spec, scale=scale, block_q=bq_dkv,

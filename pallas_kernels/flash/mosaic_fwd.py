@@ -42,6 +42,8 @@ class SoftmaxRows:
   def n_inputs(self) -> int:  # kernel inputs the rule reads
     return int(self.sinks) + 2 * int(self.descaled)
 
+  reduces = True  # the row max (``hopper.forward.forward_smem_bytes``)
+
   def mma_row_sums(self, dtype) -> bool:
     """Whether the denominator sums the weights V meets, on the tensor cores
     (``rows_forward``): for bfloat16 inputs without dropout (whose denominator counts

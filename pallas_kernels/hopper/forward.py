@@ -26,8 +26,9 @@ which the 8-bit weights' registers serve as the A operand as they lie
 The row rule says how a consumer turns each score tile into the tile it multiplies
 with V, and how it finishes its rows. A rule is a hashable object with ``n_inputs``
 (extra kernel inputs it reads), ``mma_row_sums(dtype)`` (whether, for inputs of that
-dtype, the kernel sums its weights' rows on the tensor cores for it) and
-``bind(inputs, ConsumerRows) -> Rows``. Flash
+dtype, the kernel sums its weights' rows on the tensor cores for it), ``reduces``
+(whether it reduces rows across the warpgroup, for which Mosaic reserves shared
+memory) and ``bind(inputs, ConsumerRows) -> Rows``. Flash
 attention's is the online softmax (``flash.mosaic_fwd.SoftmaxRows``); parallel
 retention's is its decay (``retention.mosaic.DecayRows``).
 """
@@ -47,8 +48,7 @@ from jattn.kernels.common.factored_functions import COL, ROW
 from jattn.kernels.common.masking import MaskSpec, narrow
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV
-from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_SMEM_OVERHEAD,
-                                         THREADS_PER_WARPGROUP)
+from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES, THREADS_PER_WARPGROUP
 from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
 from jattn.kernels.hopper.work import QueryTiles
 
@@ -112,39 +112,44 @@ def own_output_tile(block_q: int, dk: int, dv: int, nbytes: int, out_nbytes: int
 
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
                        nbytes: int, q_buffers: int, out_nbytes: int | None = None,
-                       ones_tile: bool = False) -> int:
-  """Shared memory of the forward kernel's tiles: ``q_buffers`` Q tiles per consumer
-  (which take the output tile where ``output_view_rows`` says so, else an output tile
-  of its own), ``stages`` K and V slots and, with ``ones_tile``, the ones tile of a
-  rule's ``mma_row_sums``. ``out_nbytes``: the output's bytes per value (default
-  ``nbytes``)."""
-  out_nbytes = nbytes if out_nbytes is None else out_nbytes
-  out = (mp.CONSUMERS * block_q * dv * out_nbytes
-         if own_output_tile(block_q, dk, dv, nbytes, out_nbytes) else 0)
-  tiles = (q_buffers * mp.CONSUMERS * block_q * dk + stages * block_kv * (dk + dv)
-           + ones_tile * ONES_ROWS * block_kv)
-  return tiles * nbytes + out
+                       ones_tile: bool = False, vectors: tuple[int, int] = (0, 0),
+                       reduces: bool = True) -> int:
+  """Shared memory of the forward kernel as Mosaic GPU counts it (``_scratch``'s
+  buffers: ``q_buffers`` Q tiles per consumer, which take the output tile where
+  ``output_view_rows`` says so, else it has its own; ``stages`` K and V slots; with
+  ``ones_tile`` the ones tile of a rule's ``mma_row_sums``; ``vectors``: the
+  ``(row, col)`` counts of per-position vectors, 4-byte values; the barriers).
+  ``out_nbytes``: the output's bytes per value (default ``nbytes``); ``reduces``: the
+  rule reduces rows (``Rows.reduces``)."""
+  dtype = mp.stand_in_dtype(nbytes)
+  out_dtype = mp.stand_in_dtype(nbytes if out_nbytes is None else out_nbytes)
+  rows, cols = vectors
+  scratch = _scratch(dtype, dk, dv, block_q, block_kv, stages, q_buffers,
+                     (jnp.int32,) * rows, (jnp.int32,) * cols, out_dtype, nbytes == 1,
+                     ones_tile)
+  return mp.smem_bytes(scratch, reduces)
 
 
 def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                      nbytes: int, out_nbytes: int | None = None,
-                      ones_tile: bool = False) -> int:
+                      nbytes: int, out_nbytes: int | None = None, ones_tile: bool = False,
+                      vectors: tuple[int, int] = (0, 0), reduces: bool = True) -> int:
   """2 (the next work item's Q prefetched) where that fits the shared memory, else 1."""
   double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2, out_nbytes,
-                              ones_tile)
+                              ones_tile, vectors, reduces)
   return 2 if double <= HOPPER_SMEM_BYTES else 1
 
 
 def forward_cost(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
-                 nbytes: int, out_nbytes: int | None = None,
-                 ones_tile: bool = False) -> tuple[int, float]:
-  """The forward kernel's shared-memory bytes (with one Q buffer: it takes a second
-  where that fits) and fp32 accumulators per consumer thread (O, the logits and, with
-  ``ones_tile``, the row sums)."""
+                 nbytes: int, out_nbytes: int | None = None, ones_tile: bool = False,
+                 vectors: tuple[int, int] = (0, 0),
+                 reduces: bool = True) -> tuple[int, float]:
+  """The forward kernel's shared-memory bytes (``forward_smem_bytes`` with one Q
+  buffer: it takes a second where that fits) and fp32 accumulators per consumer
+  thread (O, the logits and, with ``ones_tile``, the row sums)."""
   smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1, out_nbytes,
-                            ones_tile)
+                            ones_tile, vectors, reduces)
   accumulators = block_q * (dv + block_kv + ones_tile * ONES_ROWS)
-  return smem + MOSAIC_SMEM_OVERHEAD, accumulators / THREADS_PER_WARPGROUP
+  return smem, accumulators / THREADS_PER_WARPGROUP
 
 
 class _Item(NamedTuple):
@@ -482,10 +487,13 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
                        heavy_first=spec.right is not None)
   stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
   mma_sums = rule.mma_row_sums(q.dtype)
+  row_dtypes, col_dtypes = positions.vector_dtypes(inputs)
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize,
-                                out_dtype.itemsize, mma_sums) if persistent else 1
-  smem = _scratch(q, dk, dv, block_q, block_kv, stages, q_buffers, positions, inputs,
-                  out_dtype, addressing.values_transposed, mma_sums)
+                                out_dtype.itemsize, mma_sums,
+                                (len(row_dtypes), len(col_dtypes)),
+                                rule.reduces) if persistent else 1
+  smem = _scratch(q.dtype, dk, dv, block_q, block_kv, stages, q_buffers, row_dtypes,
+                  col_dtypes, out_dtype, addressing.values_transposed, mma_sums)
   if mma_sums:  # the ones tile's source, copied in once per CTA
     inputs = (*inputs, jnp.ones((ONES_ROWS, block_kv), q.dtype))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
@@ -501,32 +509,35 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
   )(q, k, v, *inputs)
 
 
-def _scratch(q, dk: int, dv: int, block_q: int, block_kv: int, stages: int, q_buffers: int,
-             positions: PositionInputs, inputs, out_dtype, values_transposed: bool,
-             ones_tile: bool) -> dict:
-  """The forward kernel's shared memory: tiles, barriers, the per-position vectors and,
-  with ``ones_tile``, the ones tile of the MMA row sums with its barrier."""
+def _scratch(dtype, dk: int, dv: int, block_q: int, block_kv: int, stages: int,
+             q_buffers: int, row_dtypes: tuple, col_dtypes: tuple, out_dtype,
+             values_transposed: bool, ones_tile: bool) -> dict:
+  """The forward kernel's shared memory: tiles of ``dtype``, barriers, the per-position
+  vectors (``PositionInputs.scratch``, of ``row_dtypes`` and ``col_dtypes``) and, with
+  ``ones_tile``, the ones tile of the MMA row sums with its barrier."""
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
-  q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), q.dtype)
-  own_out = own_output_tile(block_q, dk, dv, q.dtype.itemsize, out_dtype.itemsize)
+  q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), dtype)
+  own_out = own_output_tile(block_q, dk, dv, jnp.dtype(dtype).itemsize,
+                            jnp.dtype(out_dtype).itemsize)
   out_rows = None if own_out else output_view_rows(block_q, dk, dv)
   q_view = out_rows is not None and dv != dk
   smem = dict(
       # A consumer writes its output once its last QKᵀ has run: the Q tile is free then.
       q=plgpu.RefUnion(q_tiles, mp.tile_smem((q_buffers, mp.CONSUMERS, out_rows, dv),
-                                             q.dtype)) if q_view else q_tiles,
-      k=mp.tile_smem((stages, block_kv, dk), q.dtype),
+                                             dtype)) if q_view else q_tiles,
+      k=mp.tile_smem((stages, block_kv, dk), dtype),
       v=mp.tile_smem((stages, dv, block_kv) if values_transposed else (stages, block_kv, dv),
-                     q.dtype),
+                     dtype),
       stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
-      q_ready=barrier(q_buffers * mp.CONSUMERS, 1 + positions.n_rows),
-      k_ready=barrier(stages, 1 + positions.n_cols),
+      q_ready=barrier(q_buffers * mp.CONSUMERS, 1 + len(row_dtypes)),
+      k_ready=barrier(stages, 1 + len(col_dtypes)),
       v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   if own_out:
     smem["o"] = mp.tile_smem((mp.CONSUMERS, block_q, dv), out_dtype)
   if ones_tile:
-    smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), q.dtype),
+    smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), dtype),
                 ones_ready=plgpu.Barrier(num_arrivals=1))
-  smem.update(positions.scratch(inputs, (q_buffers, mp.CONSUMERS, block_q), (stages, block_kv)))
+  smem.update(PositionInputs.scratch(row_dtypes, col_dtypes, (q_buffers, mp.CONSUMERS, block_q),
+                                     (stages, block_kv)))
   return smem

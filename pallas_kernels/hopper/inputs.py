@@ -116,6 +116,11 @@ class PositionInputs:
     return self.segments + self._count(COL) + (self.dropout > 0)
 
   @property
+  def vectors(self) -> tuple[int, int]:
+    """``(n_rows, n_cols)``: the vectors a kernel holds in shared memory per tile."""
+    return self.n_rows, self.n_cols
+
+  @property
   def n_scalars(self) -> int:
     return self._count(SCALAR) + 2 * self.lengths
 
@@ -143,12 +148,17 @@ class PositionInputs:
   def read_scalars(self, refs, b, h) -> tuple:
     return tuple(ref[mp.shared_index(ref, 0, b), mp.shared_index(ref, 1, h)] for ref in refs)
 
-  def scratch(self, inputs, row_shape: tuple, col_shape: tuple) -> dict:
-    """Shared memory for the row and col vectors of ``inputs`` (``position_arrays``'
-    order): ``row{i}`` of ``row_shape``, ``col{i}`` of ``col_shape``."""
+  def vector_dtypes(self, inputs) -> tuple[tuple, tuple]:
+    """The dtypes of the row and col arrays of ``inputs`` (``position_arrays``' order)."""
     rows, cols = inputs[:self.n_rows], inputs[self.n_rows:self.n_rows + self.n_cols]
-    return {**{f"row{i}": plgpu.SMEM(row_shape, x.dtype) for i, x in enumerate(rows)},
-            **{f"col{i}": plgpu.SMEM(col_shape, x.dtype) for i, x in enumerate(cols)}}
+    return tuple(x.dtype for x in rows), tuple(x.dtype for x in cols)
+
+  @staticmethod
+  def scratch(row_dtypes: tuple, col_dtypes: tuple, row_shape: tuple, col_shape: tuple) -> dict:
+    """Shared memory for the row and col vectors (``vector_dtypes``): ``row{i}`` of
+    ``row_shape``, ``col{i}`` of ``col_shape``."""
+    return {**{f"row{i}": plgpu.SMEM(row_shape, t) for i, t in enumerate(row_dtypes)},
+            **{f"col{i}": plgpu.SMEM(col_shape, t) for i, t in enumerate(col_dtypes)}}
 
   def buffers(self, smem: dict, kind: str) -> list:
     """The ``scratch`` buffers of ``kind`` (``ROW`` or ``COL``)."""
@@ -156,7 +166,7 @@ class PositionInputs:
 
   def load(self, smem: dict, kind: str, at, layout) -> tuple:
     """The vectors of ``kind`` in registers: ``at(buffer)`` of each, in ``layout``."""
-    return tuple(plgpu.load(at(buf), layout=layout) for buf in self.buffers(smem, kind))
+    return tuple(mp.load(at(buf), layout) for buf in self.buffers(smem, kind))
 
   def _parts(self, fn: FactoredFunction, tile: Tile) -> tuple:
     before = (self.mask,) if self.mask is not None and fn is not self.mask else ()

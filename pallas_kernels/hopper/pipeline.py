@@ -267,6 +267,44 @@ def kernel_writing_ref(body, *, out_type, scratch_types: dict, grid, grid_names)
                    compiler_params=compiler_params())
 
 
+# What Mosaic GPU allocates per CTA beside the buffers' own bytes (jax's Mosaic GPU
+# lowering): each buffer starts on a 1 KiB boundary, a kernel that reduces across a
+# warpgroup reserves ``CompilerParams.reduction_scratch_bytes`` (the default, 2 KiB)
+# and every barrier takes 8 bytes.
+SMEM_ALIGNMENT = 1024
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+BARRIER_BYTES = 8
+
+
+def load(ref, layout):
+  """The whole of ``ref`` in registers, in ``layout`` (the empty index: jax before
+  0.11 requires one)."""
+  return plgpu.load(ref, (), layout=layout)
+
+
+def stand_in_dtype(nbytes: int):
+  """A dtype of ``nbytes`` bytes per value, for counting buffers before inputs exist."""
+  return jnp.dtype({1: jnp.float8_e4m3fn, 2: jnp.bfloat16, 4: jnp.float32}[nbytes])
+
+
+def smem_bytes(scratch: dict, reduces: bool = True) -> int:
+  """The shared memory Mosaic GPU allocates for a kernel's ``scratch_types`` (its
+  ``plgpu.SMEM`` buffers, ``RefUnion`` s and ``Barrier`` s), as its own check counts
+  them: ``reduces`` where the kernel body reduces across a warpgroup (a row max or
+  sum), which reserves the reduction scratch."""
+  align = lambda n: -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+  size = lambda ref: int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize
+  total = REDUCTION_SCRATCH_BYTES if reduces else 0
+  for x in scratch.values():
+    if isinstance(x, plgpu.Barrier):
+      total += BARRIER_BYTES * int(np.prod(x.num_barriers))
+    elif isinstance(x, plgpu.RefUnion):
+      total += align(max(size(member) for member in x.refs))
+    else:
+      total += align(size(x))
+  return total
+
+
 def num_sms() -> int:
   """Streaming multiprocessors of the GPU kernels run on: a persistent kernel's CTAs
   (132, an H100's, where no GPU is attached: tracing only)."""

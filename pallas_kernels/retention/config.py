@@ -29,7 +29,7 @@ def grad_kernel_bytes(chunk: int, dk: int, dv: int, itemsize: int) -> int:
 
   The chunk tiles of q, k, v, dO, the state and its gradient in the inputs' dtype,
   plus, for float32 inputs, a ``[chunk, chunk]`` float32 score tile; ``dk``, ``dv``
-  are the padded head dims. It is exact (``TritonChunkwise.exact_fit``): it matches
+  are the padded head dims. It is exact (``TritonChunkwise.compile_misfit``): it matches
   what Triton asks for, except that it counts one configuration that compiles (2-byte
   dk = dv = 256 at chunk 32) as too large.
   """

@@ -58,6 +58,10 @@ class DecayRows:
     del dtype
     return False  # its denominator sums |s|, not the weights
 
+  @property
+  def reduces(self) -> bool:  # rows reduce for the abs-sum denominator only
+    return self.normalize
+
   def bind(self, inputs, t: ConsumerRows) -> Rows:
     (log2_decay_ref,) = inputs
     lg = log2_decay_ref[t.head]
