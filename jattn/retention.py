@@ -409,8 +409,8 @@ class TritonChunkwise(TritonImpl):
   def fits(self, config, p, info, kernels=()):
     need, limit = _chunk_bytes(config.chunk, p), shared_memory_limit(info)
     if need > limit:
-      return (f"needs {need // 1024} KiB of shared memory at chunk {config.chunk} "
-              f"(dk={p.dk}, dv={p.dv}, {p.dtype.name}) > {limit // 1024} KiB")
+      return (f"shared memory at chunk {config.chunk} (dk={p.dk}, dv={p.dv}, {p.dtype.name}): "
+              f"{need // 1024} KiB > {limit // 1024} KiB")
     return None
 
   # grad_kernel_bytes matches what Triton asks for (docs/backends.md)

@@ -137,7 +137,8 @@ def test_auto_passes_over_hopper_kernels_the_compiler_would_refuse():
   on the CPU lowering): "auto" takes the Triton kernels; a named backend says why."""
   wide = problem(head_dim=192, value_head_dim=256, causal=False)
   assert dict(FLASH.choices(wide, FAKE_H100))["pallas_mosaic"] == (
-      "forward shared memory: 233,568 B > 232,448 B")
+      "needs more than the device has with its config (forward shared memory: 233,568 B > "
+      "232,448 B)")
   assert FLASH.prepare(wide, info=FAKE_H100).impl is TRITON
   with pytest.raises(ValueError, match="forward shared memory: 233,568 B > 232,448 B"):
     FLASH.prepare(wide, "pallas_mosaic", info=FAKE_H100)

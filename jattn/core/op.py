@@ -474,6 +474,8 @@ class Op:
         heuristic = impl.heuristic_config(problem, info)
         if heuristic != chosen and impl.compile_misfit(heuristic, problem, info) is None:
           reason, chosen = None, heuristic
+        else:
+          reason = f"needs more than the device has with its config ({reason})"
     return reason, chosen
 
   def choices(self, problem, info: GPUInfo | None = None, config=None) -> list[tuple[str, str | None]]:
