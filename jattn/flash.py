@@ -273,15 +273,15 @@ def _triton_gradients(p: FlashProblem, residuals, cotangents, config: BlockConfi
 
 
 def mosaic_budget(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
-                  kernels: tuple[str, ...], info: GPUInfo,
-                  positions: PositionInputs = PositionInputs(),
+                  kernels: tuple[str, ...], info: GPUInfo, vectors: tuple[int, int] = (0, 0),
                   registers: bool = True) -> str | None:
   """Why the Hopper ``kernels`` of config ``c`` do not fit ``info``'s device at head
-  dims ``(dk, dv)`` with the per-position inputs of ``positions`` (None: they fit);
-  the cost model is ``kernels.flash.config``'s. ``registers=False``: shared memory
-  only, the limit the compiler enforces (``Impl.compile_misfit``)."""
-  return mosaic_misfit(c, head_dims, nbytes, kernels, shared_memory_limit(info),
-                       positions.vectors, MOSAIC_REGISTER_BUDGET if registers else None)
+  dims ``(dk, dv)`` with ``vectors``, the ``(row, col)`` counts of per-position vectors
+  (``PositionInputs.vectors``) (None: they fit); the cost model is
+  ``kernels.flash.config``'s. ``registers=False``: shared memory only, the limit the
+  compiler enforces (``Impl.compile_misfit``)."""
+  return mosaic_misfit(c, head_dims, nbytes, kernels, shared_memory_limit(info), vectors,
+                       MOSAIC_REGISTER_BUDGET if registers else None)
 
 
 class MosaicFlash(MosaicImpl):
@@ -308,8 +308,8 @@ class MosaicFlash(MosaicImpl):
     return dataclasses.replace(config, fused_dq=(config.fused_dq and not p.deterministic
                                                  and FUSED_DQ_SUPPORTED))
 
-  def _positions(self, p) -> PositionInputs:
-    return PositionInputs(segments=p.segment_ids, dropout=p.dropout_rate)
+  def _vectors(self, p) -> tuple[int, int]:
+    return PositionInputs(segments=p.segment_ids, dropout=p.dropout_rate).vectors
 
   def fits(self, config, p, info, kernels=()):
     config = self.normalize_config(config, p)
@@ -319,14 +319,17 @@ class MosaicFlash(MosaicImpl):
       else:  # the model's register counts do not hold for the wide heads' backward
         kernels = ("forward",)
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize, kernels, info,
-                         self._positions(p))
+                         self._vectors(p))
 
   def compile_misfit(self, config, p, info):
     config = self.normalize_config(config, p)
+    # A decoding forward runs a decode kernel, which fits by its own ring depth
+    # (``mosaic_decode_stages``), or the Triton one; the backward takes the config.
+    forward = () if runs_decode(p) else ("forward",)
     backward = (backward_kernels(config, p.deterministic)
                 if self.backward_backend(p) == "pallas_mosaic" else ())
-    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, ("forward", *backward), info,
-                         self._positions(p), registers=False)
+    return mosaic_budget(config, p.head_dims, p.dtype.itemsize, forward + backward, info,
+                         self._vectors(p), registers=False)
 
   def forward(self, call, q, k, v, q_seg, kv_seg, sinks, seed, lengths):
     p = call.problem

@@ -214,11 +214,11 @@ class MosaicFp8(_ForwardOnly, MosaicImpl):
                               kv_len=p.kv_len)
 
   def gaps(self, p: Fp8Problem):
-    # An 8-bit tile's rows are one 128-byte swizzle wide (or 64): a padded head dim of
-    # 192 splits into neither.
-    odd = tuple(d for d in p.head_dims if mosaic_head_dim(d) == 192)
-    return super().gaps(p) + ((f"head dims that pad to 192 (got {odd[0]}): 8-bit tiles take "
-                               f"64 or multiples of 128",) if odd else ())
+    # Q and K tiles' rows are one 128-byte swizzle wide (or 64): a padded head dim of
+    # 192 splits into neither (V's tiles are transposed: their rows run over keys).
+    odd = mosaic_head_dim(p.head_dim) == 192
+    return super().gaps(p) + ((f"a head dim that pads to 192 (got {p.head_dim}): 8-bit Q "
+                               f"and K tiles take 64 or multiples of 128",) if odd else ())
 
   def _misfit(self, config, p: Fp8Problem, info, registers: bool):
     return fp8_misfit(config, p.head_dims, p.out_dtype.itemsize, shared_memory_limit(info),

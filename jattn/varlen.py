@@ -184,11 +184,11 @@ class MosaicVarlen(MosaicImpl):
   def fits(self, config, p, info, kernels=()):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize,
                          kernels or ("forward", "dQ", "dK/dV"), info,
-                         PositionInputs(segments=self.one_row(p)))
+                         PositionInputs(segments=self.one_row(p)).vectors)
 
   def compile_misfit(self, config, p, info):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize, ("forward", "dQ", "dK/dV"),
-                         info, PositionInputs(segments=self.one_row(p)), registers=False)
+                         info, PositionInputs(segments=self.one_row(p)).vectors, registers=False)
 
   def _segments(self, p, cu):
     return packed_ids(cu, p.total_q, p.q_len, -1), packed_ids(cu, p.total_k, p.kv_len, -2)

@@ -342,6 +342,12 @@ def test_hopper_parts_are_padded_with_their_last_value_and_flex_tiles_fit():
   assert MosaicFlex().compile_misfit(default_mosaic_config(128), products(20), h100) == (
       "dQ shared memory: 239,696 B > 232,448 B")
   assert FLEX.prepare(products(20), info=h100).impl.backend.name == "pallas_triton"
+  # A dense bias's shifted kernels (compiled beside the others) read the shift as one
+  # more row part.
+  from jattn.kernels.hopper.inputs import PositionInputs
+  bias = FLEX.bind(x, x, x, score_mod=flex.bias_score(jnp.ones((1, 1, 1, 256))))[0]
+  plain = PositionInputs(score=bias.score_mod.factored).vectors
+  assert MosaicFlex._vectors(bias) == (plain[0] + 1, plain[1])
 
 
 def test_block_ranges_cover_every_nonempty_tile():

@@ -143,6 +143,14 @@ def test_auto_passes_over_hopper_kernels_the_compiler_would_refuse():
   with pytest.raises(ValueError, match="forward shared memory: 233,568 B > 232,448 B"):
     FLASH.prepare(wide, "pallas_mosaic", info=FAKE_H100)
   assert FLASH.prepare(problem(head_dim=192, causal=False), info=FAKE_H100).impl is MOSAIC
+  # A decoding step's forward is the decode kernel's, which fits: only the backward counts.
+  step = problem(head_dim=192, value_head_dim=256, seq=1, kv_len=4096, q_heads=32,
+                 kv_heads=2, causal=False)
+  assert FLASH.prepare(step, info=FAKE_H100).impl is MOSAIC
+  # A ring's blocks are vetted with V's head dim (128 + 256: the Triton backward).
+  from jattn.parallel.blocks import block_problem
+  q, v = (jnp.zeros((1, 8, 2, d), jnp.bfloat16) for d in (128, 256))
+  assert block_problem(q, q, v, causal=False, scale=0.1).head_dims == (128, 256)
 
 
 def test_a_tuned_config_that_does_not_fit_a_call_with_more_inputs_gives_way_to_the_heuristic():
@@ -164,7 +172,8 @@ def test_a_tuned_config_that_does_not_fit_a_call_with_more_inputs_gives_way_to_t
 def test_the_other_hopper_ops_route_by_the_compilers_count():
   """Retention's Hopper forward at (dk, dv) = (192, 256) with the abs-sum denominator (a
   row reduction's scratch) or packed sequences (segment ids); FP8 at head dim 256 with a
-  float32 output tile; FP8 at a padded 192, which its 8-bit tiles cannot split."""
+  float32 output tile; FP8 at a padded 192 for q and k, which its 8-bit tiles cannot
+  split (V's, transposed, can)."""
   from jattn.fp8 import FP8_FLASH
   from jattn.retention import RETENTION_PARALLEL
   retention = lambda **kw: RETENTION_PARALLEL.prepare(RETENTION_PARALLEL.problem(
@@ -177,8 +186,10 @@ def test_the_other_hopper_ops_route_by_the_compilers_count():
   assert fp8(256, jnp.bfloat16).impl.backend.name == "pallas_mosaic"
   assert fp8(256, jnp.float32).impl.backend.name == "xla"
   assert fp8(128, jnp.float32).config.block_kv == 256
-  assert "head dims that pad to 192" in dict(FP8_FLASH.choices(
+  assert "a head dim that pads to 192" in dict(FP8_FLASH.choices(
       FP8_FLASH.problem(q_len=4096, head_dim=160), FAKE_H100))["pallas_mosaic"]
+  assert fp8(128, jnp.bfloat16).impl.backend.name == FP8_FLASH.prepare(FP8_FLASH.problem(
+      q_len=4096, head_dim=128, value_head_dim=192), info=FAKE_H100).impl.backend.name
 
 
 @pytest.mark.parametrize("dk, dv, rows", [(192, 128, 96), (128, 64, 128), (256, 128, 128),

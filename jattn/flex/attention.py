@@ -333,19 +333,22 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
     return ()  # as TritonFlex
 
   @staticmethod
-  def _positions(p) -> PositionInputs:
-    """The functions' per-row and per-column parts, held in shared memory per tile."""
+  def _vectors(p) -> tuple[int, int]:
+    """The functions' per-row and per-column parts, held in shared memory per tile; a
+    dense bias's kernels with its rows shifted (``_shifted_bias``, compiled beside the
+    others) read one more row part, the shift."""
     factored = lambda f: None if f is None else f.factored
-    return PositionInputs(mask=factored(p.mask_mod), score=factored(p.score_mod))
+    rows, cols = PositionInputs(mask=factored(p.mask_mod), score=factored(p.score_mod)).vectors
+    return rows + _dense_bias(p), cols
 
   def fits(self, config, p, info, kernels=()):
     # (never the fused dQ: the backward is deterministic)
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         kernels or ("forward", "dQ", "dK/dV"), info, self._positions(p))
+                         kernels or ("forward", "dQ", "dK/dV"), info, self._vectors(p))
 
   def compile_misfit(self, config, p, info):
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         ("forward", "dQ", "dK/dV"), info, self._positions(p), registers=False)
+                         ("forward", "dQ", "dK/dV"), info, self._vectors(p), registers=False)
 
   def _finest_tiles(self, call):
     c = call.config

@@ -22,18 +22,20 @@ from jattn.flash import FLASH, FlashProblem
 from jattn.kernels.common.softmax import EMPTY_ROW_LSE, merge_partials
 
 
-def block_problem(q, k, *, causal: bool, scale: float, segments: bool = False) -> FlashProblem:
-  """The flash problem of ``q [b, sq, h, d]`` against ``k [b, sk, hk, d]``, with the
-  row statistics a ring merges (``segments``: with segment ids)."""
+def block_problem(q, k, v, *, causal: bool, scale: float,
+                  segments: bool = False) -> FlashProblem:
+  """The flash problem of ``q [b, sq, h, d]`` against ``k [b, sk, hk, d]`` and ``v
+  [b, sk, hk, dv]``, with the row statistics a ring merges (``segments``: with
+  segment ids)."""
   return FlashProblem.of(q, k, causal=causal, scale=scale, return_lse=True,
-                         segment_ids=segments)
+                         segment_ids=segments, value_head_dim=v.shape[-1])
 
 
-def ring_backend(q, k, *, causal: bool, scale: float, backend: str,
+def ring_backend(q, k, v, *, causal: bool, scale: float, backend: str,
                  segments: bool = False) -> str:
   """The backend every block of a ring runs: ``backend``, or what ``"auto"`` takes for
   the ring's blocks (it needs the row statistics: no cuDNN)."""
-  problem = block_problem(q, k, causal=causal, scale=scale, segments=segments)
+  problem = block_problem(q, k, v, causal=causal, scale=scale, segments=segments)
   return FLASH.prepare(problem, backend).impl.backend.name
 
 
@@ -49,17 +51,17 @@ def _beside_transfers(call):
 
 def block_forward(q, k, v, q_seg=None, kv_seg=None, *, causal: bool, scale: float,
                   backend: str):
-  """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k, v [b, sk, hk, d]``
-  (segment ids ``[b, sq]`` / ``[b, sk]`` or None)."""
+  """``(o float32, lse)`` of ``q [b, sq, h, d]`` against ``k [b, sk, hk, d]`` and ``v
+  [b, sk, hk, dv]`` (segment ids ``[b, sq]`` / ``[b, sk]`` or None)."""
   call = _beside_transfers(FLASH.prepare(
-      block_problem(q, k, causal=causal, scale=scale, segments=q_seg is not None), backend))
+      block_problem(q, k, v, causal=causal, scale=scale, segments=q_seg is not None), backend))
   return FLASH.partial(call, (q, k, v, q_seg, kv_seg, None, None, None))
 
 
 def block_backward(q, k, v, o, lse, do, q_seg=None, kv_seg=None, *, causal: bool,
                    scale: float, backend: str):
   """Float32 gradients of one block given the final ``o``, ``lse`` of the whole row."""
-  call = FLASH.prepare(block_problem(q, k, causal=causal, scale=scale,
+  call = FLASH.prepare(block_problem(q, k, v, causal=causal, scale=scale,
                                      segments=q_seg is not None), backend)
   return FLASH.partial_backward(call, (q, k, v, q_seg, kv_seg, None, None, None), o, lse,
                                 do)[:3]

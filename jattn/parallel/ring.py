@@ -199,7 +199,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = False, scale: floa
     # One flash call per query chunk: "auto" chooses for each as flash_attention would.
     return allgather_attention((axis_name, causal, layout, scale, backend), q, k, v, q_seg,
                                kv_seg)
-  name = ring_backend(q, k, causal=causal, scale=scale, backend=backend,
+  name = ring_backend(q, k, v, causal=causal, scale=scale, backend=backend,
                       segments=q_seg is not None)
   return _ring((axis_name, causal, layout, scale, name), q, k, v, q_seg, kv_seg)
 

@@ -19,6 +19,7 @@ with a vector per tile for each per-position input):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jattn.kernels.common.config import SearchGrid, over_budget
 import jax.numpy as jnp
@@ -148,6 +149,7 @@ def fp8_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], out_nbytes: int
   return over_budget("forward", cost, smem_limit, register_budget)
 
 
+@functools.lru_cache(maxsize=4096)  # every "auto" choice on a GPU asks it
 def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int, dv: int | None = None,
                  vectors: tuple[int, int] = (0, 0)) -> dict[str, tuple[int, float]]:
   """Per Hopper kernel: shared-memory bytes as Mosaic GPU counts them (the kernels' own

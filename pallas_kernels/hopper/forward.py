@@ -110,6 +110,7 @@ def own_output_tile(block_q: int, dk: int, dv: int, nbytes: int, out_nbytes: int
   return out_nbytes != nbytes or output_view_rows(block_q, dk, dv) is None
 
 
+@functools.lru_cache(maxsize=4096)  # every "auto" choice on a GPU asks it
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
                        nbytes: int, q_buffers: int, out_nbytes: int | None = None,
                        ones_tile: bool = False, vectors: tuple[int, int] = (0, 0),

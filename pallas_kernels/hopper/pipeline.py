@@ -276,10 +276,13 @@ REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 BARRIER_BYTES = 8
 
 
+# jax before 0.11 requires ``plgpu.load``'s index; later ones deprecate passing it.
+_LOAD_INDEX = ((),) if jax.__version_info__ < (0, 11) else ()
+
+
 def load(ref, layout):
-  """The whole of ``ref`` in registers, in ``layout`` (the empty index: jax before
-  0.11 requires one)."""
-  return plgpu.load(ref, (), layout=layout)
+  """The whole of ``ref`` in registers, in ``layout``."""
+  return plgpu.load(ref, *_LOAD_INDEX, layout=layout)
 
 
 def stand_in_dtype(nbytes: int):
