@@ -25,19 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.core.device import shared_memory_limit
 from jattn.core.op import MosaicImpl, Problem, SoftmaxOp, XlaImpl
 from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.kernels.common.config import BlockConfig, default_block_config, padded_head_dim
-from jattn.flash import FLASH, FlashProblem
+from jattn.flash import FLASH, FlashProblem, mosaic_budget
 from jattn.kernels.dilated import (dilated_mosaic_backward, dilated_mosaic_forward,
                                    dilated_triton_backward, dilated_triton_forward,
                                    unsupported_pair)
 from jattn.kernels.dilated.mosaic import pair_rows, pair_stats, pair_tile, spread_rows
 from jattn.kernels.flash.config import (MosaicBlockConfig, backward_modelled,
-                                        default_mosaic_config, mosaic_backward_runs,
-                                        mosaic_misfit)
+                                        default_mosaic_config, mosaic_backward_runs)
 from jattn.reference import dilated_attention_reference
 from jattn.core.cache import bucket
 from jattn.tuning.spaces import BlockTritonImpl
@@ -182,14 +180,13 @@ class MosaicDilated(MosaicImpl):
     # Wider heads' backward is the flash op's, which chooses its own tiles.
     kernels = ("forward", "dQ", "dK/dV") if backward_modelled(p.head_dim, p.head_dim) else (
         "forward",)
-    return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels,
-                         shared_memory_limit(info))
+    return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels, info)
 
   def compile_misfit(self, config, p, info):
     kernels = ("forward", "dQ", "dK/dV") if mosaic_backward_runs(p.head_dim, p.head_dim) else (
         "forward",)
-    return mosaic_misfit(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels,
-                         shared_memory_limit(info), register_budget=None)
+    return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize, kernels, info,
+                         registers=False)
 
   def forward(self, call, q, k, v):
     p = call.problem

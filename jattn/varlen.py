@@ -181,14 +181,16 @@ class MosaicVarlen(MosaicImpl):
     # narrower key tiles waste less on them (docs/backends.md, measured).
     return dataclasses.replace(config, block_kv_dq=64) if self.one_row(p) else config
 
+  def _vectors(self, p) -> tuple[int, int]:
+    return PositionInputs(segments=self.one_row(p)).vectors  # the sequences as segment ids
+
   def fits(self, config, p, info, kernels=()):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize,
-                         kernels or ("forward", "dQ", "dK/dV"), info,
-                         PositionInputs(segments=self.one_row(p)).vectors)
+                         kernels or ("forward", "dQ", "dK/dV"), info, self._vectors(p))
 
   def compile_misfit(self, config, p, info):
     return mosaic_budget(config, p.head_dims, p.dtype.itemsize, ("forward", "dQ", "dK/dV"),
-                         info, PositionInputs(segments=self.one_row(p)).vectors, registers=False)
+                         info, self._vectors(p), registers=False)
 
   def _segments(self, p, cu):
     return packed_ids(cu, p.total_q, p.q_len, -1), packed_ids(cu, p.total_k, p.kv_len, -2)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jattn.kernels.common.config import SearchGrid, over_budget
 import jax.numpy as jnp
 
+from jattn.kernels.common.config import SearchGrid, over_budget
 from jattn.kernels.flash.mosaic_bwd import dkv_scratch, dq_scratch
 from jattn.kernels.hopper.budget import (HOPPER_SMEM_BYTES, MOSAIC_BLOCK,
                                          MOSAIC_MAX_BWD_WIDTH, MOSAIC_MODELLED_BWD_WIDTH,

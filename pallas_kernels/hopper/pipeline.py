@@ -267,15 +267,6 @@ def kernel_writing_ref(body, *, out_type, scratch_types: dict, grid, grid_names)
                    compiler_params=compiler_params())
 
 
-# What Mosaic GPU allocates per CTA beside the buffers' own bytes (jax's Mosaic GPU
-# lowering): each buffer starts on a 1 KiB boundary, a kernel that reduces across a
-# warpgroup reserves ``CompilerParams.reduction_scratch_bytes`` (the default, 2 KiB)
-# and every barrier takes 8 bytes.
-SMEM_ALIGNMENT = 1024
-REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
-BARRIER_BYTES = 8
-
-
 # jax before 0.11 requires ``plgpu.load``'s index; later ones deprecate passing it.
 _LOAD_INDEX = ((),) if jax.__version_info__ < (0, 11) else ()
 
@@ -283,6 +274,15 @@ _LOAD_INDEX = ((),) if jax.__version_info__ < (0, 11) else ()
 def load(ref, layout):
   """The whole of ``ref`` in registers, in ``layout``."""
   return plgpu.load(ref, *_LOAD_INDEX, layout=layout)
+
+
+# What Mosaic GPU allocates per CTA beside the buffers' own bytes (jax's Mosaic GPU
+# lowering): each buffer starts on a 1 KiB boundary, a kernel that reduces across a
+# warpgroup reserves ``CompilerParams.reduction_scratch_bytes`` (the default, 2 KiB)
+# and every barrier takes 8 bytes.
+SMEM_ALIGNMENT = 1024
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+BARRIER_BYTES = 8
 
 
 def stand_in_dtype(nbytes: int):
