@@ -14,6 +14,7 @@ product (halved when causal), so TFLOP/s compare like with like.
 
     python bench/dot_product.py
     python bench/dot_product.py --shapes 4,4096,16,128 --cases bias --modes fwd
+    python bench/dot_product.py --triton   # and jattn on its Triton kernels alone
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def measure(row, fn, mode, q, k, v, do, bias):
   return dict(row, ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
 
 
-def run(shapes, cases, modes, save):
+def run(shapes, cases, modes, save, triton: bool = False):
   rows = []
   for shape, case, mode in ((s, c, m) for s in shapes for c in cases for m in modes):
     bias, mask, causal = case_arrays(case, shape)
@@ -80,6 +81,11 @@ def run(shapes, cases, modes, save):
     ours = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, bias=b, mask=mask,
                                                           is_causal=causal)
     rows.append(measure(dict(base, impl="jattn", runs="jattn"), ours, mode, q, k, v, do, bias))
+    if triton:
+      on_triton = lambda q, k, v, b: jattn.dot_product_attention(
+          q, k, v, bias=b, mask=mask, is_causal=causal, implementation="pallas_triton")
+      rows.append(measure(dict(base, impl="jattn_triton", runs="pallas_triton"), on_triton,
+                          mode, q, k, v, do, bias))
     for name in ("cudnn", "xla"):  # JAX's default: cuDNN where it takes the call
       theirs = lambda q, k, v, b, name=name: jax.nn.dot_product_attention(
           q, k, v, bias=b, mask=mask, is_causal=causal, implementation=name)
@@ -88,7 +94,7 @@ def run(shapes, cases, modes, save):
         break
       print(f"cudnn refused {case} {shape} {mode}: {row['error']}", flush=True)
     rows.append(row)
-    print(rows[-2], rows[-1], sep="\n", flush=True)
+    print(*rows[-3 if triton else -2:], sep="\n", flush=True)
     save(rows)
   return rows
 
@@ -96,8 +102,9 @@ def run(shapes, cases, modes, save):
 def markdown(rows):
   key = [("shape", lambda r: "x".join(map(str, r["shape"]))), ("case", lambda r: r["case"]),
          ("mode", lambda r: r["mode"])]
-  table = results_table(rows, key, lambda r: f"{r['tflops']:.0f} ({r['runs']})",
-                        [("jattn / jax.nn", "jattn", "jax_nn")],
+  ratios = [("jattn / jax.nn", "jattn", "jax_nn"),
+            ("jattn / jattn on Triton", "jattn", "jattn_triton")]  # (where --triton ran)
+  table = results_table(rows, key, lambda r: f"{r['tflops']:.0f} ({r['runs']})", ratios,
                         lambda a, b: f"{b['ms'] / a['ms']:.2f}x")
   return ("# jattn.dot_product_attention vs jax.nn.dot_product_attention (bf16, TFLOP/s, "
           "median)\n\n" + table)
@@ -111,11 +118,13 @@ def main():
                       help="batch,seq,heads,head_dim;...")
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--modes", default="fwd,fwd+bwd")
+  parser.add_argument("--triton", action="store_true",
+                      help="also time jattn with implementation='pallas_triton'")
   args = parser.parse_args()
   shapes = [tuple(int(n) for n in s.split(",")) for s in args.shapes.split(";")]
   save = lambda rows: write_results(args.out, args.stem, {"env": environment(), "rows": rows},
                                     markdown(rows))
-  run(shapes, args.cases.split(","), args.modes.split(","), save)
+  run(shapes, args.cases.split(","), args.modes.split(","), save, args.triton)
 
 
 if __name__ == "__main__":

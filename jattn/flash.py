@@ -274,14 +274,14 @@ def _triton_gradients(p: FlashProblem, residuals, cotangents, config: BlockConfi
 
 def mosaic_budget(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
                   kernels: tuple[str, ...], info: GPUInfo, vectors: tuple[int, int] = (0, 0),
-                  registers: bool = True) -> str | None:
+                  registers: bool = True, bias_nbytes: int = 0) -> str | None:
   """Why the Hopper ``kernels`` of config ``c`` do not fit ``info``'s device at head
   dims ``(dk, dv)`` with ``vectors``, the ``(row, col)`` counts of per-position vectors
-  (``PositionInputs.vectors``) (None: they fit); the cost model is
-  ``kernels.flash.config``'s. ``registers=False``: shared memory only, the limit the
-  compiler enforces (``Impl.compile_misfit``)."""
+  (``PositionInputs.vectors``), and a dense bias of ``bias_nbytes`` per value (0: none)
+  (None: they fit); the cost model is ``kernels.flash.config``'s. ``registers=False``:
+  shared memory only, the limit the compiler enforces (``Impl.compile_misfit``)."""
   return mosaic_misfit(c, head_dims, nbytes, kernels, shared_memory_limit(info), vectors,
-                       MOSAIC_REGISTER_BUDGET if registers else None)
+                       MOSAIC_REGISTER_BUDGET if registers else None, bias_nbytes)
 
 
 class MosaicFlash(MosaicImpl):

@@ -20,7 +20,7 @@ from jattn.kernels.hopper.forward import forward_cost, forward_q_buffers, forwar
 from jattn.kernels.hopper.inputs import PositionInputs, segment_ranges
 from jattn.kernels.flash import MosaicBlockConfig
 from jattn.kernels.flash.mosaic import mosaic_layout
-from jattn.kernels.flash.mosaic_bwd import FUSED_DQ_SUPPORTED
+from jattn.kernels.flash.mosaic_bwd import BIAS_TILES_SUPPORTED, FUSED_DQ_SUPPORTED
 from jattn.kernels.flash.mosaic_fwd import SoftmaxRows
 
 # Jitted: eagerly, every primitive compiles anew for each example's shapes.
@@ -160,17 +160,10 @@ def test_the_forward_sums_rows_on_the_tensor_cores_only_in_bfloat16_without_drop
   assert (smem1 - smem, regs1 - regs) == (8 * 128 * 2 + 8, 64 * 8 / 128)  # tile, barrier
 
 
-@pytest.mark.parametrize("dk, dv, dtype, dropout, config", [
-    (128, 128, jnp.bfloat16, False, None),
-    (192, 128, jnp.float16, True, None),
-    pytest.param(64, 64, jnp.bfloat16, True,
-                 dataclasses.replace(default_mosaic_config(64), fused_dq=True),
-                 marks=pytest.mark.skipif(not FUSED_DQ_SUPPORTED, reason="jax < 0.11")),
-])
-def test_shared_memory_model_counts_what_mosaic_gpu_counts(monkeypatch, dk, dv, dtype, dropout,
-                                                           config):
-  """Lowered for CUDA here (no GPU), each Hopper kernel asks Mosaic GPU for exactly the
-  shared memory the cost model counts: ``"auto"`` rules a backend out on that count."""
+@pytest.fixture
+def mosaic_counts(monkeypatch):
+  """Lowering for CUDA here (no GPU) on a stand-in H100: the shared memory Mosaic GPU
+  counts for each kernel lowered, in order."""
   from jax.experimental.mosaic.gpu import core as mosaic_core
   counted = []
   count = mosaic_core._smem_tree_size
@@ -183,9 +176,26 @@ def test_shared_memory_model_counts_what_mosaic_gpu_counts(monkeypatch, dk, dv, 
   devices = jax.local_devices
   monkeypatch.setattr(jax, "local_devices",
                       lambda *a, **k: devices(*a, **k) if a or k else [Unlimited()])
-  monkeypatch.setattr(op, "current_device", lambda: describe(
-      "NVIDIA H100 80GB HBM3", (9, 0), shared_memory_per_block_bytes=232448, interpret=False))
+  monkeypatch.setattr(op, "current_device", lambda: H100)
   monkeypatch.setenv("JATTN_INTERPRET", "0")
+  return counted
+
+
+H100 = describe("NVIDIA H100 80GB HBM3", (9, 0), shared_memory_per_block_bytes=232448,
+                interpret=False)
+
+
+@pytest.mark.parametrize("dk, dv, dtype, dropout, config", [
+    (128, 128, jnp.bfloat16, False, None),
+    (192, 128, jnp.float16, True, None),
+    pytest.param(64, 64, jnp.bfloat16, True,
+                 dataclasses.replace(default_mosaic_config(64), fused_dq=True),
+                 marks=pytest.mark.skipif(not FUSED_DQ_SUPPORTED, reason="jax < 0.11")),
+])
+def test_shared_memory_model_counts_what_mosaic_gpu_counts(mosaic_counts, dk, dv, dtype, dropout,
+                                                           config):
+  """Lowered for CUDA here (no GPU), each Hopper kernel asks Mosaic GPU for exactly the
+  shared memory the cost model counts: ``"auto"`` rules a backend out on that count."""
   config = config or default_mosaic_config(dk, dv)
   drop = dict(dropout_rate=0.1, dropout_key=jax.random.key(0)) if dropout else {}
 
@@ -204,5 +214,51 @@ def test_shared_memory_model_counts_what_mosaic_gpu_counts(monkeypatch, dk, dv, 
   q_buffers = forward_q_buffers(*fwd, ones_tile=ones, vectors=vectors)  # persistent: no mask
   costs = mosaic_costs(config, fwd[3], 2, fwd[4], vectors)
   backward = ("dK/dV+dQ",) if config.fused_dq else ("dQ", "dK/dV")
-  assert counted == [forward_smem_bytes(*fwd, q_buffers, ones_tile=ones, vectors=vectors),
-                     *(costs[name][0] for name in backward)]
+  assert mosaic_counts == [forward_smem_bytes(*fwd, q_buffers, ones_tile=ones, vectors=vectors),
+                           *(costs[name][0] for name in backward)]
+
+
+@pytest.mark.parametrize("bias_shape, dtype, backend", [
+    ((1, 4, 512, 512), jnp.bfloat16, "pallas_mosaic"),  # read tile by tile
+    ((1, 4, 512, 512), jnp.float32, "pallas_triton"),   # its tiles are 16-bit
+    ((2, 1, 1, 512), jnp.bfloat16, "pallas_mosaic"),    # a part per key (split)
+])
+def test_where_auto_runs_a_dense_bias_on_hopper(bias_shape, dtype, backend):
+  """On Hopper, "auto" reads a 16-bit dense bias over every position tile by tile (on
+  jax 0.11 or later, else the Triton kernels take it); one constant along a position
+  axis is split into parts as any function."""
+  from jattn.flex.attention import FLEX
+  x = jax.random.normal(jax.random.key(0), (2, 512, 4, 128), jnp.bfloat16)
+  bias = jax.random.normal(jax.random.key(1), bias_shape, dtype)
+  problem, _ = FLEX.bind(x, x, x, score_mod=jattn.flex.bias_score(bias))
+  tiles = bias_shape[-2] > 1 and backend == "pallas_mosaic"
+  expected = "pallas_triton" if tiles and not BIAS_TILES_SUPPORTED else backend
+  assert FLEX.select(problem, H100) == expected
+
+
+@pytest.mark.skipif(not BIAS_TILES_SUPPORTED, reason="jax < 0.11")
+@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
+def test_a_dense_bias_runs_the_hopper_kernels_within_their_shared_memory(mosaic_counts, head_dim,
+                                                                         dtype):
+  """A 16-bit dense bias read by the Hopper kernels tile by tile: the forward, dQ and
+  dK/dV kernels and their row-shifted twins ask Mosaic GPU for the shared memory the
+  cost model counts, the bias tiles and the dS tile included, within the H100's."""
+  from jattn.flex.attention import FLEX, MosaicFlex
+  x = jax.random.normal(jax.random.key(0), (2, 512, 4, head_dim), dtype)
+  bias = jax.random.normal(jax.random.key(1), (1, 4, 512, 512), dtype)
+  causal = jattn.flex.causal_mask()
+  loss = lambda q, k, v, b: jnp.sum(jattn.flex_attention(
+      q, k, v, score_mod=jattn.flex.bias_score(b), mask_mod=causal).astype(jnp.float32))
+  problem, _ = FLEX.bind(x, x, x, score_mod=jattn.flex.bias_score(bias), mask_mod=causal)
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, x, bias).lower(
+      lowering_platforms=("cuda",))
+  config = MosaicFlex().heuristic_config(problem, H100)
+  # The forward and the backward, each also with the rows' shift (a row vector); the
+  # shifted forward twice (the backward recomputes its lse). Causal: one Q buffer.
+  fwd = (config.block_q, config.block_kv, config.stages, head_dim, head_dim, 2, 1)
+  forward = [forward_smem_bytes(*fwd, ones_tile=dtype == jnp.bfloat16, vectors=(shift, 0),
+                                bias_nbytes=2) for shift in (0, 1, 1)]
+  costs = [mosaic_costs(config, head_dim, 2, head_dim, (shift, 0), 2) for shift in (0, 1)]
+  model = forward + [costs[shift][name][0] for shift in (0, 1) for name in ("dQ", "dK/dV")]
+  assert sorted(mosaic_counts) == sorted(model)
+  assert max(model) <= H100.shared_memory_per_block_bytes

@@ -4,7 +4,8 @@ Backends:
 - ``pallas_mosaic`` (Hopper): flash attention's Mosaic GPU kernels with the functions
   split into parts computed outside (what reads arrays per row, per column or per
   head: ``jattn.kernels.common.factored_functions``) and an elementwise rest evaluated
-  on the tiles; the block mask as each tile's range of blocks;
+  on the tiles; the block mask as each tile's range of blocks; a 16-bit dense bias read
+  tile by tile;
 - ``pallas_triton``: flash attention's Triton-lowered kernels with the functions
   evaluated on the tiles (``jattn.kernels.common.element_functions``, closed-over
   arrays read from refs) and the block mask as block-sparse tile lists;
@@ -37,8 +38,9 @@ from jattn.kernels.common.softmax import (EMPTY_ROW_LSE, LARGE_ROW, shared_row_s
 from jattn.kernels.flash import (FlexMods, MosaicBlockConfig, default_mosaic_config,
                                  flash_mosaic_backward, flash_mosaic_forward,
                                  flash_triton_backward, flash_triton_forward, kernel_tiles)
-from jattn.kernels.flash.config import mosaic_backward_runs
-from jattn.kernels.hopper.inputs import PositionInputs
+from jattn.kernels.flash.config import default_bias_config, mosaic_backward_runs
+from jattn.kernels.flash.mosaic_bwd import BIAS_TILES_SUPPORTED
+from jattn.kernels.hopper.inputs import DenseBias, PositionInputs
 from jattn.reference import flex_attention_reference
 
 
@@ -137,8 +139,11 @@ class _FlexKernels:
     return ((problem, arrays), dataclasses.replace(mods, score=score, score_arrays=score_arrays),
             _as_lse(shift, lse))
 
-  # Whether the backward kernels can write dS out (``_kernel_backward``'s ``ds_dtype``).
-  writes_ds = False
+
+  def writes_ds(self, p) -> bool:
+    """Whether the backward kernels can write ``p``'s dS out (``_kernel_backward``'s
+    ``ds_dtype``)."""
+    return False
 
   def backward(self, call, residuals, cotangents):
     (q, k, v), consts, mods, o, lse = residuals
@@ -150,7 +155,7 @@ class _FlexKernels:
               for i, c in enumerate(score_consts)]
     # A dense bias's gradient is dS summed over its broadcast axes: the kernels write dS
     # as they compute it (16-bit for a 16-bit bias).
-    writes_ds = (self.writes_ds and _dense_bias(p) and wanted[0]
+    writes_ds = (self.writes_ds(p) and _dense_bias(p) and wanted[0]
                  and _ds_fits(p, score_consts[0]))
 
     def grads(problem, score_consts, mods, lse):
@@ -188,6 +193,21 @@ class _FlexKernels:
 def _dense_bias(p) -> bool:
   """Whether the score function is ``bias_score``'s (its one array a dense bias)."""
   return p.score_mod is not None and p.score_mod.dense_bias
+
+
+def _bias_tiles(p) -> bool:
+  """Whether the Hopper kernels read ``p``'s dense bias tile by tile (``DenseBias``): a
+  16-bit one over every query and key position (one constant along a position axis is
+  split into parts instead, as any function: ``MosaicFlex``), on jax 0.11 or later."""
+  if not (_dense_bias(p) and BIAS_TILES_SUPPORTED):
+    return False
+  bias = p.score_mod.jaxpr.invars[0].aval
+  return (tuple(bias.shape[-2:]) == (p.q_len, p.kv_len) and p.score_mod.factored.gap is not None
+          and jnp.issubdtype(bias.dtype, jnp.floating) and jnp.dtype(bias.dtype).itemsize == 2)
+
+
+def _as_4d(bias):
+  return bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
 
 
 def _shift_of(lse, bias, heads_share: bool = False):
@@ -300,7 +320,8 @@ class TritonFlex(_FlexKernels, AttentionTritonImpl):
                                 local_window=None, softcap=None, config=call.config,
                                 interpret=call.interpret, mods=mods)
 
-  writes_ds = True
+  def writes_ds(self, p) -> bool:
+    return True
 
   def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods, ds_dtype=None):
     return flash_triton_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
@@ -313,7 +334,10 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   """Flash attention's Hopper kernels with the functions split (``FactoredFunction``):
   parts read from arrays per row, column or head computed outside, the elementwise
   rest on the tiles; the block mask as each tile's range of key (query) blocks, its
-  first run of full blocks unmasked. Deterministic backward (no fused dQ)."""
+  first run of full blocks unmasked. Deterministic backward (no fused dQ).
+
+  A dense bias (``bias_score``'s, 16-bit, over every query and key position) is read
+  tile by tile instead (``DenseBias``), and the dQ kernel writes dS for its gradient."""
 
   config_cls = MosaicBlockConfig
   heads_share_shift = True
@@ -321,12 +345,17 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def gaps(self, p):
     wide = (() if mosaic_backward_runs(p.head_dim, p.head_dim)
             else ("head dims above 128 (its backward)",))
+    # (a dense bias it reads tile by tile needs no split)
+    split = [f for f in (p.score_mod, p.mask_mod) if f is not None and not (
+        f is p.score_mod and _bias_tiles(p))]
     unsplit = tuple(f"a {f.kind} its kernels cannot split ({f.slope_gap or f.factored.gap})"
-                    for f in (p.score_mod, p.mask_mod)
-                    if f is not None and (f.slope_gap or f.factored.gap))
+                    for f in split if f.slope_gap or f.factored.gap)
     return super().gaps(p) + wide + unsplit
 
   def heuristic_config(self, p, info):
+    if _bias_tiles(p):
+      return default_bias_config((p.head_dim, p.head_dim), p.dtype.itemsize, 2,
+                                 self._vectors(p))
     return default_mosaic_config(p.head_dim)
 
   def tuning_stages(self):
@@ -344,11 +373,13 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def fits(self, config, p, info, kernels=()):
     # (never the fused dQ: the backward is deterministic)
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         kernels or ("forward", "dQ", "dK/dV"), info, self._vectors(p))
+                         kernels or ("forward", "dQ", "dK/dV"), info, self._vectors(p),
+                         bias_nbytes=2 * _bias_tiles(p))
 
   def compile_misfit(self, config, p, info):
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         ("forward", "dQ", "dK/dV"), info, self._vectors(p), registers=False)
+                         ("forward", "dQ", "dK/dV"), info, self._vectors(p), registers=False,
+                         bias_nbytes=2 * _bias_tiles(p))
 
   def _finest_tiles(self, call):
     c = call.config
@@ -358,6 +389,8 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def _function(self, fn, consts, p, call):
     if fn is None:
       return None, ()
+    if fn.dense_bias and _bias_tiles(p):  # read by the forward tile by tile
+      return DenseBias(), (_as_4d(consts[0]),)
     parts = fn.factored.part_arrays(fn.tile_arrays(consts), p.batch, p.q_heads, p.q_len,
                                     p.kv_len)
     return fn.factored, tuple(parts)
@@ -366,11 +399,25 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
     return flash_mosaic_forward(q, k, v, None, None, causal=False, scale=call.problem.scale,
                                 local_window=None, softcap=None, config=call.config, mods=mods)
 
-  def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods):
+  def _shifted_bias(self, call, consts, mods, lse):
+    if not _bias_tiles(call.problem):
+      return super()._shifted_bias(call, consts, mods, lse)
+    # The shift as a row part shared by the heads, taken off the bias tile by tile.
+    shift = _shift_of(lse, consts[0], heads_share=True)
+    rows = shift.reshape(shift.shape[0], shift.shape[2])
+    return (_row_shifted(call.problem, consts[0], shift),
+            dataclasses.replace(mods, score=DenseBias(shifted=True),
+                                score_arrays=(mods.score_arrays[0], rows)),
+            _as_lse(shift, lse))
+
+  def writes_ds(self, p) -> bool:
+    return _bias_tiles(p)  # its dQ kernel, for a bias it reads tile by tile
+
+  def _kernel_backward(self, call, q, k, v, o, lse, cotangents, mods, ds_dtype=None):
     config = dataclasses.replace(call.config, fused_dq=False)
     return flash_mosaic_backward(q, k, v, None, None, o, lse, *cotangents, causal=False,
                                  scale=call.problem.scale, local_window=None, softcap=None,
-                                 config=config, mods=mods)
+                                 config=config, mods=mods, ds_dtype=ds_dtype)
 
 
 class XlaFlex(XlaImpl):
@@ -500,7 +547,9 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockM
     return_lse: also return the log-sum-exp of each row.
     backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit inputs, head dims up to
       128; functions whose arrays are read per row, column or head, e.g. ``slopes[h]``
-      or ``documents[b, q_idx]``), ``"pallas_triton"`` (functions that read their
+      or ``documents[b, q_idx]``, and ``bias_score`` of a 16-bit bias over every
+      query and key position, which its forward reads tile by tile and whose backward
+      runs on the Triton kernels), ``"pallas_triton"`` (functions that read their
       arrays by index, e.g. ``table[h, kv_idx - q_idx]``) or ``"xla"``; what a backend
       cannot run is its gap, and ``auto`` takes the next.
     config: a ``MosaicBlockConfig`` for ``pallas_mosaic`` or a ``BlockConfig`` for

@@ -149,26 +149,50 @@ def fp8_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], out_nbytes: int
   return over_budget("forward", cost, smem_limit, register_budget)
 
 
+def default_bias_config(head_dims: tuple[int, int], nbytes: int, bias_nbytes: int,
+                        vectors: tuple[int, int] = (0, 0)) -> MosaicBlockConfig:
+  """Hopper tiles with a dense bias (a tile of it per slot and consumer, as much shared
+  memory as a K tile of head dim ``block_q``): the head dim's default forward where its
+  bias tiles fit, else the first of 64 rows by 128 keys, by 64 keys in 3 stages, in 2;
+  the default backward where it fits, else 64 by 64 tiles."""
+  base = default_mosaic_config(*head_dims)
+  forwards = ((base.block_q, base.block_kv, base.stages), (64, 128, 2), (64, 64, 3), (64, 64, 2))
+  backwards = ((base.block_q_dq, base.block_kv_dq, base.block_q_dkv, base.block_kv_dkv,
+                base.bwd_stages), (64, 64, 64, 64, 2))
+  configs = [MosaicBlockConfig(*fwd, *bwd) for fwd in forwards for bwd in backwards]
+  fits = lambda c: mosaic_misfit(c, head_dims, nbytes, ("forward", "dQ", "dK/dV"),
+                                 HOPPER_SMEM_BYTES, vectors, bias_nbytes=bias_nbytes) is None
+  return next((c for c in configs if fits(c)), configs[-1])
+
+
 @functools.lru_cache(maxsize=4096)  # every "auto" choice on a GPU asks it
 def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int, dv: int | None = None,
-                 vectors: tuple[int, int] = (0, 0)) -> dict[str, tuple[int, float]]:
+                 vectors: tuple[int, int] = (0, 0),
+                 bias_nbytes: int = 0) -> dict[str, tuple[int, float]]:
   """Per Hopper kernel: shared-memory bytes as Mosaic GPU counts them (the kernels' own
   buffer lists) and fp32 accumulators per consumer thread; ``d`` the padded head dim of
   q and k, ``dv`` of v (default ``d``); ``vectors`` the ``(row, col)`` counts of
-  per-position vectors (segment ids, dropout's hashes, a function's parts)."""
+  per-position vectors (segment ids, dropout's hashes, a function's parts);
+  ``bias_nbytes``: a dense bias's bytes per value (0: none), its tiles (and the dQ
+  kernel's dS tile) counted, two 16-bit values a register where it is held."""
   t = THREADS_PER_WARPGROUP
   dv = d if dv is None else dv
   dtype = stand_in_dtype(nbytes)
+  bias = stand_in_dtype(bias_nbytes) if bias_nbytes else None
   rows, cols = ((jnp.int32,) * n for n in vectors)
   dkv = lambda fuse: smem_bytes(dkv_scratch(dtype, d, dv, c.block_q_dkv, c.block_kv_dkv,
-                                            c.bwd_stages, rows, cols, fuse), reduces=False)
+                                            c.bwd_stages, rows, cols, fuse, bias),
+                                reduces=False)
   dq_cols = fused_dq_columns(d)
+  bias_tile = lambda bq, bkv: bool(bias_nbytes) * bq * bkv // 2
   return {
       "forward": forward_cost(c.block_q, c.block_kv, c.stages, d, dv, nbytes, ones_tile=True,
-                              vectors=vectors),
+                              vectors=vectors, bias_nbytes=bias_nbytes),
       "dQ": (smem_bytes(dq_scratch(dtype, d, dv, c.block_q_dq, c.block_kv_dq, c.bwd_stages,
-                                   rows, cols), reduces=False),
-             (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq) / t),
+                                   rows, cols, bias, writes_ds=True), reduces=False),
+             (c.block_q_dq * d + 2 * c.block_q_dq * c.block_kv_dq
+              + bias_tile(c.block_q_dq, c.block_kv_dq)) / t),
+      # (its bias tile starts the logits' accumulator: no registers of its own)
       "dK/dV": (dkv(False),
                 (c.block_kv_dkv * (d + dv) + 2 * c.block_q_dkv * c.block_kv_dkv) / t),
       # The dQ accumulator is live once S and dP are spent.
@@ -181,13 +205,14 @@ def mosaic_costs(c: MosaicBlockConfig, d: int, nbytes: int, dv: int | None = Non
 
 def mosaic_misfit(c: MosaicBlockConfig, head_dims: tuple[int, int], nbytes: int,
                   kernels: tuple[str, ...], smem_limit: int, vectors: tuple[int, int] = (0, 0),
-                  register_budget: int | None = MOSAIC_REGISTER_BUDGET) -> str | None:
+                  register_budget: int | None = MOSAIC_REGISTER_BUDGET,
+                  bias_nbytes: int = 0) -> str | None:
   """Why the Hopper ``kernels`` (names of ``mosaic_costs``) of config ``c`` do not fit
   a device with ``smem_limit`` bytes of shared memory per CTA at head dims
-  ``(dk, dv)`` with ``vectors`` (as ``mosaic_costs``') (None: they fit);
-  ``register_budget`` None: shared memory only, the limit the compiler enforces."""
+  ``(dk, dv)`` with ``vectors`` and ``bias_nbytes`` (as ``mosaic_costs``') (None: they
+  fit); ``register_budget`` None: shared memory only, the limit the compiler enforces."""
   dk, dv = (mosaic_head_dim(d) for d in head_dims)
-  costs = mosaic_costs(c, dk, nbytes, dv, vectors)
+  costs = mosaic_costs(c, dk, nbytes, dv, vectors, bias_nbytes)
   for name in kernels:
     reason = over_budget(name, costs[name], smem_limit, register_budget)
     if reason is not None:

@@ -25,7 +25,7 @@ from jattn.kernels.flash.mosaic_bwd import mosaic_backward
 from jattn.kernels.flash.mosaic_fwd import mosaic_forward
 from jattn.kernels.flash.triton import FlexMods
 from jattn.kernels.hopper.budget import mosaic_head_dim
-from jattn.kernels.hopper.inputs import (PositionInputs, joint_ranges, length_ranges,
+from jattn.kernels.hopper.inputs import (DenseBias, PositionInputs, joint_ranges, length_ranges,
                                          mask_ranges, packed_ranges, position_arrays,
                                          segment_ranges)
 from jattn.kernels.hopper.pipeline import CONSUMERS, eight_bit_values
@@ -49,10 +49,12 @@ def mosaic_layout(config: MosaicBlockConfig, q_len: int, kv_len: int, head_dim: 
 
 
 def _positions(q_seg, mods: FlexMods, dropout_rate: float, lengths) -> PositionInputs:
-  return PositionInputs(segments=q_seg is not None, mask=mods.mask, score=mods.score,
+  bias = mods.score if isinstance(mods.score, DenseBias) else None
+  return PositionInputs(segments=q_seg is not None, mask=mods.mask,
+                        score=None if bias is not None else mods.score,
                         ranges=(q_seg is not None or mods.block_kinds is not None
                                 or lengths is not None),
-                        dropout=dropout_rate, lengths=lengths is not None)
+                        dropout=dropout_rate, lengths=lengths is not None, bias=bias)
 
 
 def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, tiles, spec,
@@ -78,8 +80,10 @@ def _kernel_inputs(positions: PositionInputs, q_seg, kv_seg, mods: FlexMods, til
     axis = 0 if transpose else 1  # the axis the ranges count blocks of
     ranges = joint_ranges(ranges, length_ranges(spec, lengths, tiles, padded, transpose),
                           padded[axis] // tiles[axis])
-  return position_arrays(positions, segments, mods.mask_arrays, mods.score_arrays, ranges,
-                         hashes, lengths, padded=padded)
+  bias = positions.bias is not None
+  return position_arrays(positions, segments, mods.mask_arrays,
+                         () if bias else mods.score_arrays, ranges, hashes, lengths,
+                         mods.score_arrays if bias else (), padded=padded)
 
 
 def _hashes(q, dropout_rate: float, dropout_seed, padded):
@@ -93,7 +97,8 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
                          softcap: float | None, config: MosaicBlockConfig,
                          mods: FlexMods = FlexMods(), sinks=None, dropout_rate: float = 0.0,
                          dropout_seed=None, lengths=None, packed=None):
-  """Flash attention forward on Hopper.
+  """Flash attention forward on Hopper (a ``DenseBias`` as ``mods.score`` adds a dense
+  bias, read per tile).
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
@@ -101,8 +106,10 @@ def flash_mosaic_forward(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, 
       ``<= 256``, ``scale > 0``.
     q_seg, kv_seg: ``[batch, q_len]`` / ``[batch, kv_len]`` int32 segment ids, or None.
     softcap: logits become ``softcap * tanh(logits / softcap)``, or None.
-    mods: FlexAttention's functions (``FactoredFunction``s and their part arrays) and
-      block mask; none with segment ids or a soft-cap.
+    mods: FlexAttention's functions (``FactoredFunction``s and their part arrays, or
+      as the score a ``DenseBias`` with its arrays: the bias ``[B', H', q_len,
+      kv_len]``, 16-bit, and where shifted its row shift ``[B', q_len]``) and block
+      mask; none with segment ids or a soft-cap.
     sinks: ``[q_heads]`` float32 logits joining every row's denominator, or None.
     dropout_rate, dropout_seed: dropout of the weights (rate > 0) and its ``[2]``
       int32 seed (``dropout.seed_of``).
@@ -179,11 +186,13 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
                           scale: float, local_window, softcap: float | None,
                           config: MosaicBlockConfig, mods: FlexMods = FlexMods(),
                           dropout_rate: float = 0.0, dropout_seed=None, lengths=None,
-                          packed=None):
+                          packed=None, ds_dtype=None):
   """Gradients ``(dq, dk, dv)`` given the rows' ``o`` and ``lse`` and the cotangents
   ``do``, ``dlse``. Shapes, dropout, lengths and packing as ``flash_mosaic_forward``,
   head dims that ``mosaic_backward_runs`` takes. ``config.fused_dq`` computes dQ inside the dK/dV
-  kernel (atomic adds: not bitwise repeatable; not with ``mods``)."""
+  kernel (atomic adds: not bitwise repeatable; not with ``mods``). ``ds_dtype`` (with a
+  ``DenseBias``: its bias's dtype): also return dS, the gradient of the scores,
+  ``[batch, q_heads, q_len, kv_len]``, which the dQ kernel writes."""
   q_len, kv_len, head_dim, dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
   if not mosaic_backward_runs(head_dim, dv):
     raise ValueError(f"the Hopper backward takes head dims whose padded sum is at most "
@@ -205,11 +214,17 @@ def flash_mosaic_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, *, causal: b
   lse, delta = backward_rows(lse, backward_delta(o, do, dlse), dropout_rate)
   lse2 = backward_lse(lse, q_len_p, mods.score is not None)
   dv_p = mosaic_head_dim(dv)
-  dq, dk, dv_grad = mosaic_backward(
+  writes_ds = ds_dtype is not None
+  if writes_ds and (positions.bias is None
+                    or jnp.dtype(ds_dtype) != positions.bias_dtype(dq_inputs)):
+    raise ValueError("dS is written for a dense bias, in the bias's dtype")
+  grads = mosaic_backward(
       pad_to(q, q_len_p, d_p), pad_to(k, kv_len_p, d_p), pad_to(v, kv_len_p, dv_p),
       pad_to(do, q_len_p, dv_p), lse2, pad_rows(delta, q_len_p),
       dq_inputs, dkv_inputs, spec=spec, scale=scale,
       blocks=(c.block_q_dq, c.block_kv_dq, c.block_q_dkv, c.block_kv_dkv),
-      stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap, positions=positions)
+      stages=c.bwd_stages, fused_dq=c.fused_dq, softcap=softcap, positions=positions,
+      writes_ds=writes_ds)
+  dq, dk, dv_grad = grads[:3]
   return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim],
-          dv_grad[:, :kv_len, :, :dv])
+          dv_grad[:, :kv_len, :, :dv]) + ((grads[3][:, :, :q_len, :kv_len],) if writes_ds else ())

@@ -45,7 +45,7 @@ from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
 from jattn.kernels.hopper.budget import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV, ContiguousQ
-from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
+from jattn.kernels.hopper.inputs import PositionInputs, Tile, copy_bias_tiles, given_range
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):
@@ -106,14 +106,50 @@ def _probs_and_grad(s, c, dp, g, lse, delta, at: Tile, positions: PositionInputs
   return p, ds, kept
 
 
+@dataclasses.dataclass(frozen=True)
+class _DsTiles:
+  """A dQ consumer's rows of dS ``[batch, heads, q_len_p, kv_len_p]`` (a dense bias's
+  gradient before its broadcast axes are summed), written through one shared-memory
+  tile by TMA: each computed block's, and zeros at every other key block."""
+
+  ref: Any
+  tile: Any  # [block_q, block_kv] in shared memory
+  batch: Any
+  head: Any
+  q_start: Any
+  block_kv: int
+
+  def _store(self, j):
+    plgpu.copy_smem_to_gmem(self.tile, self.ref.at[self.batch, self.head,
+                                                   pl.ds(self.q_start, self.tile.shape[0]),
+                                                   pl.ds(j * self.block_kv, self.block_kv)])
+
+  def zero_outside(self, own, n_blocks: int):
+    """Zeros at the key blocks outside ``[lo, hi)`` of ``own`` (clamped to the CTA's),
+    which the steps do not write."""
+    self.tile[...] = plgpu.layout_cast(jnp.zeros(self.tile.shape, self.tile.dtype),
+                                       plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    store = lambda j, carry: self._store(j) or carry
+    lax.fori_loop(jnp.int32(0), own[0], store, None)
+    lax.fori_loop(own[3], jnp.int32(n_blocks), store, None)
+
+  def write(self, j, ds):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last store has read it
+    self.tile[...] = ds.astype(self.tile.dtype)
+    plgpu.commit_smem()
+    self._store(j)
+
+
 # --- the dQ kernel ---------------------------------------------------------------------------
 
 def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, softcap,
                block_q: int, block_kv: int, stages: int, group: int, q_layout: ContiguousQ,
                addressing: ContiguousKV, **smem):
   n_in = 6 + positions.n_refs
-  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dq_ref,) = refs[:n_in], refs[n_in:]
-  row_refs, col_refs, scalar_refs, ranges_ref, _ = positions.split(extra)
+  (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dq_ref, *ds_ref) = (
+      refs[:n_in], refs[n_in:])
+  row_refs, col_refs, scalar_refs, ranges_ref, bias_ref, _ = positions.split(extra)
   q_smem, do_smem, k_smem, v_smem = smem["q"], smem["do"], smem["k"], smem["v"]
   k_ready, v_ready, k_free, v_free = (smem[n] for n in ("k_ready", "v_ready", "k_free", "v_free"))
   batch = lax.axis_index("batch")
@@ -152,6 +188,7 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
     row_vectors = positions.load(smem, ROW, my, mp.ROW)
     scalars = positions.read_scalars(scalar_refs, batch, head)
     shape = (block_q, block_kv)
+    ds_out = _DsTiles(ds_ref[0], my(smem["ds"]), batch, head, q_start, block_kv) if ds_ref else None
 
     def step(j, dq, masked):
       slot = lax.rem(j - c_lo, jnp.int32(stages))
@@ -162,8 +199,12 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       plgpu.barrier_arrive(v_free.at[slot])
       col_vectors = _slot_vectors(positions, smem, COL, masked, slot)
       at = Tile(shape, 0, q_start, j * block_kv, batch, head, row_vectors, col_vectors, scalars)
+      if bias_ref is not None:
+        at = positions.bias_tile(at, mp.load(smem["bias"].at[slot, wg], plgpu.Layout.WGMMA))
       s, c, g = _masked_logits(positions, spec, s, scale, softcap, at, masked)
       _, ds, _ = _probs_and_grad(s, c, dp, g, lambda: lse, lambda: delta, at, positions)
+      if ds_out is not None:
+        ds_out.write(j, ds)
 
       def acc_dq(acc_ref):
         plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -181,6 +222,8 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
 
     own = _own_blocks(kv_block_range(spec, q_start, block_q, block_kv), ranges_ref, batch, head,
                       tile, wg)
+    if ds_out is not None:
+      ds_out.zero_outside(mp.clamp_own(own, c_lo, c_hi), k_ref.shape[1] // block_kv)
     dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)))
     my(q_smem)[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
@@ -190,10 +233,16 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
   @pl.when(wg == mp.PRODUCER)
   def _producer():
     plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
+    def bias_tiles(key_start, slot, barrier):  # each consumer's rows of the dense bias
+      copy_bias_tiles(bias_ref, ((smem["bias"].at[slot, i], pl.ds(cta_q + i * block_q, block_q),
+                                  pl.ds(key_start, block_kv)) for i in range(mp.CONSUMERS)),
+                      batch, head, barrier)
+
     mp.produce_kv(k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready, k_free, v_free),
                   batch=batch, head=head, group=group, first_block=c_lo,
                   n_steps=c_hi - c_lo, block_kv=block_kv, stages=stages,
-                  cols=(col_refs, positions.buffers(smem, COL)), addressing=addressing)
+                  cols=(col_refs, positions.buffers(smem, COL)), addressing=addressing,
+                  tiles=bias_tiles if bias_ref is not None else None)
 
 
 # --- pieces of the dK/dV kernel --------------------------------------------------------------
@@ -239,6 +288,9 @@ class _QStream:
   block_q: int
   stages: int
   descending: bool
+  bias: Any = None  # a dense bias in global memory: each consumer's keys of it per step
+  key_start: Any = None  # the CTA's first key
+  block_kv: int = 0
 
   def copy(self, i, slot, barrier):
     """TMA copies of step ``i`` (query head, then block) into ``slot``."""
@@ -255,6 +307,10 @@ class _QStream:
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], smem["delta"].at[slot], barrier)
     mp.copy_vectors(self.row_refs, [b.at[slot] for b in self.positions.buffers(smem, ROW)],
                     batch, start, block_q, barrier, head)
+    if self.bias is not None:  # each consumer's keys
+      copy_bias_tiles(self.bias, ((smem["bias"].at[slot, wg], pl.ds(start, block_q),
+                                   pl.ds(self.key_start + wg * self.block_kv, self.block_kv))
+                                  for wg in range(mp.CONSUMERS)), batch, head, barrier)
 
   def position(self, g, j):
     """The stream step of query block ``j`` of the group's head ``g``."""
@@ -474,7 +530,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
   n_in = 6 + positions.n_refs + fuse_dq
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *extra), (dk_ref, dv_ref) = (
       refs[:n_in], refs[n_in:])
-  row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
+  row_refs, col_refs, scalar_refs, ranges_ref, bias_ref, rest = positions.split(extra)
   k_smem, v_smem, q_smem, do_smem = smem["k"], smem["v"], smem["q"], smem["do"]
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
@@ -489,7 +545,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
                     row_refs=row_refs, smem=smem,
                     positions=positions, batch=batch, kv_head=kv_head, group=group,
                     c_lo=c_lo, c_hi=c_hi, n_blocks=n_blocks, n_steps=group * n_blocks,
-                    block_q=block_q, stages=stages, descending=spec.right is not None)
+                    block_q=block_q, stages=stages, descending=spec.right is not None,
+                    bias=bias_ref, key_start=cta_k, block_kv=block_kv)
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   feed = (_SelfFeed if self_fed else _ProducerFeed)(stream, wg)
@@ -527,11 +584,22 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         slot = stream.slot(stream.position(g, j))
         stream.wait(slot)
         s_init, dp_init = stats.inits(slot, shape)
+        def tile_at():
+          row_vectors = _slot_vectors(positions, smem, ROW, masked, slot)
+          return Tile(shape, 1, j * block_q, k_start, batch, q_head, row_vectors, col_vectors,
+                      scalars)
+
+        at = None
+        if bias_ref is not None:
+          # Its [block_q, block_kv] tile, read transposed, starts Sᵀ (over the scale, so
+          # that the logits are scale Sᵀ): no registers beside the accumulators for it.
+          at = tile_at()
+          bias = positions.bias_tile(at, mp.load(smem["bias"].at[slot, wg].transpose((1, 0)),
+                                                 plgpu.Layout.WGMMA)).bias
+          s_init = bias * (1.0 / scale)
         s_t, dp_t = _wgmma_pair(s_init, my(k_smem), q_smem.at[slot].transpose((1, 0)),
                                 dp_init, my(v_smem), do_smem.at[slot].transpose((1, 0)))
-        row_vectors = _slot_vectors(positions, smem, ROW, masked, slot)
-        at = Tile(shape, 1, j * block_q, k_start, batch, q_head, row_vectors, col_vectors,
-                  scalars)
+        at = tile_at() if at is None else at
         s_t, c, g_t = _masked_logits(positions, spec, s_t, scale, softcap, at, masked)
         p_t, ds_t, kept = stats.weights(s_t, c, dp_t, g_t, slot, at)
         p_lo, ds_lo = p_t.astype(dtype), ds_t.astype(dtype)
@@ -588,10 +656,12 @@ def _barrier(n, arrivals=1):
 
 
 def dq_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int,
-               row_dtypes: tuple = (), col_dtypes: tuple = ()) -> dict:
+               row_dtypes: tuple = (), col_dtypes: tuple = (), bias_dtype=None,
+               writes_ds: bool = False) -> dict:
   """The dQ kernel's shared memory: each consumer's Q and dO tiles with their row
-  statistics, ``stages`` K and V slots, the barriers and the per-position vectors
-  (``PositionInputs.scratch``)."""
+  statistics, ``stages`` K and V slots, the barriers, the per-position vectors
+  (``PositionInputs.scratch``) and, with a ``bias_dtype``, a dense bias's tile per slot
+  and consumer (and where it ``writes_ds``, each consumer's dS tile on its way out)."""
   smem = dict(
       q=mp.tile_smem((mp.CONSUMERS, block_q, d), dtype),
       do=mp.tile_smem((mp.CONSUMERS, block_q, dv), dtype),
@@ -600,18 +670,25 @@ def dq_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int,
       k=mp.tile_smem((stages, block_kv, d), dtype),
       v=mp.tile_smem((stages, block_kv, dv), dtype),
       rows_ready=_barrier(mp.CONSUMERS, 4 + len(row_dtypes)),
-      k_ready=_barrier(stages, 1 + len(col_dtypes)), v_ready=_barrier(stages),
+      k_ready=_barrier(stages, 1 + len(col_dtypes) + (bias_dtype is not None) * mp.CONSUMERS),
+      v_ready=_barrier(stages),
       k_free=_barrier(stages, mp.CONSUMERS), v_free=_barrier(stages, mp.CONSUMERS))
   smem.update(PositionInputs.scratch(row_dtypes, col_dtypes, (mp.CONSUMERS, block_q),
                                      (stages, block_kv)))
+  if bias_dtype is not None:
+    smem["bias"] = mp.tile_smem((stages, mp.CONSUMERS, block_q, block_kv), bias_dtype)
+    if writes_ds:
+      smem["ds"] = mp.tile_smem((mp.CONSUMERS, block_q, block_kv), bias_dtype)
   return smem
 
 
 def dkv_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int,
-                row_dtypes: tuple = (), col_dtypes: tuple = (), fuse_dq: bool = False) -> dict:
+                row_dtypes: tuple = (), col_dtypes: tuple = (), fuse_dq: bool = False,
+                bias_dtype=None) -> dict:
   """The dK/dV kernel's shared memory: each consumer's K and V tiles, ``stages`` Q and
-  dO slots with their row statistics, the barriers, the per-position vectors and,
-  with ``fuse_dq``, the dS tiles and float32 dQ tile of the fused dQ."""
+  dO slots with their row statistics, the barriers, the per-position vectors, with
+  ``fuse_dq`` the dS tiles and float32 dQ tile of the fused dQ, and with a
+  ``bias_dtype`` a dense bias's ``[block_q, block_kv]`` tile per slot and consumer."""
   smem = dict(
       k=mp.tile_smem((mp.CONSUMERS, block_kv, d), dtype),
       v=mp.tile_smem((mp.CONSUMERS, block_kv, dv), dtype),
@@ -620,9 +697,12 @@ def dkv_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int
       lse=plgpu.SMEM((stages, block_q), jnp.float32),
       delta=plgpu.SMEM((stages, block_q), jnp.float32),
       kv_ready=_barrier(mp.CONSUMERS, 2 + len(col_dtypes)),
-      q_ready=_barrier(stages, 4 + len(row_dtypes)), q_free=_barrier(stages, mp.CONSUMERS))
+      q_ready=_barrier(stages, 4 + len(row_dtypes) + (bias_dtype is not None) * mp.CONSUMERS),
+      q_free=_barrier(stages, mp.CONSUMERS))
   smem.update(PositionInputs.scratch(row_dtypes, col_dtypes, (stages, block_q),
                                      (mp.CONSUMERS, block_kv)))
+  if bias_dtype is not None:
+    smem["bias"] = mp.tile_smem((stages, mp.CONSUMERS, block_q, block_kv), bias_dtype)
   if fuse_dq:
     smem.update(ds=mp.tile_smem((2, mp.CONSUMERS, block_kv, block_q), dtype),
                 dq=mp.tile_smem((mp.CONSUMERS, block_q, fused_dq_columns(d)), jnp.float32),
@@ -632,21 +712,29 @@ def dkv_scratch(dtype, d: int, dv: int, block_q: int, block_kv: int, stages: int
 
 def mosaic_dq(q, k, v, do, lse2, delta, inputs=(), *, spec: MaskSpec, scale: float,
               block_q: int, block_kv: int, stages: int, softcap: float | None = None,
-              positions: PositionInputs = PositionInputs(), layout: BackwardLayout = BackwardLayout()):
+              positions: PositionInputs = PositionInputs(), layout: BackwardLayout = BackwardLayout(),
+              writes_ds: bool = False):
   """dQ kernel on padded inputs (see :func:`mosaic_backward`); returns ``dq``
-  ``[batch, q_len_p, heads, d]``. ``inputs``: the per-position arrays of ``positions``,
-  ranges per ``block_q`` query block."""
+  ``[batch, q_len_p, heads, d]`` (``writes_ds``, with a dense bias: ``(dq, ds)``, dS
+  ``[batch, heads, q_len_p, kv_len_p]`` in the bias's dtype). ``inputs``: the
+  per-position arrays of ``positions``, ranges per ``block_q`` query block."""
   batch, q_len_p, _, d = q.shape
   q_heads = layout.q_layout.n_heads(q)
   stages = max(1, min(stages, k.shape[1] // block_kv))
+  bias_dtype = positions.bias_dtype(inputs)
+  writes_ds = writes_ds and bias_dtype is not None
   smem = dq_scratch(q.dtype, d, v.shape[-1], block_q, block_kv, stages,
-                    *positions.vector_dtypes(inputs))
+                    *positions.vector_dtypes(inputs), bias_dtype, writes_ds)
+  out_type = jax.ShapeDtypeStruct((batch, q_len_p, q_heads, d), q.dtype)
+  if writes_ds:
+    out_type = (out_type,
+                jax.ShapeDtypeStruct((batch, q_heads, q_len_p, k.shape[1]), bias_dtype))
   return mp.kernel(
       functools.partial(_dq_kernel, spec=spec, positions=positions, scale=scale,
                         softcap=softcap, block_q=block_q, block_kv=block_kv, stages=stages,
                         group=layout.group_of(q_heads, k), q_layout=layout.q_layout,
                         addressing=layout.kv_addressing),
-      out_type=jax.ShapeDtypeStruct((batch, q_len_p, q_heads, d), q.dtype),
+      out_type=out_type,
       scratch_types=smem,
       grid=(q_heads, q_len_p // (mp.CONSUMERS * block_q), batch),
       grid_names=("heads", "q_tiles", "batch"),
@@ -670,11 +758,11 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   stages = max(1, min(stages, group * (q_len_p // block_q)))
   fuse_dq = dq_acc is not None
   smem = dkv_scratch(q.dtype, d, v.shape[-1], block_q, block_kv, stages,
-                     *positions.vector_dtypes(inputs), fuse_dq)
+                     *positions.vector_dtypes(inputs), fuse_dq, positions.bias_dtype(inputs))
   # Folding lse and delta into the accumulators' initial values frees their registers
   # (``_FoldedStats``); plain logits only, and not for wider heads, where it spills.
   wide = d + v.shape[-1] > MOSAIC_MODELLED_BWD_WIDTH
-  fold_stats = (positions.score is None and softcap is None and not positions.dropout
+  fold_stats = (not positions.transforms and softcap is None and not positions.dropout
                 and not wide)
   # Wider heads drop the producer warpgroup, for the consumers' registers (``_SelfFeed``);
   # up to dk + dv = 256 the kernel with a producer is at least as fast.
@@ -695,6 +783,10 @@ def mosaic_dkv(q, k, v, do, lse2, delta, inputs=(), dq_acc=None, *, spec: MaskSp
   return mp.kernel(body, out_type=out_type, scratch_types=smem, producer=not self_fed,
                    **grid)(*args)
 
+
+# The dK/dV kernel reads a dense bias's tiles transposed from shared memory, which jax
+# 0.10's Mosaic GPU lowering refuses ("Can't transpose the swizzled dimension").
+BIAS_TILES_SUPPORTED = jax.__version_info__ >= (0, 11)
 
 # The fused dQ writes a ``jax.Ref`` under ``custom_vmap``, which jax 0.10 cannot
 # discharge ("no state discharge rule for custom_vmap_call", lowering on jax 0.10.2).
@@ -722,7 +814,7 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
                     scale: float, blocks: tuple[int, int, int, int], stages: int,
                     fused_dq: bool = False, softcap: float | None = None,
                     positions: PositionInputs = PositionInputs(),
-                    layout: BackwardLayout = BackwardLayout()):
+                    layout: BackwardLayout = BackwardLayout(), writes_ds: bool = False):
   """Runs the Hopper backward kernels on padded inputs.
 
   Args:
@@ -749,11 +841,15 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
       and dV).
 
   Returns:
-    ``(dq, dk, dv)``, shaped like ``q, k, v`` where the layout is plain.
+    ``(dq, dk, dv)``, shaped like ``q, k, v`` where the layout is plain; with
+    ``writes_ds`` and a dense bias (``positions.bias``), also dS ``[batch, heads,
+    q_len_p, kv_len_p]`` in the bias's dtype (the dQ kernel writes it).
   """
   if not layout.plain and (fused_dq or positions != PositionInputs()):
     raise ValueError("the backward kernels read a non-plain layout without per-position "
                      "inputs and without the fused dQ")
+  if fused_dq and positions.bias is not None:
+    raise ValueError("the fused dQ takes no dense bias (its dQ kernel writes dS)")
   if fused_dq and not FUSED_DQ_SUPPORTED:
     raise ValueError(f"the fused dQ (config.fused_dq) needs jax >= 0.11, got {jax.__version__}")
   bq_dq, bkv_dq, bq_dkv, bkv_dkv = blocks
@@ -770,6 +866,10 @@ def mosaic_backward(q, k, v, do, lse2, delta, dq_inputs=(), dkv_inputs=(), *, sp
 
     return tuple(fused(*args, *dkv_inputs))
   dq = mosaic_dq(*args, dq_inputs, spec=spec, scale=scale, block_q=bq_dq, block_kv=bkv_dq,
-                 stages=stages, softcap=softcap, positions=positions, layout=layout)
+                 stages=stages, softcap=softcap, positions=positions, layout=layout,
+                 writes_ds=writes_ds)
   dk, dv = dkv(*args, dkv_inputs)
+  if writes_ds and positions.bias is not None:
+    dq, ds = dq
+    return dq, dk, dv, ds
   return dq, dk, dv

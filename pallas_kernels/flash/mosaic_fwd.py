@@ -52,7 +52,9 @@ class SoftmaxRows:
     return jnp.dtype(dtype) == jnp.bfloat16 and not self.positions.dropout
 
   def bind(self, inputs, t: ConsumerRows) -> Rows:
-    c = log2_units(self.scale, self.positions.score is not None or self.softcap is not None)
+    # (a dense bias's logits are the scaled ones plus the bias: natural units)
+    c = LOG2E if self.positions.bias is not None else log2_units(
+        self.scale, self.positions.score is not None or self.softcap is not None)
     mma_sums = self.mma_row_sums(t.dtype)
     value_scale = None
     if self.descaled:

@@ -49,7 +49,7 @@ from jattn.kernels.common.masking import MaskSpec, narrow
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV
 from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES, THREADS_PER_WARPGROUP
-from jattn.kernels.hopper.inputs import PositionInputs, Tile, given_range
+from jattn.kernels.hopper.inputs import PositionInputs, Tile, copy_bias_tiles, given_range
 from jattn.kernels.hopper.work import QueryTiles
 
 
@@ -114,42 +114,46 @@ def own_output_tile(block_q: int, dk: int, dv: int, nbytes: int, out_nbytes: int
 def forward_smem_bytes(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
                        nbytes: int, q_buffers: int, out_nbytes: int | None = None,
                        ones_tile: bool = False, vectors: tuple[int, int] = (0, 0),
-                       reduces: bool = True) -> int:
+                       reduces: bool = True, bias_nbytes: int = 0) -> int:
   """Shared memory of the forward kernel as Mosaic GPU counts it (``_scratch``'s
   buffers: ``q_buffers`` Q tiles per consumer, which take the output tile where
   ``output_view_rows`` says so, else it has its own; ``stages`` K and V slots; with
   ``ones_tile`` the ones tile of a rule's ``mma_row_sums``; ``vectors``: the
   ``(row, col)`` counts of per-position vectors, 4-byte values; the barriers).
   ``out_nbytes``: the output's bytes per value (default ``nbytes``); ``reduces``: the
-  rule reduces rows (``Rows.reduces``)."""
+  rule reduces rows (``Rows.reduces``); ``bias_nbytes``: a dense bias's bytes per
+  value (its tiles per slot and consumer), 0 for none."""
   dtype = mp.stand_in_dtype(nbytes)
   out_dtype = mp.stand_in_dtype(nbytes if out_nbytes is None else out_nbytes)
   rows, cols = vectors
   scratch = _scratch(dtype, dk, dv, block_q, block_kv, stages, q_buffers,
                      (jnp.int32,) * rows, (jnp.int32,) * cols, out_dtype, nbytes == 1,
-                     ones_tile)
+                     ones_tile, mp.stand_in_dtype(bias_nbytes) if bias_nbytes else None)
   return mp.smem_bytes(scratch, reduces)
 
 
 def forward_q_buffers(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
                       nbytes: int, out_nbytes: int | None = None, ones_tile: bool = False,
-                      vectors: tuple[int, int] = (0, 0), reduces: bool = True) -> int:
+                      vectors: tuple[int, int] = (0, 0), reduces: bool = True,
+                      bias_nbytes: int = 0) -> int:
   """2 (the next work item's Q prefetched) where that fits the shared memory, else 1."""
   double = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 2, out_nbytes,
-                              ones_tile, vectors, reduces)
+                              ones_tile, vectors, reduces, bias_nbytes)
   return 2 if double <= HOPPER_SMEM_BYTES else 1
 
 
 def forward_cost(block_q: int, block_kv: int, stages: int, dk: int, dv: int,
                  nbytes: int, out_nbytes: int | None = None, ones_tile: bool = False,
-                 vectors: tuple[int, int] = (0, 0),
-                 reduces: bool = True) -> tuple[int, float]:
+                 vectors: tuple[int, int] = (0, 0), reduces: bool = True,
+                 bias_nbytes: int = 0) -> tuple[int, float]:
   """The forward kernel's shared-memory bytes (``forward_smem_bytes`` with one Q
   buffer: it takes a second where that fits) and fp32 accumulators per consumer
-  thread (O, the logits and, with ``ones_tile``, the row sums)."""
+  thread (O, the logits, a dense bias's tile and, with ``ones_tile``, the row sums)."""
   smem = forward_smem_bytes(block_q, block_kv, stages, dk, dv, nbytes, 1, out_nbytes,
-                            ones_tile, vectors, reduces)
-  accumulators = block_q * (dv + block_kv + ones_tile * ONES_ROWS)
+                            ones_tile, vectors, reduces, bias_nbytes)
+  # (a bias tile: its 16-bit values, two per register)
+  accumulators = block_q * (dv + block_kv + bool(bias_nbytes) * block_kv // 2
+                            + ones_tile * ONES_ROWS)
   return smem, accumulators / THREADS_PER_WARPGROUP
 
 
@@ -331,10 +335,14 @@ class _Forward:
     col_vectors = ()
     if positions.needs(COL, masked):  # read before the slot is released
       col_vectors = positions.load(smem, COL, lambda b: b.at[slot], mp.COL)
+    bias = (mp.load(smem["bias"].at[slot, self.wg], plgpu.Layout.WGMMA)
+            if positions.bias is not None else None)
     plgpu.barrier_arrive(smem["k_free"].at[slot])
     tile = Tile(s.shape, 0, rows.q_start, j * self.block_kv, rows.item.batch, rows.item.head,
                 rows.row_vectors, col_vectors, rows.scalars,
                 self.items.kind.rows_per_position)
+    if bias is not None:
+      tile = positions.bias_tile(tile, bias)
     p, acc_scale, stats, late = rows.rule.update(s, stats, j, masked, tile)
     if acc_scale is not None:
       acc = tuple(a * lax.broadcast_in_dim(acc_scale, a.shape, [0]) for a in acc)
@@ -398,6 +406,15 @@ class _Forward:
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
 
+  def bias_copies(self, it: _Item):
+    """``produce_kv``'s ``tiles`` for a dense bias: each consumer's rows of it at the
+    key tile."""
+    return lambda key_start, slot, barrier: copy_bias_tiles(
+        self.refs["bias"], ((self.smem["bias"].at[slot, wg],
+                             pl.ds(self.items.q_start(it.work, wg), self.block_q),
+                             pl.ds(key_start, self.block_kv)) for wg in range(mp.CONSUMERS)),
+        it.batch, it.head, barrier)
+
   def producer(self):
     plgpu.set_max_registers(mp.PRODUCER_REGISTERS, action="decrease")
     smem = self.smem
@@ -405,12 +422,13 @@ class _Forward:
 
     def work(t, first_use):
       it = self.item(t)
+      tiles = self.bias_copies(it) if self.positions.bias is not None else None
       mp.produce_kv(self.refs["k"], self.refs["v"], smem["k"], smem["v"],
                     (smem["k_ready"], smem["v_ready"], smem["k_free"], smem["v_free"]),
                     batch=it.batch, head=it.head, group=self.group, first_block=it.c_lo,
                     n_steps=it.c_hi - it.c_lo, block_kv=self.block_kv, stages=self.stages,
                     cols=(self.refs["cols"], self.positions.buffers(smem, COL)),
-                    first_slot_use=first_use, addressing=addressing)
+                    first_slot_use=first_use, addressing=addressing, tiles=tiles)
       return first_use + (it.c_hi - it.c_lo)
 
     if self.persistent:
@@ -425,9 +443,9 @@ def _kernel(*refs, rule, spec: MaskSpec, positions: PositionInputs, items: Query
   n_in = 3 + positions.n_refs + rule.n_inputs + addressing.n_inputs + mma_sums
   (q_ref, k_ref, v_ref, *extra), (o_ref, stat_ref) = refs[:n_in], refs[n_in:]
   ones_ref = extra.pop() if mma_sums else None
-  row_refs, col_refs, scalar_refs, ranges_ref, rest = positions.split(extra)
+  row_refs, col_refs, scalar_refs, ranges_ref, bias_ref, rest = positions.split(extra)
   named = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, stat=stat_ref, rows=row_refs,
-               cols=col_refs, scalars=scalar_refs, ranges=ranges_ref,
+               cols=col_refs, scalars=scalar_refs, ranges=ranges_ref, bias=bias_ref,
                rule=rest[:rule.n_inputs], addressing=rest[rule.n_inputs:], ones=ones_ref)
   bound_items = items.bind()
   cta, n_ctas = lax.axis_index("cta"), jnp.int32(lax.axis_size("cta"))
@@ -486,15 +504,19 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
     items = QueryTiles(q_len_p // (mp.CONSUMERS * block_q), q_heads, batch, block_q,
                        mp.CONSUMERS, tiles_fastest=persistent,
                        heavy_first=spec.right is not None)
+  if positions.bias is not None and items.rows_per_position != 1:
+    raise ValueError("a dense bias takes work items of one query head's rows")
   stages = max(1, min(stages, addressing.kv_len(k) // block_kv))
   mma_sums = rule.mma_row_sums(q.dtype)
   row_dtypes, col_dtypes = positions.vector_dtypes(inputs)
+  bias_dtype = positions.bias_dtype(inputs)
+  bias_nbytes = 0 if bias_dtype is None else bias_dtype.itemsize
   q_buffers = forward_q_buffers(block_q, block_kv, stages, dk, dv, q.dtype.itemsize,
                                 out_dtype.itemsize, mma_sums,
                                 (len(row_dtypes), len(col_dtypes)),
-                                rule.reduces) if persistent else 1
+                                rule.reduces, bias_nbytes) if persistent else 1
   smem = _scratch(q.dtype, dk, dv, block_q, block_kv, stages, q_buffers, row_dtypes,
-                  col_dtypes, out_dtype, addressing.values_transposed, mma_sums)
+                  col_dtypes, out_dtype, addressing.values_transposed, mma_sums, bias_dtype)
   if mma_sums:  # the ones tile's source, copied in once per CTA
     inputs = (*inputs, jnp.ones((ONES_ROWS, block_kv), q.dtype))
   kernel = functools.partial(_kernel, rule=rule, spec=spec, positions=positions, items=items,
@@ -512,10 +534,11 @@ def rows_forward(q, k, v, inputs=(), *, rule, spec: MaskSpec, block_q: int, bloc
 
 def _scratch(dtype, dk: int, dv: int, block_q: int, block_kv: int, stages: int,
              q_buffers: int, row_dtypes: tuple, col_dtypes: tuple, out_dtype,
-             values_transposed: bool, ones_tile: bool) -> dict:
+             values_transposed: bool, ones_tile: bool, bias_dtype=None) -> dict:
   """The forward kernel's shared memory: tiles of ``dtype``, barriers, the per-position
-  vectors (``PositionInputs.scratch``, of ``row_dtypes`` and ``col_dtypes``) and, with
-  ``ones_tile``, the ones tile of the MMA row sums with its barrier."""
+  vectors (``PositionInputs.scratch``, of ``row_dtypes`` and ``col_dtypes``), with
+  ``ones_tile`` the ones tile of the MMA row sums with its barrier, and with a
+  ``bias_dtype`` a dense bias's tile per slot and consumer (copied with K)."""
   barrier = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
   q_tiles = mp.tile_smem((q_buffers, mp.CONSUMERS, block_q, dk), dtype)
   own_out = own_output_tile(block_q, dk, dv, jnp.dtype(dtype).itemsize,
@@ -531,7 +554,7 @@ def _scratch(dtype, dk: int, dv: int, block_q: int, block_kv: int, stages: int,
                      dtype),
       stat=plgpu.SMEM((mp.CONSUMERS, block_q), jnp.float32),
       q_ready=barrier(q_buffers * mp.CONSUMERS, 1 + len(row_dtypes)),
-      k_ready=barrier(stages, 1 + len(col_dtypes)),
+      k_ready=barrier(stages, 1 + len(col_dtypes) + (bias_dtype is not None) * mp.CONSUMERS),
       v_ready=barrier(stages), k_free=barrier(stages, mp.CONSUMERS),
       v_free=barrier(stages, mp.CONSUMERS), schedule=plgpu.Barrier(num_arrivals=mp.CONSUMERS))
   if own_out:
@@ -539,6 +562,8 @@ def _scratch(dtype, dk: int, dv: int, block_q: int, block_kv: int, stages: int,
   if ones_tile:
     smem.update(ones=mp.tile_smem((ONES_ROWS, block_kv), dtype),
                 ones_ready=plgpu.Barrier(num_arrivals=1))
+  if bias_dtype is not None:
+    smem["bias"] = mp.tile_smem((stages, mp.CONSUMERS, block_q, block_kv), bias_dtype)
   smem.update(PositionInputs.scratch(row_dtypes, col_dtypes, (q_buffers, mp.CONSUMERS, block_q),
                                      (stages, block_kv)))
   return smem

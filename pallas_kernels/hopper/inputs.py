@@ -13,13 +13,18 @@ The inputs, in this order:
 - optionally *ranges* ``[B', H', blocks, 4]``: per block of the kernel's own rows (query
   blocks in the forward and dQ kernels, key blocks in dK/dV), the
   ``(lo, full_lo, full_hi, hi)`` blocks of the other axis it visits, as
-  ``masking.kv_block_range`` returns them; they narrow the mask spec's own range.
+  ``masking.kv_block_range`` returns them; they narrow the mask spec's own range;
+- optionally a dense *bias* ``[B', H', q_len_p, kv_len_p]`` (16-bit), added to the
+  scaled logits (``DenseBias``): copied by TMA with each tile of the streamed axis, one
+  ``[block_q, block_kv]`` tile per consumer, and read into the score tile's register
+  layout (transposed in the dK/dV kernel, whose score tiles are transposed).
 
-Segment ids are the first row and col arrays; then the mask's parts, then the score's,
-then dropout's hashes (``dropout.hash_arrays``: its row array is per head, ``[B, H,
-q_len_p]``). Per-row lengths come with ranges (``length_ranges``): the backward
-kernels' own block ranges do not know them (the forward binds the lengths itself,
-``forward._Forward.spec_of``, so for it they only confirm).
+Segment ids are the first row and col arrays; then the mask's parts, then the score's
+(or a dense bias's row shift), then dropout's hashes (``dropout.hash_arrays``: its row
+array is per head, ``[B, H, q_len_p]``). Per-row lengths come with ranges
+(``length_ranges``): the backward kernels' own block ranges do not know them (the
+forward binds the lengths itself, ``forward._Forward.spec_of``, so for it they only
+confirm).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from jattn.kernels.common.dropout import keep
 from jattn.kernels.common.factored_functions import COL, ROW, SCALAR, FactoredFunction
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, narrow,
                                           q_block_range, segment_block_ranges)
-from jattn.kernels.common.softmax import ScoreFunction, Softcap, log2_logits
+from jattn.kernels.common.softmax import LOG2E, ScoreFunction, Softcap, log2_logits
 from jattn.kernels.common.tiling import sequence_of_rows
 from jattn.kernels.hopper import pipeline as mp
 
@@ -57,6 +62,7 @@ class Tile(NamedTuple):
   cols: tuple = ()
   scalars: tuple = ()
   row_group: int = 1
+  bias: Any = None  # the dense bias at the tile, float32, shift taken off (``DenseBias``)
 
   def q_idx(self):
     """The query position of every element of the tile: a 2-D iota, not ``q_rows``
@@ -88,6 +94,17 @@ class Tile(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class DenseBias:
+  """A dense bias as the Hopper forward takes it, in place of a score function (a
+  ``FlexMods.score``): ``scale * q kᵀ + (bias - shift)``, the bias read per tile
+  (``[B', H', q_len, kv_len]``, 16-bit) and, where ``shifted``, a float32 row shift
+  ``[B', q_len]`` shared by the heads taken off it first (``softmax.shared_row_shift``:
+  rows of large values keep the small score)."""
+
+  shifted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class PositionInputs:
   """Which per-position inputs a kernel reads (static): segment ids, the functions'
   parts, dropout's hashes (where ``dropout``, the rate, is > 0), and whether block
@@ -99,6 +116,16 @@ class PositionInputs:
   ranges: bool = False
   dropout: float = 0.0  # the rate: weights kept where ``kept`` says
   lengths: bool = False  # per-row (q_len, kv_len): the last two scalars
+  bias: DenseBias | None = None  # a dense bias read by tiles, its shift a row part
+
+  @property
+  def transforms(self) -> bool:
+    """Whether the logits are transformed (a score function or a dense bias)."""
+    return self.score is not None or self.bias is not None
+
+  @property
+  def _shift_row(self) -> int:
+    return int(self.bias is not None and self.bias.shifted)
 
   @property
   def functions(self) -> tuple:
@@ -109,7 +136,7 @@ class PositionInputs:
 
   @property
   def n_rows(self) -> int:
-    return self.segments + self._count(ROW) + (self.dropout > 0)
+    return self.segments + self._count(ROW) + self._shift_row + (self.dropout > 0)
 
   @property
   def n_cols(self) -> int:
@@ -126,24 +153,25 @@ class PositionInputs:
 
   @property
   def n_refs(self) -> int:
-    return self.n_rows + self.n_cols + self.n_scalars + self.ranges
+    return self.n_rows + self.n_cols + self.n_scalars + self.ranges + (self.bias is not None)
 
   def split(self, refs):
-    """``(rows, cols, scalars, ranges or None, the refs after them)``."""
+    """``(rows, cols, scalars, ranges or None, bias or None, the refs after them)``."""
     refs = list(refs)
     out = []
-    for n in (self.n_rows, self.n_cols, self.n_scalars, self.ranges):
+    for n in (self.n_rows, self.n_cols, self.n_scalars, self.ranges, self.bias is not None):
       out.append(refs[:n])
       refs = refs[n:]
-    rows, cols, scalars, ranges = out
-    return rows, cols, scalars, ranges[0] if ranges else None, refs
+    rows, cols, scalars, ranges, bias = out
+    return rows, cols, scalars, ranges[0] if ranges else None, bias[0] if bias else None, refs
 
   def needs(self, kind: str, masked: bool) -> bool:
     """Whether a step reads the ``kind`` (``ROW`` or ``COL``) vectors: the score's and
     dropout's always, the mask's (and the segment ids) on masked tiles only."""
     score = self.score is not None and bool(self.score.of_kind(kind))
     mask = self.segments or (self.mask is not None and bool(self.mask.of_kind(kind)))
-    return score or self.dropout > 0 or (masked and mask)
+    shift = kind == ROW and self._shift_row
+    return score or shift or self.dropout > 0 or (masked and mask)
 
   def read_scalars(self, refs, b, h) -> tuple:
     return tuple(ref[mp.shared_index(ref, 0, b), mp.shared_index(ref, 1, h)] for ref in refs)
@@ -152,6 +180,10 @@ class PositionInputs:
     """The dtypes of the row and col arrays of ``inputs`` (``position_arrays``' order)."""
     rows, cols = inputs[:self.n_rows], inputs[self.n_rows:self.n_rows + self.n_cols]
     return tuple(x.dtype for x in rows), tuple(x.dtype for x in cols)
+
+  def bias_dtype(self, inputs):
+    """The dense bias's dtype among ``inputs`` (``position_arrays``' order), or None."""
+    return inputs[self.n_refs - 1].dtype if self.bias is not None else None
 
   @staticmethod
   def scratch(row_dtypes: tuple, col_dtypes: tuple, row_shape: tuple, col_shape: tuple) -> dict:
@@ -180,8 +212,22 @@ class PositionInputs:
                  else tile.scalars[i])
     return tuple(out)
 
+  def bias_tile(self, tile: Tile, values):
+    """``tile`` with the dense bias ``values`` (its tile in registers, shaped as the
+    score tile) as float32, the row shift taken off first."""
+    bias = values.astype(jnp.float32)
+    if self.bias.shifted:  # the row before dropout's hash, after the functions' parts
+      bias = bias - tile.row(self.n_rows - 1 - (self.dropout > 0))
+    return tile._replace(bias=bias)
+
   def logits(self, qk, scale: float, softcap, tile: Tile, with_grad: bool = False):
-    """``masking``'s ``log2_logits`` with the score function (or the soft-cap)."""
+    """``masking``'s ``log2_logits`` with the score function (or the soft-cap); with a
+    dense bias, ``(scale * qk + bias, LOG2E, None)``: the scaled logits in natural
+    units, which ``log2_units`` does not cover (``tile.bias`` None: ``qk`` holds the
+    bias over the scale already)."""
+    if self.bias is not None:
+      x = qk * scale
+      return (x if tile.bias is None else x + tile.bias), LOG2E, None
     if self.score is None:
       return log2_logits(qk, scale, Softcap.of(softcap), with_grad=with_grad)
     index = (tile.b, tile.h, tile.q_idx(), tile.k_idx())
@@ -206,6 +252,16 @@ class PositionInputs:
     q_tile = tile.q_idx() if spec.element_fn is not None else None
     return apply_mask(s, -jnp.inf, spec, q_rows, tile.k_idx(), *segments,
                       bh=(tile.b, tile.h), rows=tile.broadcast_rows, q_tile=q_tile)
+
+
+def copy_bias_tiles(bias_ref, tiles, batch, head, barrier):
+  """TMA copies of a dense bias's tiles (``DenseBias``) of (batch row, query head):
+  ``tiles`` yields ``(smem, rows, cols)``, each a shared-memory tile and the query and
+  key slices it takes, completing on ``barrier``."""
+  at = lambda rows, cols: bias_ref.at[mp.shared_index(bias_ref, 0, batch),
+                                      mp.shared_index(bias_ref, 1, head), rows, cols]
+  for smem, rows, cols in tiles:
+    plgpu.copy_gmem_to_smem(at(rows, cols), smem, barrier)
 
 
 def given_range(ranges_ref, b, heads, first_block, n_blocks: int):
@@ -352,12 +408,13 @@ def as_scalar_array(x):
 
 
 def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_parts=(),
-                    ranges=None, hashes=None, lengths=None, *,
+                    ranges=None, hashes=None, lengths=None, bias=(), *,
                     padded: tuple[int, int]) -> tuple:
   """The kernel's per-position input arrays in ``PositionInputs`` order: ``segments``
   ``(q_seg, kv_seg)`` (padded), the functions' parts (``part_arrays``), dropout's
   ``hashes`` (``dropout.hash_arrays`` at the padded lengths), per-row ``lengths``
-  (``[batch, 2]`` int32) and ``ranges``."""
+  (``[batch, 2]`` int32), ``ranges`` and a ``DenseBias``'s arrays ``bias`` (the bias
+  ``[B', H', q_len, kv_len]``, then its shift ``[B', q_len]`` where shifted)."""
   rows, cols, scalars = [], [], []
   if inputs.segments:
     rows.append(segments[0])
@@ -372,9 +429,16 @@ def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_
         cols.append(as_vector_array(x, padded[1]))
       else:
         scalars.append(as_scalar_array(x))
+  if inputs.bias is not None and inputs.bias.shifted:
+    rows.append(as_vector_array(bias[1], padded[0]))
   if inputs.dropout:
     rows.append(hashes[0])
     cols.append(hashes[1])
   if inputs.lengths:
     scalars += [lengths[:, :1], lengths[:, 1:]]
-  return (*rows, *cols, *scalars, *(() if ranges is None else (ranges,)))
+  tile = ()
+  if inputs.bias is not None:
+    b = bias[0]
+    tile = (jnp.pad(b, [(0, 0), (0, 0), (0, padded[0] - b.shape[2]), (0, padded[1] - b.shape[3])])
+            if b.shape[2:] != padded else b,)
+  return (*rows, *cols, *scalars, *(() if ranges is None else (ranges,)), *tile)

@@ -174,12 +174,13 @@ def copy_vectors(refs, smems, b, start, size: int, barrier, h=None):
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: int,
                first_block, n_steps, block_kv: int, stages: int, cols=((), ()),
-               first_slot_use=0, addressing=ContiguousKV()):
+               first_slot_use=0, addressing=ContiguousKV(), tiles=None):
   """Producer of the forward and dQ kernels: K and V tiles of KV head ``head // group``,
   blocks ``first_block + i``; ``barriers = (k_ready, v_ready, k_free, v_free)``.
   ``cols = (refs, smems)``: the key-position inputs ``[B', kv_len_p]``
   (``hopper.inputs``) and their ``[stages, block_kv]`` buffers, copied with each K tile
-  (its ready barrier counts those copies too). ``first_slot_use`` as ``produce``;
+  (its ready barrier counts those copies too); ``tiles(key_start, slot, barrier)``
+  issues more copies with each K tile (a dense bias's), or None. ``first_slot_use`` as ``produce``;
   ``addressing``: a bound K/V addressing (``addressing``), where the tiles lie. The
   caller lowers the warpgroup's registers."""
   kv_head = lax.div(head, jnp.int32(group))
@@ -193,6 +194,8 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
       if with_cols:
         copy_vectors(cols[0], [smem.at[slot] for smem in cols[1]], batch, start, block_kv,
                      barrier)
+        if tiles is not None:
+          tiles(start, slot, barrier)
     return copy
 
   produce(n_steps, stages,
