@@ -232,20 +232,26 @@ def test_hopper_kernels_equal_the_xla_backend(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, shape, kv_len, causal, large_rows, bias_grad", [
-    (jnp.bfloat16, (2, 320, 4, 2, 128), 320, True, False, True),
-    (jnp.float16, (2, 256, 2, 2, 64), 384, False, True, True),
-    (jnp.bfloat16, (1, 256, 2, 1, 128), 256, False, False, False),
-], ids=["bf16-causal-gqa-padded-d128", "fp16-longer-keys-large-rows-d64", "fixed-bias"])
+    (jnp.bfloat16, (2, 320, 4, 2, 128), 320, True, None, True),
+    (jnp.float16, (2, 256, 2, 2, 64), 384, False, "every head", True),
+    (jnp.bfloat16, (2, 256, 4, 2, 64), 256, True, "one head", True),
+    (jnp.bfloat16, (1, 256, 2, 1, 128), 256, False, None, False),
+], ids=["bf16-causal-gqa-padded-d128", "fp16-longer-keys-large-rows-d64",
+        "bf16-large-rows-of-one-head", "fixed-bias"])
 def test_hopper_kernels_read_a_dense_bias(dtype, shape, kv_len, causal, large_rows, bias_grad):
   """A 16-bit dense bias over every position, read by the Hopper kernels tile by tile
   (the dQ kernel writing dS for its gradient), against the float32 dense computation
   on the same values: o, lse and every gradient, the bias's included (a fixed bias:
-  no dS). Rows of large values (+5e4, -1e9) take the kernels with the rows' shift."""
+  no dS). Rows of large values (+5e4, -1e9) take the kernels with each row's shift,
+  also where only one head's row is large (a shift shared by the heads was 0 there,
+  and that row lost q·k to the bias's float32 rounding)."""
   batch, sq, hq, hk, d = shape
   q, k, v, do = (x.astype(dtype) for x in _inputs(31, sq, kv_len, hq, hk, batch, d))
   bias = jax.random.normal(jax.random.PRNGKey(32), (1 if causal else batch, hq, sq, kv_len))
-  if large_rows:
+  if large_rows == "every head":
     bias = bias.at[0, :, 5].add(5e4).at[1, :, 9].add(-1e9)
+  elif large_rows == "one head":
+    bias = bias.at[0, 1, 30].add(-1e9).at[0, 2, 70].add(5e4)
   bias = bias.astype(dtype)
   mask = flex.causal_mask() if causal else None
   problem, _ = flex.FLEX.bind(q, k, v, score_mod=flex.bias_score(bias), mask_mod=mask)

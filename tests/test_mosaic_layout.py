@@ -236,6 +236,46 @@ def test_where_auto_runs_a_dense_bias_on_hopper(bias_shape, dtype, backend):
   assert FLEX.select(problem, H100) == expected
 
 
+def test_a_dense_bias_tile_takes_each_rows_own_shift(monkeypatch):
+  """The Hopper kernels' shifted bias (rows of large values) takes each row's own
+  shift, one per (batch row, head, query): a shift shared by the heads was 0 where one
+  head's row was -1e9 and another's small, and that row lost q·k to the bias."""
+  import types
+  import jattn.flex.attention as flex_attention
+  from jattn.kernels.flash.triton import FlexMods
+  from jattn.kernels.common.softmax import shared_row_shift
+  monkeypatch.setattr(flex_attention, "BIAS_TILES_SUPPORTED", True)  # (host code only)
+  x = jax.random.normal(jax.random.key(0), (2, 64, 4, 64), jnp.bfloat16)
+  bias = jax.random.normal(jax.random.key(1), (1, 4, 64, 64), jnp.bfloat16)
+  problem, _ = flex_attention.FLEX.bind(x, x, x, score_mod=jattn.flex.bias_score(bias))
+  lse = jax.random.normal(jax.random.key(2), (2, 4, 64)).at[0, 1, 3].set(-1e9)
+  mods = FlexMods(score=flex_attention.DenseBias(), score_arrays=(bias,))
+  _, shifted, lse_shift = flex_attention.MosaicFlex()._shifted_bias(
+      types.SimpleNamespace(problem=problem), (bias,), mods, lse)
+  shift = shifted.score_arrays[1]
+  assert shifted.score.shifted and shift.shape == (2, 4, 64)
+  np.testing.assert_array_equal(shift, shared_row_shift(lse))
+  assert shift[0, 1, 3] == -1e9 and shift[0, 0, 3] == 0.0  # that row alone
+  np.testing.assert_array_equal(lse_shift, shift)
+
+
+@pytest.mark.skipif(not BIAS_TILES_SUPPORTED, reason="jax < 0.11")
+def test_a_per_head_bias_over_one_key_traces(monkeypatch):
+  """A per-head bias over a single key (``[heads, q_len, 1]``, kv_len 1), which the
+  Hopper kernels read as tiles: its shift is the bias itself, a row vector per head
+  (shaping it per batch row only failed every such call while tracing)."""
+  monkeypatch.setattr(op, "current_device", lambda: H100)
+  monkeypatch.setenv("JATTN_INTERPRET", "0")
+  q = jax.random.normal(jax.random.key(0), (2, 256, 4, 64), jnp.bfloat16)
+  kv = jax.random.normal(jax.random.key(1), (2, 1, 4, 64), jnp.bfloat16)
+  bias = jax.random.normal(jax.random.key(2), (4, 256, 1), jnp.bfloat16)
+  loss = lambda q, k, v, b: jnp.sum(jattn.flex_attention(
+      q, k, v, score_mod=jattn.flex.bias_score(b)).astype(jnp.float32))
+  problem, _ = jattn.flex.attention.FLEX.bind(q, kv, kv, score_mod=jattn.flex.bias_score(bias))
+  assert jattn.flex.attention.FLEX.select(problem, H100) == "pallas_mosaic"
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, kv, kv, bias)
+
+
 @pytest.mark.skipif(not BIAS_TILES_SUPPORTED, reason="jax < 0.11")
 @pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
 def test_a_dense_bias_runs_the_hopper_kernels_within_their_shared_memory(mosaic_counts, head_dim,

@@ -402,12 +402,12 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
   def _shifted_bias(self, call, consts, mods, lse):
     if not _bias_tiles(call.problem):
       return super()._shifted_bias(call, consts, mods, lse)
-    # The shift as a row part shared by the heads, taken off the bias tile by tile.
-    shift = _shift_of(lse, consts[0], heads_share=True)
-    rows = shift.reshape(shift.shape[0], shift.shape[2])
+    # Each row's own shift (a row vector per head: unlike a split function's parts, the
+    # tile's bias may differ per head), taken off the bias tile by tile.
+    shift = _shift_of(lse, consts[0])
     return (_row_shifted(call.problem, consts[0], shift),
             dataclasses.replace(mods, score=DenseBias(shifted=True),
-                                score_arrays=(mods.score_arrays[0], rows)),
+                                score_arrays=(mods.score_arrays[0], shift[..., 0])),
             _as_lse(shift, lse))
 
   def writes_ds(self, p) -> bool:
@@ -548,8 +548,8 @@ def flex_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask: BlockM
     backend: ``"auto"``, ``"pallas_mosaic"`` (Hopper, 16-bit inputs, head dims up to
       128; functions whose arrays are read per row, column or head, e.g. ``slopes[h]``
       or ``documents[b, q_idx]``, and ``bias_score`` of a 16-bit bias over every
-      query and key position, which its forward reads tile by tile and whose backward
-      runs on the Triton kernels), ``"pallas_triton"`` (functions that read their
+      query and key position, which its kernels read tile by tile),
+      ``"pallas_triton"`` (functions that read their
       arrays by index, e.g. ``table[h, kv_idx - q_idx]``) or ``"xla"``; what a backend
       cannot run is its gap, and ``auto`` takes the next.
     config: a ``MosaicBlockConfig`` for ``pallas_mosaic`` or a ``BlockConfig`` for

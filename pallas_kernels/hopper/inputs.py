@@ -95,11 +95,11 @@ class Tile(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class DenseBias:
-  """A dense bias as the Hopper forward takes it, in place of a score function (a
+  """A dense bias as the Hopper kernels take it, in place of a score function (a
   ``FlexMods.score``): ``scale * q kᵀ + (bias - shift)``, the bias read per tile
-  (``[B', H', q_len, kv_len]``, 16-bit) and, where ``shifted``, a float32 row shift
-  ``[B', q_len]`` shared by the heads taken off it first (``softmax.shared_row_shift``:
-  rows of large values keep the small score)."""
+  (``[B', H', q_len, kv_len]``, 16-bit) and, where ``shifted``, a float32 shift per
+  row ``[B', H', q_len]`` taken off it first (``softmax.shared_row_shift``: rows of
+  large values keep the small score)."""
 
   shifted: bool = False
 
@@ -395,12 +395,13 @@ def mask_ranges(kinds, block: tuple[int, int], tiles: tuple[int, int],
 
 
 def as_vector_array(x, length: int):
-  """A row or col part as a kernel copies it: int32 or float32, padded to ``length`` with
-  its last value (padded positions then compute what the last real one does, never a
-  0/0 a zero would give; the Triton kernels clamp their indices alike)."""
+  """A row or col part (``[B', positions]``, or ``[B', H', positions]`` per head) as a
+  kernel copies it: int32 or float32, padded to ``length`` with its last value (padded
+  positions then compute what the last real one does, never a 0/0 a zero would give;
+  the Triton kernels clamp their indices alike)."""
   x = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
-  return jnp.pad(x, [(0, 0), (0, length - x.shape[1])], mode="edge") if (
-      x.shape[1] != length) else x
+  pad = [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])]
+  return jnp.pad(x, pad, mode="edge") if x.shape[-1] != length else x
 
 
 def as_scalar_array(x):
@@ -414,7 +415,7 @@ def position_arrays(inputs: PositionInputs, segments=None, mask_parts=(), score_
   ``(q_seg, kv_seg)`` (padded), the functions' parts (``part_arrays``), dropout's
   ``hashes`` (``dropout.hash_arrays`` at the padded lengths), per-row ``lengths``
   (``[batch, 2]`` int32), ``ranges`` and a ``DenseBias``'s arrays ``bias`` (the bias
-  ``[B', H', q_len, kv_len]``, then its shift ``[B', q_len]`` where shifted)."""
+  ``[B', H', q_len, kv_len]``, then its shift ``[B', H', q_len]`` where shifted)."""
   rows, cols, scalars = [], [], []
   if inputs.segments:
     rows.append(segments[0])
