@@ -139,7 +139,6 @@ class _FlexKernels:
     return ((problem, arrays), dataclasses.replace(mods, score=score, score_arrays=score_arrays),
             _as_lse(shift, lse))
 
-
   def writes_ds(self, p) -> bool:
     """Whether the backward kernels can write ``p``'s dS out (``_kernel_backward``'s
     ``ds_dtype``)."""
@@ -370,16 +369,17 @@ class MosaicFlex(_FlexKernels, MosaicImpl):
     rows, cols = PositionInputs(mask=factored(p.mask_mod), score=factored(p.score_mod)).vectors
     return rows + _dense_bias(p), cols
 
-  def fits(self, config, p, info, kernels=()):
+  def _budget(self, config, p, info, kernels=(), registers: bool = True):
     # (never the fused dQ: the backward is deterministic)
     return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
                          kernels or ("forward", "dQ", "dK/dV"), info, self._vectors(p),
-                         bias_nbytes=2 * _bias_tiles(p))
+                         registers, bias_nbytes=2 * _bias_tiles(p))
+
+  def fits(self, config, p, info, kernels=()):
+    return self._budget(config, p, info, kernels)
 
   def compile_misfit(self, config, p, info):
-    return mosaic_budget(config, (p.head_dim, p.head_dim), p.dtype.itemsize,
-                         ("forward", "dQ", "dK/dV"), info, self._vectors(p), registers=False,
-                         bias_nbytes=2 * _bias_tiles(p))
+    return self._budget(config, p, info, registers=False)
 
   def _finest_tiles(self, call):
     c = call.config
