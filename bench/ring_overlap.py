@@ -16,8 +16,9 @@ forward where it takes it), ``nonpersistent`` (every Hopper forward one CTA per 
 GPU has), ``reserve<N>all`` (the same, and the ring's masked blocks persistent too);
 a suffix after ``_`` names the flags set (``reserve8_p2p8``); any other name runs as ``default``.
 --devices / --exchanges: which P and which ``kv_exchange`` to time.
---trace DIR: a profile of flash+ppermute and of each exchange at the largest P, and their
-compiled HLO, under --out.
+--trace DIR: a profile of flash+ppermute and of each exchange at the largest P (forward,
+zig-zag causal forward; --trace-backward: forward+backward too), and their compiled HLO,
+under --out.
 
     python bench/ring_overlap.py --variant default --out OUT
     XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true python bench/ring_overlap.py --variant memcpy_p2p
@@ -124,17 +125,29 @@ def measure(args) -> dict:
         res["zigzag_fwd_P4" if exchange == "ring" else "allgather_zigzag_fwd_P4"] = t(
             jax.jit(smap(zigzag, mesh, 3)), q, k, v)
     if n == max(args.devices) and args.trace:
-      programs = dict(together=jax.jit(smap(both, mesh, 3, 3)), **{
-          exchange: jax.jit(smap(functools.partial(ring_attention, axis_name="sp",
-                                                   backend=args.backend, kv_exchange=exchange),
-                                 mesh, 3)) for exchange in args.exchanges})
+      programs = dict(together=jax.jit(smap(both, mesh, 3, 3)))
+      for exchange in args.exchanges:
+        attend = functools.partial(ring_attention, axis_name="sp", backend=args.backend,
+                                   kv_exchange=exchange)
+        programs[exchange] = jax.jit(smap(attend, mesh, 3))
+        programs[f"{exchange}_zigzag"] = jax.jit(smap(
+            functools.partial(attend, causal=True, layout="zigzag"), mesh, 3))
+      programs = {name: functools.partial(fn, q, k, v) for name, fn in programs.items()}
+      for exchange in args.exchanges if args.trace_backward else ():
+        forward = smap(functools.partial(ring_attention, axis_name="sp", backend=args.backend,
+                                         kv_exchange=exchange), mesh, 3)
+        programs[f"{exchange}_fwdbwd"] = functools.partial(
+            jax.jit(lambda q, k, v, do, f=forward: jax.vjp(f, q, k, v)[1](do)), q, k, v, do)
       with open(os.path.join(args.out, f"hlo_{args.variant}.txt"), "w") as f:
         for name, fn in programs.items():
-          f.write(f"\n\n=== {name} ===\n" + fn.lower(q, k, v).compile().as_text())
+          f.write(f"\n\n=== {name} ===\n" + fn.func.lower(*fn.args).compile().as_text())
+      for fn in programs.values():  # compiled and warm before the profile
+        jax.block_until_ready(fn())
       with jax.profiler.trace(args.trace, create_perfetto_trace=True):
         for _ in range(2):
-          for fn in programs.values():
-            jax.block_until_ready(fn(q, k, v))
+          for name, fn in programs.items():
+            with jax.profiler.TraceAnnotation(name):
+              jax.block_until_ready(fn())
       for path in glob.glob(os.path.join(args.trace, "**", "perfetto_trace.json.gz"),
                             recursive=True):
         shutil.copy(path, os.path.join(args.out, f"perfetto_{args.variant}.json.gz"))
@@ -162,6 +175,8 @@ def main():
   parser.add_argument("--backend", default="auto")
   parser.add_argument("--local", type=int, default=32768, help="tokens per GPU")
   parser.add_argument("--trace", help="profile directory (the largest P)")
+  parser.add_argument("--trace-backward", action="store_true",
+                      help="--trace: also each exchange's forward+backward")
   parser.add_argument("--quick", action="store_true", help="P = 4: forward rings only")
   parser.add_argument("--devices", type=lambda s: [int(n) for n in s.split(",")],
                       default=[2, 4], help="device counts P, e.g. 2,4")

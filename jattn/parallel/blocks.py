@@ -136,16 +136,26 @@ def _needed(needed, step: int, blocks):
   return None if needed is None or step == 0 else needed(step, blocks)
 
 
+def _after(buf, work):
+  """``buf``, held back until ``work`` (a tree of arrays) is computed. The hops of a
+  forward ring depend only on each other, so XLA would otherwise run them all before
+  the first block, all but one synchronously (a profile on 4 GPUs: 2.3 ms before the
+  first block, where each hop hides behind a block)."""
+  return lax.optimization_barrier((buf, work))[0]
+
+
 def ring_forward(kv, steps: int, perm, attend, axis_name: str, needed=None):
   """The forward pass of a ring: ``kv`` (a tree of this device's blocks) travels
-  ``steps - 1`` hops, hop ``i`` along ``perm(i)``, sent before step ``i``'s work so
-  that the transfer overlaps it; returns the merge of ``attend(i, blocks held at step
-  i)``, each an ``(o, lse)`` partial result. ``needed(i, blocks)``: whether step ``i``
-  has work (a bool array, or None: it has); without, its attention and merge are
-  skipped."""
+  ``steps - 1`` hops, hop ``i`` along ``perm(i)``, sent when step ``i``'s work starts
+  so that the transfer overlaps it; returns the merge of ``attend(i, blocks held at
+  step i)``, each an ``(o, lse)`` partial result. ``needed(i, blocks)``: whether step
+  ``i`` has work (a bool array, or None: it has); without, its attention and merge
+  are skipped."""
   buf, unpack = pack(kv)
   acc = None
   for step in range(steps):
+    if acc is not None and step + 1 < steps:
+      buf = _after(buf, acc)
     nxt = lax.ppermute(buf, axis_name, perm(step)) if step + 1 < steps else None
     blocks = kv if step == 0 else unpack(buf)
     pred = _needed(needed, step, blocks)
@@ -178,7 +188,7 @@ def ring_backward(kv, steps: int, perm, grads, axis_name: str, needed=None):
       nxt, arrived = shift((buf, out), axis_name, perm(step))
     else:
       if step + 1 < steps:
-        nxt = lax.ppermute(buf, axis_name, perm(step))
+        nxt = lax.ppermute(buf if out is None else _after(buf, out), axis_name, perm(step))
       if out is not None:
         arrived = shift(out, axis_name, perm(step - 1))
     pred = _needed(needed, step, blocks)
