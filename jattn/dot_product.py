@@ -10,12 +10,14 @@ positions; the bias is added to the scaled logits and gets its gradient).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jattn.core.validation import check_integer_array, is_int
 from jattn.flash import flash_attention
-from jattn.flex.attention import flex_attention
+from jattn.flex.attention import FLEX, flex_attention
 from jattn.flex.block_mask import block_mask_from_array
 from jattn.flex.mods import bias_score, broadcast_at
 from jattn.kernels.common.config import MIN_BLOCK
@@ -96,15 +98,43 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   else:
     masks = (mask, is_causal, window, lengths["q_lengths"], lengths["kv_lengths"])
     mask_mod = _mask_fn(*masks)
-    # A mask array's tiles are classified by one reduction over it, not through
-    # mask_mod, whose reads of the array gather it element by element.
-    block_mask = None if mask is None else block_mask_from_array(
-        mask_mod, _allowed(*masks, batch, q_len, kv_len), MIN_BLOCK)
-    out = flex_attention(query, key, value, scale=scale, backend=backend,
-                         score_mod=None if bias is None else bias_score(bias),
-                         mask_mod=None if block_mask is not None else mask_mod,
-                         block_mask=block_mask)
+    call = dict(score_mod=None if bias is None else bias_score(bias), mask_mod=mask_mod)
+    if mask is not None:
+      # A mask array's tiles are classified by one reduction over it, not through
+      # mask_mod, whose reads of the array gather it element by element.
+      allowed = _allowed(*masks, batch, q_len, kv_len)
+      call = dict(call, mask_mod=None, block_mask=block_mask_from_array(mask_mod, allowed,
+                                                                        MIN_BLOCK))
+      call = _mask_as_bias(query, key, value, bias, mask, masks[1:], call, backend) or call
+    out = flex_attention(query, key, value, scale=scale, backend=backend, **call)
   return out[0] if unbatched else out
+
+
+def _mask_as_bias(query, key, value, bias, mask, index_masks, call: dict, backend: str):
+  """``call`` (flex's ``score_mod`` and the whole mask's ``block_mask``) with the mask
+  array as a 16-bit additive bias (0 or -inf, added to ``bias``), which the Hopper
+  kernels read tile by tile where they cannot gather the boolean array; None where
+  that call would not run on them (``backend``: "auto" choosing them, or named). The
+  block mask keeps its tiles' kinds, its function the index masks alone (causal,
+  window, lengths): the array's part is in the bias. Not where the bias and the mask
+  broadcast to more than the bias (their sum would be larger)."""
+  if backend not in ("auto", "pallas_mosaic"):
+    return None
+  dtype = query.dtype if bias is None else bias.dtype
+  if jnp.dtype(dtype).itemsize != 2 or (bias is not None and jnp.broadcast_shapes(
+      bias.shape, mask.shape) != bias.shape):
+    return None
+  additive = jnp.where(mask, 0.0, -jnp.inf).astype(dtype)
+  total = additive if bias is None else bias + additive
+  # (a mask that refuses nothing where the block mask calls a tile partial)
+  index_mod = _mask_fn(None, *index_masks) or (lambda b, h, q_idx, kv_idx: kv_idx >= 0)
+  call = dict(call, score_mod=bias_score(total),
+              block_mask=dataclasses.replace(call["block_mask"], mask_mod=index_mod))
+  if backend == "auto":
+    problem, _ = FLEX.bind(query, key, value, **call)
+    if FLEX.select(problem) != "pallas_mosaic":
+      return None
+  return call
 
 
 def _window(local_window_size):

@@ -136,6 +136,54 @@ def test_the_large_row_check_stays_one_branch_under_vmap():
   assert str(jaxpr).count(" cond[") == 2  # the forward's and the backward's
 
 
+@pytest.mark.parametrize("case", [
+    dict(mask="documents", is_causal=True),
+    dict(mask="random", bias=(2, 4, 12, 12)),   # the bias covers the mask's shape
+    dict(mask="padding", lengths=(8, 12)),      # rows that see no key: zeros
+])
+def test_a_mask_array_runs_as_an_additive_bias_where_hopper_takes_it(case, monkeypatch):
+  """Where the Hopper kernels would run it, a mask array becomes a 16-bit additive bias
+  (0 or -inf) beside a block mask of the index masks alone (they cannot gather the
+  boolean array): forced here on the CPU, whose kernels run that call, the outputs and
+  gradients (the bias's included) are jax.nn's."""
+  import jattn.dot_product as dot_product
+  taken = []
+  choice = dot_product._mask_as_bias
+  monkeypatch.setattr(dot_product, "_mask_as_bias",
+                      lambda *a: taken.append(choice(*a)) or taken[-1])
+  monkeypatch.setattr(dot_product.FLEX, "select", lambda problem: "pallas_mosaic")
+  case = dict(case)
+  q_len, kv_len = case.pop("lengths", (12, 12))
+  q, k, v = (x.astype(jnp.bfloat16) for x in inputs(9, q_len=q_len, kv_len=kv_len))
+  kind = case.pop("mask")
+  if kind == "documents":
+    ids = jnp.array([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    mask = (ids[:, None, :, None] == ids[:, None, None, :])
+  elif kind == "random":  # with the diagonal kept
+    mask = jax.random.bernoulli(jax.random.key(3), 0.5, (2, 1, 12, 12)) | jnp.eye(12, dtype=bool)
+  else:  # each batch row's keys from its own start; the first rows of one see none
+    mask = jnp.arange(kv_len)[None, None, None, :] >= jnp.array([0, 10])[:, None, None, None]
+    mask = mask & (jnp.arange(q_len)[None, None, :, None] >= jnp.array([0, 2])[:, None, None,
+                                                                              None])
+  if "bias" in case:
+    case["bias"] = jax.random.normal(jax.random.key(4), case["bias"], jnp.bfloat16)
+  if kind == "padding":  # jax.nn averages the values on rows that see no key: zeros here
+    seen = jnp.any(jnp.broadcast_to(mask, (2, 1, q_len, kv_len)), axis=-1)[:, 0]  # [b, q]
+    ours = jattn.dot_product_attention(q, k, v, mask=mask).astype(jnp.float32)
+    theirs = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    assert taken and taken[0] is not None
+    assert_close(jnp.where(seen[..., None, None], ours, 0.0),
+                 jnp.where(seen[..., None, None], theirs.astype(jnp.float32), 0.0), tol=2e-2)
+    assert not jnp.any(jnp.where(seen[..., None, None], 0.0, ours))
+    grads = jax.grad(lambda q, k, v: jnp.sum(jattn.dot_product_attention(
+        q, k, v, mask=mask).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(q, k, v)
+    assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
+    return
+  ours, theirs = both(q, k, v, implementation=None, mask=mask, **case)
+  assert taken and taken[0] is not None
+  assert_close(ours, theirs, tol=2e-2)
+
+
 def test_unbatched_inputs_and_the_default_implementation():
   q, k, v = (x[0] for x in inputs(2))
   bias = jax.random.normal(jax.random.key(3), (4, 12, 12))  # [heads, q_len, kv_len]
@@ -182,10 +230,45 @@ def test_the_default_gpu_path_with_one_element_bias_or_mask(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["documents causal", "random mask and bias", "padding"])
+def test_mask_arrays_on_the_default_gpu_path(case):
+  """A boolean mask array on a GPU with 16-bit inputs (on Hopper: an additive bias read
+  tile by tile, the mask's empty tiles skipped): against jax.nn's XLA path in float32
+  on the same values, outputs and gradients (a bias's too); rows that see no key give
+  zeros (jax.nn averages the values there)."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in inputs(12, q_len=384, kv_len=384, d=128))
+  ids = jnp.stack([jnp.repeat(jnp.arange(3), 128), jnp.repeat(jnp.arange(4), 96)])
+  options = {}
+  if case == "documents causal":
+    options = dict(mask=ids[:, None, :, None] == ids[:, None, None, :], is_causal=True)
+  elif case == "random mask and bias":
+    keep = jax.random.bernoulli(jax.random.key(13), 0.3, (2, 1, 384, 384))
+    options = dict(mask=keep | jnp.eye(384, dtype=bool),
+                   bias=jax.random.normal(jax.random.key(14), (2, 4, 384, 384), jnp.bfloat16))
+  else:  # batch row 1 sees keys from 200 on, and its first 50 queries none
+    keys = jnp.arange(384)[None, None, None, :] >= jnp.array([0, 200])[:, None, None, None]
+    rows = jnp.arange(384)[None, None, :, None] >= jnp.array([0, 50])[:, None, None, None]
+    options = dict(mask=keys & rows)
+  seen = jnp.any(jnp.broadcast_to(options["mask"], (2, 1, 384, 384)), axis=-1)[:, 0]
+  f32 = lambda x: x.astype(jnp.float32)
+  ours = f32(jattn.dot_product_attention(q, k, v, **options))
+  reference = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), implementation="xla", **{
+      n: f32(x) if n == "bias" else x for n, x in options.items()})
+  assert not jnp.any(jnp.where(seen[..., None, None], 0.0, ours))
+  assert_close(jnp.where(seen[..., None, None], ours, 0.0),
+               jnp.where(seen[..., None, None], reference, 0.0), tol=3e-2)
+  if case != "padding":  # (jax.nn's gradients of its averaged rows differ by design)
+    ours = jax.tree.map(f32, both(q, k, v, implementation=None, **options)[0])
+    reference = both(f32(q), f32(k), f32(v), **{
+        n: f32(x) if n == "bias" else x for n, x in options.items()})[1]
+    assert_close(ours, reference, tol=3e-2)
+
+
+@pytest.mark.gpu
 def test_dense_bias_at_head_dim_128_on_the_gpu():
-  """A dense 16-bit bias alone at head dim 128 on the Triton flex kernels: against
-  jax.nn's XLA path in float32 on the same values, outputs and gradients, the bias's
-  included."""
+  """A dense 16-bit bias alone at head dim 128 on the kernels ``implementation=None``
+  picks (Hopper: tiles of it): against jax.nn's XLA path in float32 on the same values,
+  outputs and gradients, the bias's included."""
   q, k, v = (x.astype(jnp.bfloat16) for x in inputs(10, q_len=384, kv_len=320, d=128))
   bias = jax.random.normal(jax.random.key(11), (1, 4, 384, 320), jnp.bfloat16)
   ours = jax.tree.map(lambda x: x.astype(jnp.float32), both(q, k, v, implementation=None,

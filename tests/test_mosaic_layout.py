@@ -277,6 +277,22 @@ def test_a_per_head_bias_over_one_key_traces(monkeypatch):
 
 
 @pytest.mark.skipif(not BIAS_TILES_SUPPORTED, reason="jax < 0.11")
+def test_a_mask_array_runs_the_hopper_kernels(monkeypatch):
+  """``dot_product_attention`` with a boolean mask array on Hopper: the mask as an
+  additive bias read tile by tile, its empty tiles skipped (lowered for CUDA here)."""
+  monkeypatch.setattr(op, "current_device", lambda: H100)
+  monkeypatch.setenv("JATTN_INTERPRET", "0")
+  x = jax.random.normal(jax.random.key(0), (2, 512, 4, 64), jnp.bfloat16)
+  ids = jnp.repeat(jnp.arange(4), 128)[None]
+  mask = ids[:, None, :, None] == ids[:, None, None, :]
+  loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=True).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "triton" not in text
+
+
+@pytest.mark.skipif(not BIAS_TILES_SUPPORTED, reason="jax < 0.11")
 @pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
 def test_a_dense_bias_runs_the_hopper_kernels_within_their_shared_memory(mosaic_counts, head_dim,
                                                                          dtype):
