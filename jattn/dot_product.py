@@ -112,29 +112,39 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 def _mask_as_bias(query, key, value, bias, mask, index_masks, call: dict, backend: str):
   """``call`` (flex's ``score_mod`` and the whole mask's ``block_mask``) with the mask
-  array as a 16-bit additive bias (0 or -inf, added to ``bias``), which the Hopper
-  kernels read tile by tile where they cannot gather the boolean array; None where
-  that call would not run on them (``backend``: "auto" choosing them, or named). The
-  block mask keeps its tiles' kinds, its function the index masks alone (causal,
-  window, lengths): the array's part is in the bias. Not where the bias and the mask
-  broadcast to more than the bias (their sum would be larger)."""
+  array as a 16-bit additive bias (``bias`` where the mask allows, else -inf; 0 for
+  no bias), which the Hopper kernels read tile by tile where they cannot gather the
+  boolean array; None where the call as it is runs on them already (say a key-padding
+  mask, split into parts), or the bias form would not (``backend``: "auto" choosing
+  them, or named). The block mask keeps its tiles' kinds, its function the index
+  masks alone (causal, window, lengths): the array's part is in the bias. Not for a
+  bias and a mask broadcasting to more than the bias (their sum would be larger)."""
   if backend not in ("auto", "pallas_mosaic"):
     return None
   dtype = query.dtype if bias is None else bias.dtype
-  if jnp.dtype(dtype).itemsize != 2 or (bias is not None and jnp.broadcast_shapes(
-      bias.shape, mask.shape) != bias.shape):
+  if not (jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2) or (
+      bias is not None and jnp.broadcast_shapes(bias.shape, mask.shape) != bias.shape):
     return None
-  additive = jnp.where(mask, 0.0, -jnp.inf).astype(dtype)
-  total = additive if bias is None else bias + additive
-  # (a mask that refuses nothing where the block mask calls a tile partial)
+  # (a mask that refuses nothing, where the block mask calls a tile partial)
   index_mod = _mask_fn(None, *index_masks) or (lambda b, h, q_idx, kv_idx: kv_idx >= 0)
-  call = dict(call, score_mod=bias_score(total),
-              block_mask=dataclasses.replace(call["block_mask"], mask_mod=index_mod))
-  if backend == "auto":
-    problem, _ = FLEX.bind(query, key, value, **call)
-    if FLEX.select(problem) != "pallas_mosaic":
-      return None
-  return call
+  block_mask = dataclasses.replace(call["block_mask"], mask_mod=index_mod)
+  as_bias = lambda mask, bias: jnp.where(mask, 0.0 if bias is None else bias,
+                                         -jnp.inf).astype(dtype)
+  on_hopper = []
+
+  def decide(query, key, value, mask, bias):  # on shapes alone: nothing built eagerly
+    def runs(**options):
+      problem, _ = FLEX.bind(query, key, value, **options)
+      if backend == "auto":
+        return FLEX.select(problem) == "pallas_mosaic"
+      return dict(FLEX.choices(problem))["pallas_mosaic"] is None
+    on_hopper.extend([runs(**call), runs(score_mod=bias_score(as_bias(mask, bias)),
+                                          block_mask=block_mask)])
+
+  jax.eval_shape(decide, query, key, value, mask, bias)
+  if on_hopper[0] or not on_hopper[1]:
+    return None
+  return dict(call, score_mod=bias_score(as_bias(mask, bias)), block_mask=block_mask)
 
 
 def _window(local_window_size):

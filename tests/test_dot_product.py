@@ -139,19 +139,28 @@ def test_the_large_row_check_stays_one_branch_under_vmap():
 @pytest.mark.parametrize("case", [
     dict(mask="documents", is_causal=True),
     dict(mask="random", bias=(2, 4, 12, 12)),   # the bias covers the mask's shape
+    dict(mask="random", bias=(2, 4, 12, 12), nonfinite=True),  # NaN, +inf where masked
     dict(mask="padding", lengths=(8, 12)),      # rows that see no key: zeros
+    dict(mask="keys", rewritten=False),         # key padding: Hopper splits it as it is
+    dict(mask="random", bias=(2, 4, 12, 12), int16=True, rewritten=False),
 ])
 def test_a_mask_array_runs_as_an_additive_bias_where_hopper_takes_it(case, monkeypatch):
-  """Where the Hopper kernels would run it, a mask array becomes a 16-bit additive bias
-  (0 or -inf) beside a block mask of the index masks alone (they cannot gather the
-  boolean array): forced here on the CPU, whose kernels run that call, the outputs and
-  gradients (the bias's included) are jax.nn's."""
+  """Where the Hopper kernels would run it and not the call as it is, a mask array
+  becomes a 16-bit additive bias (the bias where allowed, else -inf) beside a block
+  mask of the index masks alone (they cannot gather the boolean array): forced here on
+  the CPU, whose kernels run that call, the outputs and gradients (the bias's
+  included) are jax.nn's, also with NaN or +inf in the bias where the mask refuses. A
+  mask Hopper takes as it is (key padding: a part per key) or an integer bias stays."""
   import jattn.dot_product as dot_product
+  import jattn.flex.attention as flex_attention
   taken = []
   choice = dot_product._mask_as_bias
   monkeypatch.setattr(dot_product, "_mask_as_bias",
                       lambda *a: taken.append(choice(*a)) or taken[-1])
-  monkeypatch.setattr(dot_product.FLEX, "select", lambda problem: "pallas_mosaic")
+  # Hopper's choice, by its kernels' gaps (their bias tiles on any jax: host code here).
+  monkeypatch.setattr(flex_attention, "BIAS_TILES_SUPPORTED", True)
+  monkeypatch.setattr(dot_product.FLEX, "select", lambda problem: (
+      "pallas_triton" if flex_attention.MosaicFlex().gaps(problem) else "pallas_mosaic"))
   case = dict(case)
   q_len, kv_len = case.pop("lengths", (12, 12))
   q, k, v = (x.astype(jnp.bfloat16) for x in inputs(9, q_len=q_len, kv_len=kv_len))
@@ -161,12 +170,19 @@ def test_a_mask_array_runs_as_an_additive_bias_where_hopper_takes_it(case, monke
     mask = (ids[:, None, :, None] == ids[:, None, None, :])
   elif kind == "random":  # with the diagonal kept
     mask = jax.random.bernoulli(jax.random.key(3), 0.5, (2, 1, 12, 12)) | jnp.eye(12, dtype=bool)
+  elif kind == "keys":
+    mask = jnp.arange(kv_len)[None, None, None, :] < jnp.array([12, 7])[:, None, None, None]
   else:  # each batch row's keys from its own start; the first rows of one see none
     mask = jnp.arange(kv_len)[None, None, None, :] >= jnp.array([0, 10])[:, None, None, None]
     mask = mask & (jnp.arange(q_len)[None, None, :, None] >= jnp.array([0, 2])[:, None, None,
                                                                               None])
+  rewritten = case.pop("rewritten", True)
+  nonfinite, int16 = case.pop("nonfinite", False), case.pop("int16", False)
   if "bias" in case:
-    case["bias"] = jax.random.normal(jax.random.key(4), case["bias"], jnp.bfloat16)
+    bias = jax.random.normal(jax.random.key(4), case["bias"])
+    if nonfinite:
+      bias = jnp.where(mask, bias, jnp.where(jnp.arange(12) % 2, jnp.nan, jnp.inf))
+    case["bias"] = jnp.round(bias * 3).astype(jnp.int16) if int16 else bias.astype(jnp.bfloat16)
   if kind == "padding":  # jax.nn averages the values on rows that see no key: zeros here
     seen = jnp.any(jnp.broadcast_to(mask, (2, 1, q_len, kv_len)), axis=-1)[:, 0]  # [b, q]
     ours = jattn.dot_product_attention(q, k, v, mask=mask).astype(jnp.float32)
@@ -179,8 +195,17 @@ def test_a_mask_array_runs_as_an_additive_bias_where_hopper_takes_it(case, monke
         q, k, v, mask=mask).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(q, k, v)
     assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
     return
+  if int16:  # (an integer bias has no gradient)
+    ours = jattn.dot_product_attention(q, k, v, mask=mask, **case)
+    theirs = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla", **case)
+    assert taken and taken[0] is None
+    assert_close(ours, theirs, tol=2e-2)
+    return
   ours, theirs = both(q, k, v, implementation=None, mask=mask, **case)
-  assert taken and taken[0] is not None
+  assert taken and (taken[0] is not None) == rewritten
+  if nonfinite:  # jax.nn's gradient of a bias where it is masked: NaN there, 0 ours
+    ours = (ours[0], ours[1][:3] + (jnp.where(mask, ours[1][3], 0.0),))
+    theirs = (theirs[0], theirs[1][:3] + (jnp.where(mask, theirs[1][3], 0.0),))
   assert_close(ours, theirs, tol=2e-2)
 
 
