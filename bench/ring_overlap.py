@@ -6,8 +6,8 @@ process per flag set), 32k tokens per GPU, 8 heads, hd128, bf16, milliseconds:
 and V alone; ``flash+ppermute_P{n}``: the two side by side in one program, independent
 of each other (flash's time if the transfer hides, their sum if it runs after the
 kernel, more if the two slow each other); ``ring_fwd_P{n}`` and ``allgather_fwd_P{n}``:
-``ring_attention`` with ``kv_exchange="ring"`` / ``"allgather"``; at P = 4 (not with
---quick) also fwd+bwd and zig-zag causal fwd of both.
+``ring_attention`` with ``kv_exchange="ring"`` / ``"allgather"``; at P = 4 also the
+zig-zag causal fwd of both, and (not with --quick) their fwd+bwd.
 
 Variants: ``default`` (the library as is: ring blocks one CTA per tile),
 ``persistent`` (ring blocks with flash_attention's own config: the persistent Hopper
@@ -117,13 +117,14 @@ def measure(args) -> dict:
       attend = functools.partial(ring_attention, axis_name="sp", backend=args.backend,
                                  kv_exchange=exchange)
       res[f"{exchange}_fwd_P{n}"] = t(jax.jit(smap(attend, mesh, 3)), q, k, v)
+      if n == 4:
+        zigzag = functools.partial(attend, causal=True, layout="zigzag")
+        res["zigzag_fwd_P4" if exchange == "ring" else "allgather_zigzag_fwd_P4"] = t(
+            jax.jit(smap(zigzag, mesh, 3)), q, k, v)
       if n == 4 and not args.quick:
         f = smap(attend, mesh, 3)
         res[f"{exchange}_fwdbwd_P4"] = t(
             jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), q, k, v, do)
-        zigzag = functools.partial(attend, causal=True, layout="zigzag")
-        res["zigzag_fwd_P4" if exchange == "ring" else "allgather_zigzag_fwd_P4"] = t(
-            jax.jit(smap(zigzag, mesh, 3)), q, k, v)
     if n == max(args.devices) and args.trace:
       programs = dict(together=jax.jit(smap(both, mesh, 3, 3)))
       for exchange in args.exchanges:
@@ -177,7 +178,7 @@ def main():
   parser.add_argument("--trace", help="profile directory (the largest P)")
   parser.add_argument("--trace-backward", action="store_true",
                       help="--trace: also each exchange's forward+backward")
-  parser.add_argument("--quick", action="store_true", help="P = 4: forward rings only")
+  parser.add_argument("--quick", action="store_true", help="P = 4: forward rings only (no fwd+bwd)")
   parser.add_argument("--devices", type=lambda s: [int(n) for n in s.split(",")],
                       default=[2, 4], help="device counts P, e.g. 2,4")
   parser.add_argument("--exchanges", type=lambda s: s.split(","), default=["ring", "allgather"],
