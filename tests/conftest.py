@@ -79,3 +79,19 @@ def pytest_collection_modifyitems(config, items):
       if "gpu" in item.keywords:
         item.add_marker(skip)
 
+
+
+@pytest.fixture
+def hopper_mask_choice(monkeypatch):
+  """``dot_product_attention`` choosing, as on Hopper, whether a mask array runs as an
+  additive bias (by its kernels' gaps: host code, so also on a CPU, whose kernels then
+  run the call); the list of its choices (None: the call as it is)."""
+  import jattn.dot_product as dot_product
+  import jattn.flex.attention as flex_attention
+  monkeypatch.setattr(flex_attention, "BIAS_TILES_SUPPORTED", True)
+  monkeypatch.setattr(dot_product.FLEX, "select", lambda problem: (
+      "pallas_triton" if flex_attention.MosaicFlex().gaps(problem) else "pallas_mosaic"))
+  taken, choice = [], dot_product._mask_as_bias
+  monkeypatch.setattr(dot_product, "_mask_as_bias",
+                      lambda *a: taken.append(choice(*a)) or taken[-1])
+  return taken

@@ -144,23 +144,14 @@ def test_the_large_row_check_stays_one_branch_under_vmap():
     dict(mask="keys", rewritten=False),         # key padding: Hopper splits it as it is
     dict(mask="random", bias=(2, 4, 12, 12), int16=True, rewritten=False),
 ])
-def test_a_mask_array_runs_as_an_additive_bias_where_hopper_takes_it(case, monkeypatch):
+def test_a_mask_array_runs_as_an_additive_bias_where_hopper_takes_it(case, hopper_mask_choice):
   """Where the Hopper kernels would run it and not the call as it is, a mask array
   becomes a 16-bit additive bias (the bias where allowed, else -inf) beside a block
   mask of the index masks alone (they cannot gather the boolean array): forced here on
   the CPU, whose kernels run that call, the outputs and gradients (the bias's
   included) are jax.nn's, also with NaN or +inf in the bias where the mask refuses. A
   mask Hopper takes as it is (key padding: a part per key) or an integer bias stays."""
-  import jattn.dot_product as dot_product
-  import jattn.flex.attention as flex_attention
-  taken = []
-  choice = dot_product._mask_as_bias
-  monkeypatch.setattr(dot_product, "_mask_as_bias",
-                      lambda *a: taken.append(choice(*a)) or taken[-1])
-  # Hopper's choice, by its kernels' gaps (their bias tiles on any jax: host code here).
-  monkeypatch.setattr(flex_attention, "BIAS_TILES_SUPPORTED", True)
-  monkeypatch.setattr(dot_product.FLEX, "select", lambda problem: (
-      "pallas_triton" if flex_attention.MosaicFlex().gaps(problem) else "pallas_mosaic"))
+  taken = hopper_mask_choice
   case = dict(case)
   q_len, kv_len = case.pop("lengths", (12, 12))
   q, k, v = (x.astype(jnp.bfloat16) for x in inputs(9, q_len=q_len, kv_len=kv_len))

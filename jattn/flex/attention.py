@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.op import AttentionProblem, MosaicImpl, SoftmaxOp, XlaImpl
-from jattn.core.sharding import KV_HEADS, Q_HEADS, REPLICATED, ROW_STATS, ShardRule
+from jattn.core.sharding import KV_HEADS, Q_HEADS, REPLICATED, ROW_STATS, Axes, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.flex.array_grads import score_array_grads, summed_over_broadcast
 from jattn.flex.block_mask import BlockMask
@@ -55,6 +55,8 @@ class FlexProblem(AttentionProblem):
   # (block_q, block_kv) of a caller's block mask, whose classification is then the
   # op's last array; None: the kernels classify their own tiles.
   block_mask: tuple[int, int] | None = None
+  # Whether that classification has a row per batch row / per head (not one for all).
+  block_mask_rows: tuple[bool, bool] = (False, False)
   # A named problem of ``jattn.flex.examples`` (checks and benchmarks), else None.
   example: str | None = None
 
@@ -77,6 +79,29 @@ class FlexProblem(AttentionProblem):
     """The op's arrays after q, k, v: ``(score_mod's, mask_mod's)``."""
     n = self.score_mod.num_consts if self.score_mod is not None else 0
     return tuple(consts[:n]), tuple(consts[n:])
+
+  @property
+  def dense_bias_axes(self) -> Axes | None:
+    """Where a ``bias_score`` bias keeps a batch and a head axis of full size (None:
+    no such bias). Its function reads it at ``b`` and ``h`` alone, so a shard reads
+    its own rows of it with its own indices."""
+    if self.score_mod is None or not self.score_mod.dense_bias:
+      return None
+    shape = self.score_mod.jaxpr.invars[0].aval.shape  # [batch?, heads, q_len, kv_len]
+    heads = len(shape) - 3
+    return Axes(batch=0 if heads == 1 and shape[0] == self.batch else None,
+                heads=heads if shape[heads] == self.q_heads else None)
+
+  def local(self, batch_shards: int, head_shards: int) -> "FlexProblem":
+    local = super().local(batch_shards, head_shards)
+    axes = self.dense_bias_axes
+    if axes is None:
+      return local
+    shape = list(self.score_mod.jaxpr.invars[0].aval.shape)
+    for axis, shards in ((axes.batch, batch_shards), (axes.heads, head_shards)):
+      if axis is not None:
+        shape[axis] //= shards
+    return dataclasses.replace(local, score_mod=self.score_mod.with_array_shapes([shape]))
 
 
 class _FlexKernels:
@@ -464,7 +489,9 @@ class FlexAttention(SoftmaxOp):
     problem = FlexProblem.of(
         q, k, scale=scale_of(scale, head_dim), score_mod=score_fn, mask_mod=mask_fn,
         return_lse=check_flag("return_lse", return_lse),
-        block_mask=None if block_mask is None else (block_mask.block_q, block_mask.block_kv))
+        block_mask=None if block_mask is None else (block_mask.block_q, block_mask.block_kv),
+        block_mask_rows=(False, False) if block_mask is None else tuple(
+            n > 1 for n in block_mask.kinds.shape[:2]))
     return problem, (q, k, v) + score_consts + mask_consts + kinds
 
   def finish(self, problem, outputs):
@@ -472,15 +499,23 @@ class FlexAttention(SoftmaxOp):
     return (o, lse) if problem.return_lse else o
 
   def shard_rule(self, p: FlexProblem) -> ShardRule:
-    # The functions and a block mask index arrays by the batch row and head; on a shard
-    # those count from 0, so an axis they read cannot be split.
-    fns = [f for f in (p.score_mod, p.mask_mod) if f is not None]
+    # The functions index the arrays they close over by the batch row and head; on a
+    # shard those count from 0, so an axis they read cannot be split, unless the array
+    # is split with it: a bias_score bias, and a block mask's classification.
+    bias_axes = p.dense_bias_axes
+    fns = [f for f in (p.score_mod, p.mask_mod) if f is not None and not (
+        f is p.score_mod and bias_axes is not None)]
     refusals = tuple((axis, f"its score_mod or mask_mod reads the {axis} index {index!r}, "
                       "which a shard would number from 0")
                      for axis, index in (("batch", "b"), ("heads", "h"))
                      if any(f.uses(index) for f in fns))
-    extra = (REPLICATED,) * (p.num_consts + (p.block_mask is not None))
-    return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS) + extra, (Q_HEADS, ROW_STATS),
+    consts = (REPLICATED,) * p.num_consts
+    if bias_axes is not None:  # the score function's one array comes first
+      consts = (bias_axes,) + consts[1:]
+    per_batch, per_head = p.block_mask_rows
+    kinds = (Axes(batch=0 if per_batch else None, heads=1 if per_head else None),
+             ) if p.block_mask is not None else ()
+    return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS) + consts + kinds, (Q_HEADS, ROW_STATS),
                      p.q_heads // p.kv_heads, refusals)
 
   def problem(self, example: str | None = None, **keywords):

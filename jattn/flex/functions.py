@@ -65,6 +65,20 @@ class ElementFunction:
     elementwise, with ``consts`` in place of the arrays it closed over."""
     return elementwise(self.bind(consts), *args)
 
+  def with_array_shapes(self, shapes) -> "ElementFunction":
+    """The same equations traced again for closed-over arrays of ``shapes`` (a shard's
+    rows of them). Only for functions that read their arrays at the index arguments,
+    as ``bias_score``'s does: the equations' other shapes stay as traced."""
+    invars = self.jaxpr.invars
+    avals = [jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype)
+             for shape, v in zip(shapes, invars[:self.num_consts])]
+    avals += [jax.ShapeDtypeStruct((), v.aval.dtype) for v in invars[self.num_consts:]]
+    closed = jax.make_jaxpr(lambda *xs: _evaluate(self.jaxpr, xs))(*avals)
+    jaxpr = _jaxpr(closed.jaxpr.invars, closed.jaxpr.outvars, closed.jaxpr.eqns)
+    return ElementFunction(jaxpr, self.num_consts, self.kind,
+                           f"{self.kind}:{self.dense_bias}:{jaxpr}:{_hidden_parts(jaxpr)}",
+                           self.dense_bias)
+
   def uses(self, index: str) -> bool:
     """Whether the function reads the index argument ``index`` ("b", "h", "q_idx",
     "kv_idx")."""
@@ -265,6 +279,14 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must be a function {signature}, got {type(fn).__name__}")
   index = jax.ShapeDtypeStruct((), jnp.int32)
   args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
+  bias, of_bias = getattr(fn, "dense_bias", (None, None)) if kind == "score_mod" else (None, None)
+  if bias is not None:
+    # ``bias_score``'s function, traced with its bias as an input: indexing a closed-over
+    # array sharded over a mesh of Explicit axes is refused while tracing.
+    bias_type = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
+    jaxpr = jax.make_jaxpr(lambda x, *xs: of_bias(x)(*xs))(bias_type, *args).jaxpr
+    return ElementFunction(_jaxpr(jaxpr.invars, jaxpr.outvars, jaxpr.eqns), 1, kind,
+                           f"{kind}:True:{jaxpr}", True), (jnp.asarray(bias),)
   try:
     closed = jax.make_jaxpr(fn)(*args)
   except TypeError as e:
@@ -280,9 +302,5 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
                     f"got {got}")
   jaxpr, consts = _with_arrays_as_inputs(closed, args)
-  # ``bias_score``'s function: its one array is the bias it was built from.
-  bias_shape = getattr(fn, "dense_bias_shape", None)
-  dense_bias = (kind == "score_mod" and bias_shape is not None and len(consts) == 1
-                and tuple(consts[0].shape) == bias_shape)
   return ElementFunction(jaxpr, len(consts), kind,
-                         f"{kind}:{dense_bias}:{jaxpr}:{_hidden_parts(jaxpr)}", dense_bias), consts
+                         f"{kind}:False:{jaxpr}:{_hidden_parts(jaxpr)}"), consts

@@ -135,6 +135,11 @@ def broadcast_at(x, b, h, q_idx, kv_idx):
   return x[tuple(0 if n == 1 else i for n, i in zip(x.shape, index))]
 
 
+def _added(bias) -> Callable:
+  """``score + bias[b, h, q_idx, kv_idx]`` (``broadcast_at``)."""
+  return lambda score, b, h, q_idx, kv_idx: score + broadcast_at(bias, b, h, q_idx, kv_idx)
+
+
 def bias_score(bias) -> Callable:
   """An additive bias ``[q_heads, q_len, kv_len]`` (or ``[batch, q_heads, q_len,
   kv_len]``; axes of size 1 broadcast), e.g. DAT's and Swin's relative-position bias.
@@ -145,11 +150,10 @@ def bias_score(bias) -> Callable:
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")
 
-  def score_mod(score, b, h, q_idx, kv_idx):
-    return score + broadcast_at(bias, b, h, q_idx, kv_idx)
-
-  # flex_attention then takes the bias's gradient as dS summed over its broadcast axes.
-  score_mod.dense_bias_shape = tuple(bias.shape)
+  score_mod = _added(bias)
+  # flex_attention then takes the bias's gradient as dS summed over its broadcast axes,
+  # and traces the function of the bias (``_added``) with the bias as an input.
+  score_mod.dense_bias = (bias, _added)
   dims = ("1|heads", "1|q_len", "1|kv_len")
   return _checked(score_mod, ("bias_score's bias", bias,
                               dims if bias.ndim == 3 else ("1|batch",) + dims))
