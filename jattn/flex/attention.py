@@ -88,9 +88,9 @@ class FlexProblem(AttentionProblem):
     if self.score_mod is None or not self.score_mod.dense_bias:
       return None
     shape = self.score_mod.jaxpr.invars[0].aval.shape  # [batch?, heads, q_len, kv_len]
-    heads = len(shape) - 3
-    return Axes(batch=0 if heads == 1 and shape[0] == self.batch else None,
-                heads=heads if shape[heads] == self.q_heads else None)
+    head_axis = len(shape) - 3
+    return Axes(batch=0 if head_axis == 1 and shape[0] == self.batch else None,
+                heads=head_axis if shape[head_axis] == self.q_heads else None)
 
   def local(self, batch_shards: int, head_shards: int) -> "FlexProblem":
     local = super().local(batch_shards, head_shards)

@@ -50,6 +50,12 @@ class ElementFunction:
   _key: str = dataclasses.field(repr=False)
   dense_bias: bool = False  # ``score + bias[b, h, q_idx, kv_idx]`` (``mods.bias_score``)
 
+  @classmethod
+  def of(cls, jaxpr: Jaxpr, num_consts: int, kind: str, dense_bias: bool = False):
+    """The function of a jaxpr of ``[arrays..., arguments...]``, keyed by its text."""
+    return cls(jaxpr, num_consts, kind,
+               f"{kind}:{dense_bias}:{jaxpr}:{_hidden_parts(jaxpr)}", dense_bias)
+
   def __hash__(self):
     return hash(self._key)
 
@@ -75,9 +81,7 @@ class ElementFunction:
     avals += [jax.ShapeDtypeStruct((), v.aval.dtype) for v in invars[self.num_consts:]]
     closed = jax.make_jaxpr(lambda *xs: _evaluate(self.jaxpr, xs))(*avals)
     jaxpr = _jaxpr(closed.jaxpr.invars, closed.jaxpr.outvars, closed.jaxpr.eqns)
-    return ElementFunction(jaxpr, self.num_consts, self.kind,
-                           f"{self.kind}:{self.dense_bias}:{jaxpr}:{_hidden_parts(jaxpr)}",
-                           self.dense_bias)
+    return ElementFunction.of(jaxpr, self.num_consts, self.kind, self.dense_bias)
 
   def uses(self, index: str) -> bool:
     """Whether the function reads the index argument ``index`` ("b", "h", "q_idx",
@@ -279,14 +283,15 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must be a function {signature}, got {type(fn).__name__}")
   index = jax.ShapeDtypeStruct((), jnp.int32)
   args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
-  bias, of_bias = getattr(fn, "dense_bias", (None, None)) if kind == "score_mod" else (None, None)
+  bias, of_bias = getattr(fn, "dense_bias_of", (None, None)) if kind == "score_mod" else (
+      None, None)
   if bias is not None:
     # ``bias_score``'s function, traced with its bias as an input: indexing a closed-over
     # array sharded over a mesh of Explicit axes is refused while tracing.
     bias_type = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
     jaxpr = jax.make_jaxpr(lambda x, *xs: of_bias(x)(*xs))(bias_type, *args).jaxpr
-    return ElementFunction(_jaxpr(jaxpr.invars, jaxpr.outvars, jaxpr.eqns), 1, kind,
-                           f"{kind}:True:{jaxpr}", True), (jnp.asarray(bias),)
+    return ElementFunction.of(_jaxpr(jaxpr.invars, jaxpr.outvars, jaxpr.eqns), 1, kind,
+                              dense_bias=True), (jnp.asarray(bias),)
   try:
     closed = jax.make_jaxpr(fn)(*args)
   except TypeError as e:
@@ -302,5 +307,4 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
                     f"got {got}")
   jaxpr, consts = _with_arrays_as_inputs(closed, args)
-  return ElementFunction(jaxpr, len(consts), kind,
-                         f"{kind}:False:{jaxpr}:{_hidden_parts(jaxpr)}"), consts
+  return ElementFunction.of(jaxpr, len(consts), kind), consts

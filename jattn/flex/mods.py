@@ -153,7 +153,7 @@ def bias_score(bias) -> Callable:
   score_mod = _added(bias)
   # flex_attention then takes the bias's gradient as dS summed over its broadcast axes,
   # and traces the function of the bias (``_added``) with the bias as an input.
-  score_mod.dense_bias = (bias, _added)
+  score_mod.dense_bias_of = (bias, _added)
   dims = ("1|heads", "1|q_len", "1|kv_len")
   return _checked(score_mod, ("bias_score's bias", bias,
                               dims if bias.ndim == 3 else ("1|batch",) + dims))
