@@ -204,8 +204,19 @@ def _mask_fn(mask, is_causal: bool, window, q_lengths, kv_lengths):
       kv_lengths is None):
     return None
 
-  def mask_mod(b, h, q_idx, kv_idx):
-    seen = _index_mask(is_causal, window, q_lengths, kv_lengths, b, q_idx, kv_idx)
-    return seen if mask is None else seen & broadcast_at(mask, b, h, q_idx, kv_idx)
+  given = (mask, q_lengths, kv_lengths)
 
+  def build(*arrays):  # from the given arrays (flex traces it with them as inputs)
+    it = iter(arrays)
+    mask, q_lengths, kv_lengths = (None if x is None else next(it) for x in given)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+      seen = _index_mask(is_causal, window, q_lengths, kv_lengths, b, q_idx, kv_idx)
+      return seen if mask is None else seen & broadcast_at(mask, b, h, q_idx, kv_idx)
+
+    return mask_mod
+
+  arrays = tuple(x for x in given if x is not None)
+  mask_mod = build(*arrays)
+  mask_mod.built_from = (arrays, build)
   return mask_mod

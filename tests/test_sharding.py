@@ -61,9 +61,18 @@ def _window(q, k, v, bias, mask):  # q, k, v: [windows, tokens, heads, d]
   return jattn.window_attention(q, k, v, bias, mask=mask, backend=BACKEND)
 
 
+def _flex_arrays_at_indices(q, k, v, slopes, ids):  # arrays read at h and at b: both split
+  return jattn.flex_attention(q, k, v, score_mod=jattn.flex.alibi_score(slopes),
+                              mask_mod=jattn.flex.document_mask(ids), backend=BACKEND)
+
+
 def _dot_product_bias(q, k, v, bias):  # a bias per batch row and head: split with them
   return jattn.dot_product_attention(q, k, v, bias=bias, is_causal=True,
                                      implementation=BACKEND)
+
+
+def _dot_product_mask(q, k, v, mask):  # a mask per batch row, read at b: split with it
+  return jattn.dot_product_attention(q, k, v, mask=mask, implementation=BACKEND)
 
 
 def _retention(mode):
@@ -78,7 +87,9 @@ CASES = [
     ("flash_mqa", lambda q, k, v: jattn.flash_attention(q, k, v, causal=True, backend=BACKEND),
      8, 1, None, ()),
     ("flex", _flex, 8, 4, "model", ()),
+    ("flex_arrays_at_indices", _flex_arrays_at_indices, 8, 4, "model", ("slopes", "ids")),
     ("dot_product_bias", _dot_product_bias, 8, 4, "model", ("bias4",)),
+    ("dot_product_mask", _dot_product_mask, 8, 4, "model", ("mask4",)),
     ("dilated", _dilated, 8, 8, "model", ()),
     ("retention_parallel", _retention("parallel"), 8, 8, "model", ()),
     ("retention_chunkwise", _retention("chunkwise"), 8, 8, "model", ()),
@@ -107,18 +118,23 @@ def test_sharded_call_equals_unsharded_and_gathers_nothing(name, fn, heads, kv_h
   k, v = (_normal(key, (batch, seq, kv_heads, d)) for key in ks[1:3])
   arrays = {"sinks": _normal(ks[4], (heads,)), "bias": _normal(ks[4], (heads, seq, seq)),
             "bias4": _normal(ks[4], (batch, heads, seq, seq)),
+            "slopes": jattn.flex.alibi_slopes(heads) * (1 + jax.random.uniform(ks[4], (heads,))),
+            "mask4": jax.random.bernoulli(ks[5], 0.7, (batch, 1, seq, seq)) | jnp.eye(seq,
+                                                                                 dtype=bool),
             "ids": jnp.broadcast_to(jnp.arange(seq) * 3 // seq, (batch, seq)).astype(jnp.int32),
             "mask": jnp.broadcast_to(jnp.arange(seq) % 2 == jnp.arange(seq)[:, None] % 2,
                                      (2, seq, seq))}
   spec = P("data", None, head_axis)
   specs = {"sinks": P(head_axis), "bias": P(head_axis), "bias4": P("data", head_axis),
+           "slopes": P(head_axis),
+           "mask4": P("data"),
            "ids": P("data"), "mask": P()}
   args = (q, k, v) + tuple(arrays[e] for e in extra)
   sharded = tuple(_put(mesh, x, spec) for x in (q, k, v)) + tuple(
       _put(mesh, arrays[e], specs[e]) for e in extra)
-  # q, k, v and a floating first extra (sinks, the bias) get gradients, summed over the
-  # shards that do not split them (sinks and the bias over batch).
-  diff = tuple(range(3 + any(e in ("sinks", "bias", "bias4") for e in extra)))
+  # q, k, v and a floating first extra (sinks, a bias, slopes) get gradients, summed
+  # over the shards that do not split them (sinks and the bias over batch).
+  diff = tuple(range(3 + any(e in ("sinks", "bias", "bias4", "slopes") for e in extra)))
 
   def fwd_bwd(*args):
     out, pull = jax.vjp(lambda *d: fn(*d, *args[len(diff):-1]), *args[:len(diff)])
@@ -230,8 +246,9 @@ def test_odd_placements_run_per_shard(case):
   """Under ``jax.set_mesh`` of Explicit axes, a flex backward (the kernels' slope check
   had computed eagerly there, and failed in the partitioner's manual axes) and key
   lengths split by batch (stacked with a replicated column: a sharding mismatch); on
-  an Auto mesh, an array a flex function closes over sharded by the user is gathered
-  (it was refused as a sharded sequence). Values and gradients as unsharded."""
+  an Auto mesh, ALiBi's slopes given split by heads where q, k and v split by batch
+  alone (once refused as a sharded sequence): read at h, they split the heads too.
+  Values and gradients as unsharded."""
   explicit = case != "sharded_slopes"
   mesh = _mesh(AxisType.Explicit if explicit else AxisType.Auto)
   ks = jax.random.split(jax.random.key(7), 4)
@@ -257,7 +274,9 @@ def test_odd_placements_run_per_shard(case):
   assert rel_err(value, value_ref) < 10 * TOL
   for g, g_ref in zip(grads, grads_ref):
     assert rel_err(g, g_ref) < TOL
-  assert grads[0].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 4)
+  # slopes given split by "model" split the heads too (a slice: nothing gathered)
+  heads = "model" if case == "sharded_slopes" else None
+  assert grads[0].sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, heads)), 4)
 
 
 def test_a_mask_array_as_hopper_bias_tiles_splits_with_its_rows(hopper_mask_choice):
@@ -297,11 +316,33 @@ def test_a_sharded_sequence_axis_is_refused_with_a_pointer_to_the_ring():
     jax.jit(functools.partial(jattn.flash_attention, backend=BACKEND))(q, q, q)
 
 
+TABLE = jnp.ones((8, 3))
+
+
+@pytest.mark.parametrize("fn, reads", [
+    (lambda s, b, h, i, j: s + TABLE[h, 1], {0: 0}),
+    (lambda s, b, h, i, j: s + TABLE[h, 1] + TABLE[h, 2], {0: 0}),
+    (lambda s, b, h, i, j: s * 2, {}),
+    (lambda s, b, h, i, j: s + 0.1 * h, None),            # arithmetic on the index
+    (lambda s, b, h, i, j: s + TABLE[h // 2, 0], None),   # another row than h's
+    (lambda s, b, h, i, j: s + TABLE[h, 0] + TABLE[0, 0], None),  # the array read elsewhere
+    (lambda s, b, h, i, j: s + TABLE[h, 0] * jnp.sum(TABLE), None),
+    (lambda s, b, h, i, j: s + TABLE[1, h % 3], None),
+    (lambda s, b, h, i, j: s + jnp.take(TABLE[:, 0], h), None),  # a gather
+    (lambda s, b, h, i, j: jnp.where(h < 4, s, 0.0), None),
+], ids=["row", "two-reads", "unused", "arithmetic", "other-row", "read-elsewhere", "reduced",
+        "modulo", "take", "compare"])
+def test_only_arrays_read_at_the_index_alone_split_with_it(fn, reads):
+  """A split may follow an index into the arrays read at it only when nothing else sees
+  the index or those arrays: anything else would see the shard's numbering."""
+  from jattn.flex.functions import trace
+  assert trace(fn, "score_mod")[0].index_reads("h") == reads
+
+
 def test_a_function_reading_the_batch_index_refuses_a_batch_split():
   mesh = _mesh(AxisType.Explicit)
   x = _put(mesh, _normal(jax.random.key(0), (2, 32, 4, 16)), P("data"))
-  offsets = jnp.arange(2.0)
-  score_mod = lambda s, b, h, i, j: s + offsets[b]
+  score_mod = lambda s, b, h, i, j: s + 0.5 * b  # (an array read at b would split with it)
   with pytest.raises(ValueError, match="cannot run split over batch .*reads the batch index"):
     jattn.flex_attention(x, x, x, score_mod=score_mod, backend=BACKEND)
   # With shardings XLA chooses, the refusal comes when it partitions the program.

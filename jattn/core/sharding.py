@@ -320,14 +320,21 @@ def _typed_sharding(x):
   return sharding if isinstance(sharding, NamedSharding) else None
 
 
+def typed_split(x) -> NamedSharding | None:
+  """``x``'s sharding where its type splits an axis of it (a mesh of ``Explicit``
+  axes), else None."""
+  typed = _typed_sharding(x)
+  return None if typed is None or all(a is None for a in typed.spec) else typed
+
+
 def explicit_split(call, arrays: tuple):
   """``(call on a shard, mesh, which arrays are present, in_specs, out_specs)`` when
   ``call``'s arrays carry their shardings in their types (a mesh of ``Explicit`` axes)
   and split its batch or heads; None otherwise (the shardings, if any, are XLA's to
   propose: ``forward``)."""
   rule = call.op.shard_rule(call.problem)
-  typed = _typed_sharding(arrays[0]) if rule is not None else None
-  if typed is None or all(a is None for a in typed.spec):
+  typed = typed_split(arrays[0]) if rule is not None else None
+  if typed is None:
     return None
   present = tuple(x is not None for x in arrays)
   shapes = [_Typed(x.shape, _typed_sharding(x)) for x in _present(arrays, present)]

@@ -80,28 +80,50 @@ class FlexProblem(AttentionProblem):
     n = self.score_mod.num_consts if self.score_mod is not None else 0
     return tuple(consts[:n]), tuple(consts[n:])
 
-  @property
-  def dense_bias_axes(self) -> Axes | None:
-    """Where a ``bias_score`` bias keeps a batch and a head axis of full size (None:
-    no such bias). Its function reads it at ``b`` and ``h`` alone, so a shard reads
-    its own rows of it with its own indices."""
-    if self.score_mod is None or not self.score_mod.dense_bias:
-      return None
-    shape = self.score_mod.jaxpr.invars[0].aval.shape  # [batch?, heads, q_len, kv_len]
-    head_axis = len(shape) - 3
-    return Axes(batch=0 if head_axis == 1 and shape[0] == self.batch else None,
-                heads=head_axis if shape[head_axis] == self.q_heads else None)
+  def array_axes(self) -> tuple[tuple[Axes, ...], dict[str, str]]:
+    """``(Axes of each closed-over array, score_mod's then mask_mod's; {"batch" |
+    "heads": why that axis cannot split})``. An array the functions read only at ``b``
+    (``h``), a whole batch (all query heads) along one axis, splits along it: a shard
+    reads its own rows with its own indices. Any other use of a split index would see
+    the shard's numbering from 0."""
+    axes, refusals = [], {}
+    for fn in (f for f in (self.score_mod, self.mask_mod) if f is not None):
+      shapes = [v.aval.shape for v in fn.jaxpr.invars[:fn.num_consts]]
+      split = [{} for _ in shapes]
+      for name, index, size in (("batch", "b", self.batch), ("heads", "h", self.q_heads)):
+        if not fn.uses(index):
+          continue
+        reads = fn.index_reads(index)
+        if reads is None or any(shapes[i][axis] != size for i, axis in reads.items()):
+          refusals[name] = (f"its {fn.kind} reads the {name} index {index!r} other than as "
+                            f"the row of an array of {size} it closes over, and a shard "
+                            "would number it from 0")
+          continue
+        for i, axis in reads.items():
+          split[i][name] = axis
+      axes += [Axes(**where) for where in split]
+    return tuple(axes), refusals
 
   def local(self, batch_shards: int, head_shards: int) -> "FlexProblem":
     local = super().local(batch_shards, head_shards)
-    axes = self.dense_bias_axes
-    if axes is None:
-      return local
-    shape = list(self.score_mod.jaxpr.invars[0].aval.shape)
-    for axis, shards in ((axes.batch, batch_shards), (axes.heads, head_shards)):
-      if axis is not None:
-        shape[axis] //= shards
-    return dataclasses.replace(local, score_mod=self.score_mod.with_array_shapes([shape]))
+    axes = iter(self.array_axes()[0])
+    functions = {}
+    for name in ("score_mod", "mask_mod"):
+      fn = getattr(self, name)
+      if fn is None:
+        continue
+      fn_axes = [next(axes) for _ in range(fn.num_consts)]
+      if all(a == REPLICATED for a in fn_axes):
+        continue
+      shapes = []
+      for a, v in zip(fn_axes, fn.jaxpr.invars):
+        shape = list(v.aval.shape)
+        for axis, shards in ((a.batch, batch_shards), (a.heads, head_shards)):
+          if axis is not None:
+            shape[axis] //= shards
+        shapes.append(shape)
+      functions[name] = fn.with_array_shapes(shapes)
+    return dataclasses.replace(local, **functions)
 
 
 class _FlexKernels:
@@ -499,24 +521,14 @@ class FlexAttention(SoftmaxOp):
     return (o, lse) if problem.return_lse else o
 
   def shard_rule(self, p: FlexProblem) -> ShardRule:
-    # The functions index the arrays they close over by the batch row and head; on a
-    # shard those count from 0, so an axis they read cannot be split, unless the array
-    # is split with it: a bias_score bias, and a block mask's classification.
-    bias_axes = p.dense_bias_axes
-    fns = [f for f in (p.score_mod, p.mask_mod) if f is not None and not (
-        f is p.score_mod and bias_axes is not None)]
-    refusals = tuple((axis, f"its score_mod or mask_mod reads the {axis} index {index!r}, "
-                      "which a shard would number from 0")
-                     for axis, index in (("batch", "b"), ("heads", "h"))
-                     if any(f.uses(index) for f in fns))
-    consts = (REPLICATED,) * p.num_consts
-    if bias_axes is not None:  # the score function's one array comes first
-      consts = (bias_axes,) + consts[1:]
+    # The functions' arrays read at b or h split with the rows they hold (a bias_score
+    # bias, key lengths, ALiBi's slopes); so does a block mask's classification.
+    consts, refusals = p.array_axes()
     per_batch, per_head = p.block_mask_rows
     kinds = (Axes(batch=0 if per_batch else None, heads=1 if per_head else None),
              ) if p.block_mask is not None else ()
     return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS) + consts + kinds, (Q_HEADS, ROW_STATS),
-                     p.q_heads // p.kv_heads, refusals)
+                     p.q_heads // p.kv_heads, tuple(refusals.items()))
 
   def problem(self, example: str | None = None, **keywords):
     """A problem from keywords; ``example`` names one of ``jattn.flex.examples``,

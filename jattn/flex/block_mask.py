@@ -8,8 +8,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn.kernels.common.elementwise import elementwise
+from jattn.core.sharding import typed_split
 from jattn.core.validation import check_positive_int
 from jattn.flex.functions import trace
 from jattn.kernels.common.block_sparsity import (EMPTY, FULL, PARTIAL, classify_blocks,
@@ -104,8 +106,12 @@ def block_mask_from_array(mask_mod: Callable, allowed, block=128) -> BlockMask:
   q_blocks, kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
   pad = ((0, 0), (0, 0), (0, q_blocks * block_q - q_len), (0, kv_blocks * block_kv - kv_len))
   tiles = (batch, heads, q_blocks, block_q, kv_blocks, block_kv)
+  typed = typed_split(allowed)  # on a mesh of Explicit axes: its rows' split kept
+  split = None if typed is None else NamedSharding(
+      typed.mesh, PartitionSpec(*(tuple(typed.spec) + (None, None))[:2], None, None, None, None))
+  in_tiles = lambda x: jnp.reshape(x, tiles, out_sharding=split)
   # Padding counts as neither allowed nor refused.
-  any_allowed = jnp.pad(allowed, pad).reshape(tiles).any(axis=(3, 5))
-  all_allowed = jnp.pad(allowed, pad, constant_values=True).reshape(tiles).all(axis=(3, 5))
+  any_allowed = in_tiles(jnp.pad(allowed, pad)).any(axis=(3, 5))
+  all_allowed = in_tiles(jnp.pad(allowed, pad, constant_values=True)).all(axis=(3, 5))
   return BlockMask(tile_kinds(any_allowed, all_allowed), mask_mod, q_len, kv_len, block_q,
                    block_kv)

@@ -73,8 +73,8 @@ class ElementFunction:
 
   def with_array_shapes(self, shapes) -> "ElementFunction":
     """The same equations traced again for closed-over arrays of ``shapes`` (a shard's
-    rows of them). Only for functions that read their arrays at the index arguments,
-    as ``bias_score``'s does: the equations' other shapes stay as traced."""
+    rows of them). Only for arrays ``index_reads`` finds (read at an index alone): the
+    equations' other shapes stay as traced."""
     invars = self.jaxpr.invars
     avals = [jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype)
              for shape, v in zip(shapes, invars[:self.num_consts])]
@@ -83,13 +83,60 @@ class ElementFunction:
     jaxpr = _jaxpr(closed.jaxpr.invars, closed.jaxpr.outvars, closed.jaxpr.eqns)
     return ElementFunction.of(jaxpr, self.num_consts, self.kind, self.dense_bias)
 
+  def _index_var(self, index: str):
+    names = (("score",) if self.kind == "score_mod" else ()) + ("b", "h", "q_idx", "kv_idx")
+    return self.jaxpr.invars[self.num_consts + names.index(index)]
+
   def uses(self, index: str) -> bool:
     """Whether the function reads the index argument ``index`` ("b", "h", "q_idx",
     "kv_idx")."""
-    names = (("score",) if self.kind == "score_mod" else ()) + ("b", "h", "q_idx", "kv_idx")
-    var = self.jaxpr.invars[self.num_consts + names.index(index)]
+    var = self._index_var(index)
     return any(var is v for eqn in self.jaxpr.eqns for v in eqn.invars) or any(
         var is v for v in self.jaxpr.outvars)
+
+  def index_reads(self, index: str) -> dict[int, int] | None:
+    """``{position of a closed-over array: axis}`` when all the function does with the
+    index argument ``index`` ("b" or "h") is to read arrays at it, one element at a
+    time along that axis (``x[b, ...]``), and those arrays are read nowhere else; None
+    when it uses the index otherwise (``{}``: not at all). On a shard of the batch
+    rows (heads), such arrays split along those axes read the shard's own rows with
+    its own indices."""
+    consts = {v: i for i, v in enumerate(self.jaxpr.invars[:self.num_consts])}
+    is_var = lambda v: not isinstance(v, Literal)
+    same = {self._index_var(index)}  # equal to the index: the kernels' are never negative
+    below_zero, wrapped = {}, {}  # jnp indexing's `i < 0` and `i + size`, of such a var
+    reads = {}
+    for eqn in self.jaxpr.eqns:
+      ins, name = eqn.invars, eqn.primitive.name
+      touched = [v for v in ins if is_var(v) and (v in same or v in below_zero or v in wrapped)]
+      if not touched:
+        continue
+      out = eqn.outvars[0]
+      if name == "lt" and ins[0] in same and not is_var(ins[1]) and ins[1].val == 0:
+        below_zero[out] = ins[0]
+      elif name == "add" and ins[0] in same and not is_var(ins[1]):
+        wrapped[out] = ins[0]
+      elif (name == "select_n" and len(ins) == 3 and all(map(is_var, ins))
+            and below_zero.get(ins[0]) is ins[1] and wrapped.get(ins[2]) is ins[1]):
+        same.add(out)  # where(i < 0, i + size, i): i itself
+      elif name == "dynamic_slice" and is_var(ins[0]) and ins[0] in consts:
+        axes = [a for a, v in enumerate(ins[1:]) if is_var(v) and v in same]
+        if len(axes) != 1 or len(touched) != 1 or eqn.params["slice_sizes"][axes[0]] != 1:
+          return None
+        if reads.setdefault(consts[ins[0]], axes[0]) != axes[0]:
+          return None
+      else:
+        return None
+    if any(is_var(v) and (v in same or v in below_zero or v in wrapped or v in consts
+                          and consts[v] in reads) for v in self.jaxpr.outvars):
+      return None
+    for eqn in self.jaxpr.eqns:  # the arrays read at the index: read there alone
+      for v in eqn.invars:
+        if is_var(v) and v in consts and consts[v] in reads and not (
+            eqn.primitive.name == "dynamic_slice" and v is eqn.invars[0]
+            and eqn.invars[1 + reads[consts[v]]] in same):
+          return None
+    return reads
 
   @functools.cached_property
   def _split(self) -> tuple[Jaxpr, TileFunction]:
@@ -283,17 +330,16 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must be a function {signature}, got {type(fn).__name__}")
   index = jax.ShapeDtypeStruct((), jnp.int32)
   args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
-  bias, of_bias = getattr(fn, "dense_bias_of", (None, None)) if kind == "score_mod" else (
-      None, None)
-  if bias is not None:
-    # ``bias_score``'s function, traced with its bias as an input: indexing a closed-over
-    # array sharded over a mesh of Explicit axes is refused while tracing.
-    bias_type = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
-    jaxpr = jax.make_jaxpr(lambda x, *xs: of_bias(x)(*xs))(bias_type, *args).jaxpr
-    return ElementFunction.of(_jaxpr(jaxpr.invars, jaxpr.outvars, jaxpr.eqns), 1, kind,
-                              dense_bias=True), (jnp.asarray(bias),)
+  # A function one of our helpers built from arrays (``built_from``: those arrays and
+  # the builder) is traced with them as inputs: indexing a closed-over array sharded
+  # over a mesh of Explicit axes is refused while tracing.
+  arrays, build = getattr(fn, "built_from", ((), None))
+  arrays = tuple(jnp.asarray(a) for a in arrays)
+  n = len(arrays)
+  traced = fn if build is None else lambda *xs: build(*xs[:n])(*xs[n:])
+  inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays] + args
   try:
-    closed = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(traced)(*inputs)
   except TypeError as e:
     raise TypeError(f"{kind} must be a function {signature} of jnp operations, called "
                     f"elementwise; calling it raised: {e}") from e
@@ -306,5 +352,7 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out)
     raise TypeError(f"{kind} must return {want} per element (it is called on scalars), "
                     f"got {got}")
-  jaxpr, consts = _with_arrays_as_inputs(closed, args)
-  return ElementFunction.of(jaxpr, len(consts), kind), consts
+  jaxpr, consts = _with_arrays_as_inputs(closed, inputs)
+  consts += arrays  # (the builder's arrays follow what it closes over)
+  dense_bias = kind == "score_mod" and getattr(fn, "dense_bias", False) is True
+  return ElementFunction.of(jaxpr, len(consts), kind, dense_bias), consts

@@ -17,12 +17,15 @@ from typing import Callable
 import jax.numpy as jnp
 
 
-def _checked(fn: Callable, *expected) -> Callable:
-  """``fn`` with the shapes of the arrays it closes over: ``(name, array, dims)`` with
-  ``dims`` naming each axis (``"batch"``, ``"heads"``, ``"q_len"``, ``"kv_len"``) or
-  None (any size); an axis named with a leading ``"1|"`` may also have size 1
-  (broadcast). ``flex_attention`` checks them against its call (``check_shapes``): an
-  index past an array's end would be clamped, a wrong answer that looks right."""
+def _from_arrays(build: Callable, *expected) -> Callable:
+  """``build(*arrays)``: a function of the arrays ``expected`` names as ``(name, array,
+  dims)``, ``dims`` naming each axis (``"batch"``, ``"heads"``, ``"q_len"``,
+  ``"kv_len"``) or None (any size); an axis named with a leading ``"1|"`` may also
+  have size 1 (broadcast). ``flex_attention`` checks their shapes against its call
+  (``check_shapes``: an index past an array's end would be clamped, a wrong answer
+  that looks right), and traces the function from the arrays (``built_from``)."""
+  arrays = tuple(array for _, array, _ in expected)
+  fn = build(*arrays)
 
   def check_shapes(sizes: dict):
     for name, array, dims in expected:
@@ -37,6 +40,7 @@ def _checked(fn: Callable, *expected) -> Callable:
                          f"{tuple(array.shape)}")
 
   fn.check_shapes = check_shapes
+  fn.built_from = (arrays, build)
   return fn
 
 
@@ -69,8 +73,9 @@ def document_mask(q_documents, kv_documents=None) -> Callable:
     return documents[i] if documents.ndim == 1 else documents[b, i]
 
   dims = lambda x, length: (length,) if x.ndim == 1 else ("1|batch", length)
-  return _checked(
-      lambda b, h, q_idx, kv_idx: ids(q_documents, b, q_idx) == ids(kv_documents, b, kv_idx),
+  return _from_arrays(
+      lambda q_documents, kv_documents: lambda b, h, q_idx, kv_idx: (
+          ids(q_documents, b, q_idx) == ids(kv_documents, b, kv_idx)),
       ("document_mask's q_documents", q_documents, dims(q_documents, "q_len")),
       ("document_mask's kv_documents", kv_documents, dims(kv_documents, "kv_len")))
 
@@ -79,10 +84,10 @@ def prefix_lm_mask(prefix_length) -> Callable:
   """Prefix LM: every query sees the first ``prefix_length`` keys (an int, or per batch
   row ``[batch]``) and, past them, causally."""
   prefix = jnp.asarray(prefix_length, jnp.int32)
-  fn = lambda b, h, q_idx, kv_idx: (kv_idx < (prefix if prefix.ndim == 0 else prefix[b])) | (
-      kv_idx <= q_idx)
-  return fn if prefix.ndim == 0 else _checked(
-      fn, ("prefix_lm_mask's prefix_length", prefix, ("batch",)))
+  build = lambda prefix: lambda b, h, q_idx, kv_idx: (
+      kv_idx < (prefix if prefix.ndim == 0 else prefix[b])) | (kv_idx <= q_idx)
+  return build(prefix) if prefix.ndim == 0 else _from_arrays(
+      build, ("prefix_lm_mask's prefix_length", prefix, ("batch",)))
 
 
 def and_masks(*masks: Callable) -> Callable:
@@ -107,8 +112,9 @@ def alibi_score(slopes) -> Callable:
   """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)`` (a penalty growing with distance
   to earlier keys). ``slopes``: ``[q_heads]``; it gets a gradient."""
   slopes = jnp.asarray(slopes)
-  return _checked(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx),
-                  ("alibi_score's slopes", slopes, ("heads",)))
+  return _from_arrays(
+      lambda slopes: lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx),
+      ("alibi_score's slopes", slopes, ("heads",)))
 
 
 def softcap_score(cap: float) -> Callable:
@@ -123,8 +129,9 @@ def relative_position_score(table) -> Callable:
   if table.ndim != 2 or table.shape[1] % 2 == 0:
     raise ValueError(f"table must be [heads, 2 m + 1], got shape {tuple(table.shape)}")
   m = (table.shape[1] - 1) // 2
-  return _checked(
-      lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(kv_idx - q_idx, -m, m) + m],
+  return _from_arrays(
+      lambda table: lambda score, b, h, q_idx, kv_idx: (
+          score + table[h, jnp.clip(kv_idx - q_idx, -m, m) + m]),
       ("relative_position_score's table", table, ("heads", None)))
 
 
@@ -150,10 +157,8 @@ def bias_score(bias) -> Callable:
     raise ValueError("bias must be [heads, q_len, kv_len] or [batch, heads, q_len, kv_len], "
                      f"got shape {tuple(bias.shape)}")
 
-  score_mod = _added(bias)
-  # flex_attention then takes the bias's gradient as dS summed over its broadcast axes,
-  # and traces the function of the bias (``_added``) with the bias as an input.
-  score_mod.dense_bias_of = (bias, _added)
   dims = ("1|heads", "1|q_len", "1|kv_len")
-  return _checked(score_mod, ("bias_score's bias", bias,
-                              dims if bias.ndim == 3 else ("1|batch",) + dims))
+  score_mod = _from_arrays(_added, ("bias_score's bias", bias,
+                                    dims if bias.ndim == 3 else ("1|batch",) + dims))
+  score_mod.dense_bias = True  # flex_attention's bias gradient: dS summed over its broadcasts
+  return score_mod
