@@ -309,6 +309,21 @@ def test_a_mask_array_as_hopper_bias_tiles_splits_with_its_rows(hopper_mask_choi
   assert "all-gather" not in step.lower(*sharded).compile().as_text()
 
 
+def test_unsplit_queries_with_sinks_split_by_head():
+  """On a mesh of Explicit axes, q, k and v whole and the sinks split by head (the
+  kernels had indexed a split array): the sinks are gathered, the values unsharded."""
+  mesh = _mesh(AxisType.Explicit)
+  ks = jax.random.split(jax.random.key(13), 4)
+  q, k, v = (_normal(key, (2, SEQ, 8, HEAD_DIM)) for key in ks[:3])
+  sinks = jax.random.normal(ks[3], (8,))
+  step = jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(jnp.sin(jattn.flash_attention(
+      q, k, v, sinks=s, backend=BACKEND).astype(jnp.float32))), argnums=(0, 3)))
+  with jax.set_mesh(mesh):
+    grads = step(*(_put(mesh, x, P()) for x in (q, k, v)), _put(mesh, sinks, P("model")))
+  for g, g_ref in zip(grads, step(q, k, v, sinks)):
+    assert rel_err(g, g_ref) < TOL
+
+
 def test_a_sharded_sequence_axis_is_refused_with_a_pointer_to_the_ring():
   mesh = _mesh(AxisType.Explicit)
   q = _put(mesh, _normal(jax.random.key(0), (2, 32, 4, 16)), P(None, "model"))

@@ -333,7 +333,10 @@ def explicit_split(call, arrays: tuple):
   and split its batch or heads; None otherwise (the shardings, if any, are XLA's to
   propose: ``forward``)."""
   rule = call.op.shard_rule(call.problem)
-  typed = typed_split(arrays[0]) if rule is not None else None
+  if rule is None:
+    return None
+  # q unsplit and another array split (sinks by head, say): that one is gathered
+  typed = next((t for t in map(typed_split, arrays) if t is not None), None)
   if typed is None:
     return None
   present = tuple(x is not None for x in arrays)
