@@ -241,10 +241,13 @@ def _flex_alibi(q, k, v, slopes):  # reads h: split over batch only
                               mask_mod=jattn.flex.causal_mask(), backend=BACKEND)
 
 
-@pytest.mark.parametrize("case", ["flex_grad_set_mesh", "kv_lengths_set_mesh", "sharded_slopes"])
+@pytest.mark.parametrize("case", ["flex_grad_set_mesh", "table_grad_set_mesh", "kv_lengths_set_mesh",
+                                  "sharded_slopes"])
 def test_odd_placements_run_per_shard(case):
   """Under ``jax.set_mesh`` of Explicit axes, a flex backward (the kernels' slope check
-  had computed eagerly there, and failed in the partitioner's manual axes) and key
+  had computed eagerly there, and failed in the partitioner's manual axes), one through
+  a function with an inner ``jax.jit`` (binding it there made an Explicit-typed
+  constant that JAX's shard_map transpose refuses to close over) and key
   lengths split by batch (stacked with a replicated column: a sharding mismatch); on
   an Auto mesh, ALiBi's slopes given split by heads where q, k and v split by batch
   alone (once refused as a sharded sequence): read at h, they split the heads too.
@@ -257,6 +260,10 @@ def test_odd_placements_run_per_shard(case):
   if case == "kv_lengths_set_mesh":
     extra, extra_spec = jnp.array([SEQ, 9, 20, 2], jnp.int32), P("data")
     fn = lambda q, k, v, n: jattn.flash_attention(q, k, v, kv_lengths=n, backend=BACKEND)
+  elif case == "table_grad_set_mesh":  # an inner jit (clip) bound in the transposed shard_map
+    extra, extra_spec = jax.random.normal(ks[3], (8, 9)), P()
+    fn = lambda q, k, v, t: jattn.flex_attention(
+        q, k, v, score_mod=jattn.flex.relative_position_score(t), backend=BACKEND)
   else:
     extra = jattn.flex.alibi_slopes(8) * (1 + jax.random.uniform(ks[3], (8,)))
     extra_spec = P() if explicit else P("model")

@@ -238,9 +238,9 @@ def _evaluate(jaxpr: Jaxpr, args, literal=lambda v: v.val, consts=()) -> list:
   varying axes, each equation's inputs are first marked varying over every axis one of
   them varies over: a closed-over array, an index or a literal (varying over none)
   meets scores that vary over the mesh, which JAX's functions reconcile and a bare
-  primitive does not. There, inner jaxprs (``jit``, custom derivatives), traced as
-  varying over nothing, run inlined, and the function's own casts to varying apply
-  only to the axes an input does not vary over yet."""
+  primitive does not. There, inner jaxprs (custom derivatives), traced as varying
+  over nothing, run inlined, and the function's own casts to varying apply only to
+  the axes an input does not vary over yet. Inner ``jit`` calls run inlined always."""
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   read = lambda v: literal(v) if isinstance(v, Literal) else env[v]
@@ -251,6 +251,9 @@ def _evaluate(jaxpr: Jaxpr, args, literal=lambda v: v.val, consts=()) -> list:
       axes = varying_axes(inputs)
       inputs = [as_varying(x, axes) for x in inputs]
       outs = _matching_rule(eqn, inputs)
+    elif eqn.primitive.name in ("pjit", "jit"):  # inlined: bound under a mesh of Explicit
+      # axes, in the transpose of a shard_map, it leaves a constant JAX cannot close over
+      outs = _evaluate(eqn.params["jaxpr"].jaxpr, inputs, consts=eqn.params["jaxpr"].consts)
     else:
       outs = None
     if outs is None:
