@@ -242,7 +242,7 @@ def _flex_alibi(q, k, v, slopes):  # reads h: split over batch only
 
 
 @pytest.mark.parametrize("case", ["flex_grad_set_mesh", "table_grad_set_mesh", "kv_lengths_set_mesh",
-                                  "sharded_slopes"])
+                                  "sharded_slopes", "ids_split_by_position", "ids_of_one_row"])
 def test_odd_placements_run_per_shard(case):
   """Under ``jax.set_mesh`` of Explicit axes, a flex backward (the kernels' slope check
   had computed eagerly there, and failed in the partitioner's manual axes), one through
@@ -250,9 +250,10 @@ def test_odd_placements_run_per_shard(case):
   constant that JAX's shard_map transpose refuses to close over) and key
   lengths split by batch (stacked with a replicated column: a sharding mismatch); on
   an Auto mesh, ALiBi's slopes given split by heads where q, k and v split by batch
-  alone (once refused as a sharded sequence): read at h, they split the heads too.
-  Values and gradients as unsharded."""
-  explicit = case != "sharded_slopes"
+  alone (once refused as a sharded sequence): read at h, they split the heads too; and
+  per-row document ids given split by position (read at b: split by batch, the
+  positions gathered), or one row of ids for all. Values and gradients as unsharded."""
+  explicit = not (case == "sharded_slopes" or case.startswith("ids_"))
   mesh = _mesh(AxisType.Explicit if explicit else AxisType.Auto)
   ks = jax.random.split(jax.random.key(7), 4)
   q = _normal(ks[0], (4, SEQ, 8, HEAD_DIM))
@@ -260,6 +261,13 @@ def test_odd_placements_run_per_shard(case):
   if case == "kv_lengths_set_mesh":
     extra, extra_spec = jnp.array([SEQ, 9, 20, 2], jnp.int32), P("data")
     fn = lambda q, k, v, n: jattn.flash_attention(q, k, v, kv_lengths=n, backend=BACKEND)
+  elif case.startswith("ids_"):  # read at b: split with the rows, the rest gathered; one
+    # row (the same ids for every batch row) stays whole
+    rows = (1, 2, 3, 5) if case == "ids_split_by_position" else (3,)
+    extra = jnp.stack([jnp.arange(SEQ) * n // SEQ for n in rows]).astype(jnp.int32)
+    extra_spec = P(None, "model") if case == "ids_split_by_position" else P()
+    fn = lambda q, k, v, ids: jattn.flex_attention(
+        q, k, v, mask_mod=jattn.flex.document_mask(ids), backend=BACKEND)
   elif case == "table_grad_set_mesh":  # an inner jit (clip) bound in the transposed shard_map
     extra, extra_spec = jax.random.normal(ks[3], (8, 9)), P()
     fn = lambda q, k, v, t: jattn.flex_attention(

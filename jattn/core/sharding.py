@@ -38,6 +38,9 @@ class Axes:
   batch: int | None = None
   heads: int | None = None
   kv: bool = False  # the head axis counts KV heads (query heads come in groups per KV head)
+  # Its other axes, if given split, are gathered (an array a flex function reads at b
+  # or h) rather than refused as a split sequence.
+  gather_rest: bool = False
 
 
 REPLICATED = Axes()
@@ -113,8 +116,8 @@ def _split(call, names, in_axes, mesh, arg_shapes):
   batch_mesh = q_spec[q_axes.batch] if q_axes.batch is not None else None
   head_mesh = q_spec[q_axes.heads] if q_axes.heads is not None else None
   for name, axes, shape in zip(names, in_axes, arg_shapes):
-    if axes.batch is None and axes.heads is None:
-      continue  # an array every shard reads whole (a flex function's): gathered
+    if axes.gather_rest or axes.batch is None and axes.heads is None:
+      continue  # read whole but for its batch or head axis (a flex function's): gathered
     spec = _spec(shape.sharding, len(shape.shape))
     for d, mesh_axes in enumerate(spec):
       if mesh_axes is not None and d not in (axes.batch, axes.heads):

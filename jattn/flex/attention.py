@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn.core.op import AttentionProblem, MosaicImpl, SoftmaxOp, XlaImpl
-from jattn.core.sharding import KV_HEADS, Q_HEADS, REPLICATED, ROW_STATS, Axes, ShardRule
+from jattn.core.sharding import KV_HEADS, Q_HEADS, ROW_STATS, Axes, ShardRule
 from jattn.core.validation import check_attention_inputs, check_flag, scale_of
 from jattn.flex.array_grads import score_array_grads, summed_over_broadcast
 from jattn.flex.block_mask import BlockMask
@@ -94,6 +94,8 @@ class FlexProblem(AttentionProblem):
         if not fn.uses(index):
           continue
         reads = fn.index_reads(index)
+        # (an axis of one: read at row 0 whatever the index, clamped)
+        reads = reads and {i: axis for i, axis in reads.items() if shapes[i][axis] != 1}
         if reads is None or any(shapes[i][axis] != size for i, axis in reads.items()):
           refusals[name] = (f"its {fn.kind} reads the {name} index {index!r} other than as "
                             f"the row of an array of {size} it closes over, and a shard "
@@ -101,7 +103,7 @@ class FlexProblem(AttentionProblem):
           continue
         for i, axis in reads.items():
           split[i][name] = axis
-      axes += [Axes(**where) for where in split]
+      axes += [Axes(**where, gather_rest=True) for where in split]
     return tuple(axes), refusals
 
   def local(self, batch_shards: int, head_shards: int) -> "FlexProblem":
@@ -113,7 +115,7 @@ class FlexProblem(AttentionProblem):
       if fn is None:
         continue
       fn_axes = [next(axes) for _ in range(fn.num_consts)]
-      if all(a == REPLICATED for a in fn_axes):
+      if all(a.batch is None and a.heads is None for a in fn_axes):
         continue
       shapes = []
       for a, v in zip(fn_axes, fn.jaxpr.invars):
@@ -525,7 +527,8 @@ class FlexAttention(SoftmaxOp):
     # bias, key lengths, ALiBi's slopes); so does a block mask's classification.
     consts, refusals = p.array_axes()
     per_batch, per_head = p.block_mask_rows
-    kinds = (Axes(batch=0 if per_batch else None, heads=1 if per_head else None),
+    kinds = (Axes(batch=0 if per_batch else None, heads=1 if per_head else None,
+                  gather_rest=True),
              ) if p.block_mask is not None else ()
     return ShardRule((Q_HEADS, KV_HEADS, KV_HEADS) + consts + kinds, (Q_HEADS, ROW_STATS),
                      p.q_heads // p.kv_heads, tuple(refusals.items()))
