@@ -19,6 +19,7 @@ from jattn.core.validation import check_integer_array, is_int
 from jattn.flash import flash_attention
 from jattn.flex.attention import FLEX, flex_attention
 from jattn.flex.block_mask import block_mask_from_array
+from jattn.flex.functions import built_function
 from jattn.flex.mods import bias_score, broadcast_at
 from jattn.kernels.common.config import MIN_BLOCK
 
@@ -216,7 +217,4 @@ def _mask_fn(mask, is_causal: bool, window, q_lengths, kv_lengths):
 
     return mask_mod
 
-  arrays = tuple(x for x in given if x is not None)
-  mask_mod = build(*arrays)
-  mask_mod.built_from = (arrays, build)
-  return mask_mod
+  return built_function(build, tuple(x for x in given if x is not None))

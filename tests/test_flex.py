@@ -481,6 +481,22 @@ def test_functions_of_one_trace_share_a_problem_and_new_arrays_are_used():
     assert rel_err(ours, ref) < 1e-6
 
 
+def test_a_wrapper_of_a_helpers_function_is_traced_as_the_wrapper():
+  """jattn.flex's helpers mark their functions to be traced from their arrays; a
+  wrapper that copies the marks (functools.wraps, jax.jit) keeps its own body, also
+  a wrapped bias_score (whose gradient is otherwise taken as the bias's)."""
+  import functools
+  q, k, v, _ = _inputs(6)
+  alibi = flex.alibi_score(flex.alibi_slopes(HQ))
+  bias = jax.random.normal(jax.random.key(1), (HQ, q.shape[1], k.shape[1]))
+  plain = flex.bias_score(bias)
+  for inner in (alibi, plain):
+    wrapped = functools.wraps(inner)(lambda s, b, h, i, j, f=inner: 0.5 * f(s, b, h, i, j))
+    ours = jattn.flex_attention(q, k, v, score_mod=wrapped)
+    ref = jattn.flex_attention_reference(q, k, v, score_mod=wrapped)[0]
+    assert rel_err(ours, ref) < 1e-5
+
+
 @pytest.mark.parametrize("batch,heads,block", [(None, None, 4), (B, HQ, (3, 5))])
 def test_block_masks_classify_tiles_like_brute_force(batch, heads, block):
   docs = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 3, (B, SK)), axis=1))

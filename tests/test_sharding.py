@@ -241,8 +241,9 @@ def _flex_alibi(q, k, v, slopes):  # reads h: split over batch only
                               mask_mod=jattn.flex.causal_mask(), backend=BACKEND)
 
 
-@pytest.mark.parametrize("case", ["flex_grad_set_mesh", "table_grad_set_mesh", "kv_lengths_set_mesh",
-                                  "sharded_slopes", "ids_split_by_position", "ids_of_one_row"])
+@pytest.mark.parametrize("case", [
+    "flex_grad_set_mesh", "table_grad_set_mesh", "kv_lengths_set_mesh", "sharded_slopes",
+    "ids_split_by_position", "ids_of_one_row"])
 def test_odd_placements_run_per_shard(case):
   """Under ``jax.set_mesh`` of Explicit axes, a flex backward (the kernels' slope check
   had computed eagerly there, and failed in the partitioner's manual axes), one through
@@ -360,8 +361,11 @@ TABLE = jnp.ones((8, 3))
     (lambda s, b, h, i, j: s + TABLE[1, h % 3], None),
     (lambda s, b, h, i, j: s + jnp.take(TABLE[:, 0], h), None),  # a gather
     (lambda s, b, h, i, j: jnp.where(h < 4, s, 0.0), None),
+    (lambda s, b, h, i, j: s / (1 + h), None),              # the index second in an add
+    (lambda s, b, h, i, j: s + TABLE[h, 0] - jax.lax.dynamic_slice(TABLE, (0, 0), (1, 1))[0, 0],
+     None),                                                # the array read at a literal
 ], ids=["row", "two-reads", "unused", "arithmetic", "other-row", "read-elsewhere", "reduced",
-        "modulo", "take", "compare"])
+        "modulo", "take", "compare", "literal-first", "literal-read"])
 def test_only_arrays_read_at_the_index_alone_split_with_it(fn, reads):
   """A split may follow an index into the arrays read at it only when nothing else sees
   the index or those arrays: anything else would see the shard's numbering."""

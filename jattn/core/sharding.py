@@ -116,7 +116,7 @@ def _split(call, names, in_axes, mesh, arg_shapes):
   batch_mesh = q_spec[q_axes.batch] if q_axes.batch is not None else None
   head_mesh = q_spec[q_axes.heads] if q_axes.heads is not None else None
   for name, axes, shape in zip(names, in_axes, arg_shapes):
-    if axes.gather_rest or axes.batch is None and axes.heads is None:
+    if axes.gather_rest or (axes.batch is None and axes.heads is None):
       continue  # read whole but for its batch or head axis (a flex function's): gathered
     spec = _spec(shape.sharding, len(shape.shape))
     for d, mesh_axes in enumerate(spec):

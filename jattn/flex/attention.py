@@ -94,8 +94,8 @@ class FlexProblem(AttentionProblem):
         if not fn.uses(index):
           continue
         reads = fn.index_reads(index)
-        # (an axis of one: read at row 0 whatever the index, clamped)
-        reads = reads and {i: axis for i, axis in reads.items() if shapes[i][axis] != 1}
+        if reads is not None:  # an axis of one is read at row 0 whatever the index: whole
+          reads = {i: axis for i, axis in reads.items() if shapes[i][axis] != 1}
         if reads is None or any(shapes[i][axis] != size for i, axis in reads.items()):
           refusals[name] = (f"its {fn.kind} reads the {name} index {index!r} other than as "
                             f"the row of an array of {size} it closes over, and a shard "
@@ -108,6 +108,8 @@ class FlexProblem(AttentionProblem):
 
   def local(self, batch_shards: int, head_shards: int) -> "FlexProblem":
     local = super().local(batch_shards, head_shards)
+    if batch_shards == head_shards == 1:
+      return local
     axes = iter(self.array_axes()[0])
     functions = {}
     for name in ("score_mod", "mask_mod"):

@@ -109,7 +109,8 @@ def block_mask_from_array(mask_mod: Callable, allowed, block=128) -> BlockMask:
   typed = typed_split(allowed)  # on a mesh of Explicit axes: its rows' split kept
   split = None if typed is None else NamedSharding(
       typed.mesh, PartitionSpec(*(tuple(typed.spec) + (None, None))[:2], None, None, None, None))
-  in_tiles = lambda x: jnp.reshape(x, tiles, out_sharding=split)
+  in_tiles = lambda x: x.reshape(tiles) if split is None else jnp.reshape(
+      x, tiles, out_sharding=split)
   # Padding counts as neither allowed nor refused.
   any_allowed = in_tiles(jnp.pad(allowed, pad)).any(axis=(3, 5))
   all_allowed = in_tiles(jnp.pad(allowed, pad, constant_values=True)).all(axis=(3, 5))

@@ -73,8 +73,8 @@ class ElementFunction:
 
   def with_array_shapes(self, shapes) -> "ElementFunction":
     """The same equations traced again for closed-over arrays of ``shapes`` (a shard's
-    rows of them). Only for arrays ``index_reads`` finds (read at an index alone): the
-    equations' other shapes stay as traced."""
+    rows of them). Only arrays ``index_reads`` finds (read at an index alone) may
+    change shape: the equations' other shapes stay as traced."""
     invars = self.jaxpr.invars
     avals = [jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype)
              for shape, v in zip(shapes, invars[:self.num_consts])]
@@ -111,11 +111,11 @@ class ElementFunction:
       touched = [v for v in ins if is_var(v) and (v in same or v in below_zero or v in wrapped)]
       if not touched:
         continue
-      out = eqn.outvars[0]
-      if name == "lt" and ins[0] in same and not is_var(ins[1]) and ins[1].val == 0:
-        below_zero[out] = ins[0]
-      elif name == "add" and ins[0] in same and not is_var(ins[1]):
-        wrapped[out] = ins[0]
+      out, first = eqn.outvars[0], ins[0] if is_var(ins[0]) else None
+      if name == "lt" and first in same and not is_var(ins[1]) and ins[1].val == 0:
+        below_zero[out] = first
+      elif name == "add" and first in same and not is_var(ins[1]):
+        wrapped[out] = first
       elif (name == "select_n" and len(ins) == 3 and all(map(is_var, ins))
             and below_zero.get(ins[0]) is ins[1] and wrapped.get(ins[2]) is ins[1]):
         same.add(out)  # where(i < 0, i + size, i): i itself
@@ -132,9 +132,10 @@ class ElementFunction:
       return None
     for eqn in self.jaxpr.eqns:  # the arrays read at the index: read there alone
       for v in eqn.invars:
+        index = lambda: eqn.invars[1 + reads[consts[v]]]
         if is_var(v) and v in consts and consts[v] in reads and not (
             eqn.primitive.name == "dynamic_slice" and v is eqn.invars[0]
-            and eqn.invars[1 + reads[consts[v]]] in same):
+            and is_var(index()) and index() in same):
           return None
     return reads
 
@@ -321,6 +322,32 @@ def _hidden_parts(jaxpr: Jaxpr) -> str:
   return ";".join(p for p in parts if p)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Built:
+  """How one of jattn's helpers built a function: ``build(*arrays)`` is ``fn``;
+  ``dense_bias``: it is ``bias_score``'s ``score + bias[b, h, q_idx, kv_idx]``."""
+
+  arrays: tuple
+  build: Callable
+  fn: Callable
+  dense_bias: bool
+
+
+def built_function(build: Callable, arrays, dense_bias: bool = False) -> Callable:
+  """``build(*arrays)``, marked so that ``trace`` traces it from the arrays (as its
+  inputs: indexing a closed-over array sharded over a mesh of Explicit axes is
+  refused while tracing). The mark holds for this function alone: a wrapper that
+  copies its attributes (``functools.wraps``) is traced as it is."""
+  fn = build(*arrays)
+  fn._jattn_built = _Built(tuple(arrays), build, fn, dense_bias)
+  return fn
+
+
+def _built(fn) -> _Built | None:
+  built = getattr(fn, "_jattn_built", None)
+  return built if isinstance(built, _Built) and built.fn is fn else None
+
+
 def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple]:
   """``(traced fn, the arrays it closes over)`` for a ``score_mod`` or ``mask_mod``
   (``(None, ())`` for None). Raises TypeError naming ``kind`` when ``fn`` is not a
@@ -333,14 +360,12 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
     raise TypeError(f"{kind} must be a function {signature}, got {type(fn).__name__}")
   index = jax.ShapeDtypeStruct((), jnp.int32)
   args = ([jax.ShapeDtypeStruct((), jnp.float32)] if kind == "score_mod" else []) + [index] * 4
-  # A function one of our helpers built from arrays (``built_from``: those arrays and
-  # the builder) is traced with them as inputs: indexing a closed-over array sharded
-  # over a mesh of Explicit axes is refused while tracing.
-  arrays, build = getattr(fn, "built_from", ((), None))
-  arrays = tuple(jnp.asarray(a) for a in arrays)
+  built = _built(fn)  # (``built_function``'s: traced from its arrays)
+  arrays = () if built is None else tuple(jnp.asarray(a) for a in built.arrays)
   n = len(arrays)
-  traced = fn if build is None else lambda *xs: build(*xs[:n])(*xs[n:])
-  inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays] + args
+  traced = fn if built is None else lambda *xs: built.build(*xs[:n])(*xs[n:])
+  inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=jax.typeof(a).weak_type)
+            for a in arrays] + args
   try:
     closed = jax.make_jaxpr(traced)(*inputs)
   except TypeError as e:
@@ -357,5 +382,6 @@ def trace(fn: Callable | None, kind: str) -> tuple[ElementFunction | None, tuple
                     f"got {got}")
   jaxpr, consts = _with_arrays_as_inputs(closed, inputs)
   consts += arrays  # (the builder's arrays follow what it closes over)
-  dense_bias = kind == "score_mod" and getattr(fn, "dense_bias", False) is True
+  dense_bias = kind == "score_mod" and built is not None and built.dense_bias and len(
+      consts) == 1
   return ElementFunction.of(jaxpr, len(consts), kind, dense_bias), consts

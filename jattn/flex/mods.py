@@ -16,16 +16,17 @@ from typing import Callable
 
 import jax.numpy as jnp
 
+from jattn.flex.functions import built_function
 
-def _from_arrays(build: Callable, *expected) -> Callable:
+
+def _from_arrays(build: Callable, *expected, dense_bias: bool = False) -> Callable:
   """``build(*arrays)``: a function of the arrays ``expected`` names as ``(name, array,
   dims)``, ``dims`` naming each axis (``"batch"``, ``"heads"``, ``"q_len"``,
   ``"kv_len"``) or None (any size); an axis named with a leading ``"1|"`` may also
   have size 1 (broadcast). ``flex_attention`` checks their shapes against its call
   (``check_shapes``: an index past an array's end would be clamped, a wrong answer
-  that looks right), and traces the function from the arrays (``built_from``)."""
-  arrays = tuple(array for _, array, _ in expected)
-  fn = build(*arrays)
+  that looks right), and traces the function from the arrays (``built_function``)."""
+  fn = built_function(build, tuple(array for _, array, _ in expected), dense_bias)
 
   def check_shapes(sizes: dict):
     for name, array, dims in expected:
@@ -40,7 +41,6 @@ def _from_arrays(build: Callable, *expected) -> Callable:
                          f"{tuple(array.shape)}")
 
   fn.check_shapes = check_shapes
-  fn.built_from = (arrays, build)
   return fn
 
 
@@ -158,7 +158,6 @@ def bias_score(bias) -> Callable:
                      f"got shape {tuple(bias.shape)}")
 
   dims = ("1|heads", "1|q_len", "1|kv_len")
-  score_mod = _from_arrays(_added, ("bias_score's bias", bias,
-                                    dims if bias.ndim == 3 else ("1|batch",) + dims))
-  score_mod.dense_bias = True  # flex_attention's bias gradient: dS summed over its broadcasts
-  return score_mod
+  # (dense_bias: flex_attention takes the bias's gradient as dS summed over its broadcasts)
+  return _from_arrays(_added, ("bias_score's bias", bias,
+                               dims if bias.ndim == 3 else ("1|batch",) + dims), dense_bias=True)
