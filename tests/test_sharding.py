@@ -242,13 +242,15 @@ def _flex_alibi(q, k, v, slopes):  # reads h: split over batch only
 
 
 @pytest.mark.parametrize("case", [
-    "flex_grad_set_mesh", "table_grad_set_mesh", "kv_lengths_set_mesh", "sharded_slopes",
+    "flex_grad_set_mesh", "table_grad_set_mesh", "user_array_set_mesh", "kv_lengths_set_mesh",
+    "sharded_slopes",
     "ids_split_by_position", "ids_of_one_row"])
 def test_odd_placements_run_per_shard(case):
   """Under ``jax.set_mesh`` of Explicit axes, a flex backward (the kernels' slope check
   had computed eagerly there, and failed in the partitioner's manual axes), one through
   a function with an inner ``jax.jit`` (binding it there made an Explicit-typed
-  constant that JAX's shard_map transpose refuses to close over) and key
+  constant that JAX's shard_map transpose refuses to close over), a user's function of
+  an array given split by head (``jattn.flex.from_arrays``: traced from it) and key
   lengths split by batch (stacked with a replicated column: a sharding mismatch); on
   an Auto mesh, ALiBi's slopes given split by heads where q, k and v split by batch
   alone (once refused as a sharded sequence): read at h, they split the heads too; and
@@ -269,6 +271,10 @@ def test_odd_placements_run_per_shard(case):
     extra_spec = P(None, "model") if case == "ids_split_by_position" else P()
     fn = lambda q, k, v, ids: jattn.flex_attention(
         q, k, v, mask_mod=jattn.flex.document_mask(ids), backend=BACKEND)
+  elif case == "user_array_set_mesh":  # a user's function of an array split by head
+    extra, extra_spec = jax.random.normal(ks[3], (8,)), P("model")
+    fn = lambda q, k, v, x: jattn.flex_attention(q, k, v, score_mod=jattn.flex.from_arrays(
+        lambda x: lambda s, b, h, i, j: s + x[h], x), backend=BACKEND)
   elif case == "table_grad_set_mesh":  # an inner jit (clip) bound in the transposed shard_map
     extra, extra_spec = jax.random.normal(ks[3], (8, 9)), P()
     fn = lambda q, k, v, t: jattn.flex_attention(

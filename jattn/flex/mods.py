@@ -19,6 +19,15 @@ import jax.numpy as jnp
 from jattn.flex.functions import built_function
 
 
+def from_arrays(build: Callable, *arrays) -> Callable:
+  """A ``score_mod`` or ``mask_mod`` of arrays, ``build(*arrays)``, that
+  ``flex_attention`` traces with the arrays as its inputs instead of closing over
+  them. The same function; under ``jax.set_mesh`` of ``Explicit`` axes it is the way to
+  read arrays given sharded there (indexing a closed-over sharded array is refused
+  while tracing). E.g. ``from_arrays(lambda x: lambda s, b, h, i, j: s + x[h], x)``."""
+  return built_function(build, arrays)
+
+
 def _from_arrays(build: Callable, *expected, dense_bias: bool = False) -> Callable:
   """``build(*arrays)``: a function of the arrays ``expected`` names as ``(name, array,
   dims)``, ``dims`` naming each axis (``"batch"``, ``"heads"``, ``"q_len"``,
