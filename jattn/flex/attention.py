@@ -110,15 +110,11 @@ class FlexProblem(AttentionProblem):
     local = super().local(batch_shards, head_shards)
     if batch_shards == head_shards == 1:
       return local
-    axes = iter(self.array_axes()[0])
     functions = {}
-    for name in ("score_mod", "mask_mod"):
+    for name, fn_axes in zip(("score_mod", "mask_mod"), self.split_consts(self.array_axes()[0])):
       fn = getattr(self, name)
-      if fn is None:
-        continue
-      fn_axes = [next(axes) for _ in range(fn.num_consts)]
       if all(a.batch is None and a.heads is None for a in fn_axes):
-        continue
+        continue  # (no function, or none of its arrays split)
       shapes = []
       for a, v in zip(fn_axes, fn.jaxpr.invars):
         shape = list(v.aval.shape)
