@@ -132,10 +132,11 @@ class ElementFunction:
       return None
     for eqn in self.jaxpr.eqns:  # the arrays read at the index: read there alone
       for v in eqn.invars:
-        index = lambda: eqn.invars[1 + reads[consts[v]]]
-        if is_var(v) and v in consts and consts[v] in reads and not (
-            eqn.primitive.name == "dynamic_slice" and v is eqn.invars[0]
-            and is_var(index()) and index() in same):
+        if not (is_var(v) and v in consts and consts[v] in reads):
+          continue
+        at = (eqn.invars[1 + reads[consts[v]]] if eqn.primitive.name == "dynamic_slice"
+              and v is eqn.invars[0] else None)
+        if at is None or not is_var(at) or at not in same:
           return None
     return reads
 
@@ -254,7 +255,7 @@ def _evaluate(jaxpr: Jaxpr, args, literal=lambda v: v.val, consts=()) -> list:
       outs = _matching_rule(eqn, inputs)
     elif eqn.primitive.name in ("pjit", "jit"):  # inlined: bound under a mesh of Explicit
       # axes, in the transpose of a shard_map, it leaves a constant JAX cannot close over
-      outs = _evaluate(eqn.params["jaxpr"].jaxpr, inputs, consts=eqn.params["jaxpr"].consts)
+      outs = _inlined(eqn, inputs)
     else:
       outs = None
     if outs is None:
@@ -277,6 +278,12 @@ def _matching_rule(eqn, inputs) -> list | None:
     axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
     axes = frozenset(axes if isinstance(axes, (tuple, list)) else (axes,))
     return [as_varying(x, axes) for x in inputs]
+  return _inlined(eqn, inputs)
+
+
+def _inlined(eqn, inputs) -> list | None:
+  """The outputs of an equation that calls an inner jaxpr, its equations evaluated in
+  place (None: it calls none)."""
   inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                 if k in eqn.params), None)
   if isinstance(inner, ClosedJaxpr):
