@@ -139,8 +139,8 @@ def _needed(needed, step: int, blocks):
 def _after(buf, work):
   """``buf``, held back until ``work`` (a tree of arrays) is computed. The hops of a
   forward ring depend only on each other, so XLA would otherwise run them all before
-  the first block, all but one synchronously (a profile on 4 GPUs: 2.3 ms before the
-  first block, where each hop hides behind a block)."""
+  the first block, all but one synchronously, instead of each beside its step's block
+  (docs/ring.md)."""
   return lax.optimization_barrier((buf, work))[0]
 
 
