@@ -10,6 +10,8 @@ import time
 
 import jax
 
+from jattn.core.timing import median_ms
+
 
 def attention_flops(batch, q_len, kv_len, heads, head_dim, causal, mode):
   """FLOPs as DESIGN.md counts them: fwd 4*B*H*Sq*Sk*D (halved when causal), fwd+bwd 3.5x."""
@@ -19,18 +21,10 @@ def attention_flops(batch, q_len, kv_len, heads, head_dim, causal, mode):
   return flops * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
-def time_jax(fn, *args, reps=12, inner=5, warmup=3):
-  """Median seconds per call; ``inner`` calls are queued between two syncs to hide dispatch."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner)
-  return statistics.median(samples)
+def time_jax(fn, *args, reps=12, inner=5):
+  """Median seconds per call (``jattn.core.timing.median_ms``: warmed up, ``inner``
+  calls queued between two syncs to hide dispatch)."""
+  return median_ms(fn, args, reps, inner=inner) / 1e3
 
 
 def time_torch(fn, reps=12, inner=5, warmup=3):

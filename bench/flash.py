@@ -43,7 +43,8 @@ RATIOS = [("jattn_triton", "jax_example"), ("jattn_triton", "cudnn"), ("jattn_mo
           ("jattn_mosaic", "tokamax_mosaic"), ("jattn_mosaic", "jax_example_mgpu"),
           ("jattn_mosaic_softcap", "jattn_triton_softcap"),
           ("jattn_mosaic_softcap", "jattn_mosaic"),
-          ("jattn_mosaic_persistent", "jattn_mosaic"), ("jattn_mosaic_persistent", "cudnn")]
+          ("jattn_mosaic_persistent", "jattn_mosaic"), ("jattn_mosaic_persistent", "cudnn"),
+          ("jattn_mosaic", "jattn_mosaic_heuristic")]
 SOFTCAP = 30.0  # the *_softcap impls' cap (Gemma 2's attention cap is 50)
 
 
@@ -58,6 +59,10 @@ def jax_impls(causal, config=None, mosaic_config=None):
   def ours_mosaic(q, k, v):
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
                                  config=mosaic_config)
+
+  def ours_mosaic_heuristic(q, k, v):  # the untuned tiles, past any tuned table entry
+    config = mosaic_config or default_mosaic_config(q.shape[-1])
+    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic", config=config)
 
   def ours_mosaic_persistent(q, k, v):  # the forward on one CTA per SM
     config = dataclasses.replace(mosaic_config or default_mosaic_config(q.shape[-1]),
@@ -98,6 +103,7 @@ def jax_impls(causal, config=None, mosaic_config=None):
     return jax_example.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
 
   return {"jattn_triton": ours, "jattn_mosaic": ours_mosaic,
+          "jattn_mosaic_heuristic": ours_mosaic_heuristic,
           "jattn_mosaic_fused_dq": ours_mosaic_fused_dq,
           "jattn_mosaic_persistent": ours_mosaic_persistent,
           "jattn_mosaic_softcap": softcapped("pallas_mosaic"),

@@ -69,7 +69,7 @@ def step_fn(attend, mesh, mode):
 
 
 def _time(fn, args, reps, inner):
-  return time_jax(fn, *args, reps=reps, inner=inner, warmup=1)
+  return time_jax(fn, *args, reps=reps, inner=inner)
 
 
 def weak_scaling(args, env):

@@ -46,7 +46,7 @@ def probe(args):
       q, q_ids = q_all[:, start:start + half], ids[:, start:start + half]
       for name, fn in (("kv_lengths", by_lengths), ("sliced", by_slicing)):
         call = jax.jit(fn, static_argnums=2)
-        ms = 1e3 * time_jax(call, q, q_ids, keys, reps=args.reps, inner=2, warmup=1)
+        ms = 1e3 * time_jax(call, q, q_ids, keys, reps=args.reps, inner=2)
         rows.append(dict(rank=rank, q_start=start, keys=keys, bound=name, ms=ms))
         print(rows[-1], flush=True)
   return rows

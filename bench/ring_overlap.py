@@ -90,7 +90,7 @@ def measure(args) -> dict:
   length, heads, head_dim = args.local, 8, 128
   res = dict(variant=args.variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
              nccl={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
-  t = lambda fn, *x: time_jax(fn, *x, reps=5, inner=3, warmup=1) * 1e3
+  t = lambda fn, *x: time_jax(fn, *x, reps=5, inner=3) * 1e3
 
   def smap(f, mesh, n_in, n_out=1):
     return jax.shard_map(f, mesh=mesh, in_specs=(SPEC,) * n_in,

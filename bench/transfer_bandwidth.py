@@ -53,7 +53,7 @@ def measure(tag: str) -> list[dict]:
            "all_gather": (gather, devices - 1)}
   rows = []
   for name, (fn, shards_in) in cases.items():
-    seconds = time_jax(fn, x, reps=10, inner=1, warmup=3)
+    seconds = time_jax(fn, x, reps=10, inner=1)
     rows.append(dict(tag=tag, devices=devices, collective=name, ms=seconds * 1e3,
                      gb_per_s=shards_in * nbytes / seconds / 1e9))
     print(rows[-1], flush=True)

@@ -11,7 +11,8 @@ GPU and store the fastest in the cache (``jattn.tuning``).
 
 The size flags fill the op's problem fields (``--seq`` is ``q_len``, ``seq`` or
 ``tokens``, whichever the op has); ``--set name=value`` sets any other field.
-``--dry-run`` lists the candidates and what the cost model prunes, timing nothing.
+``--dry-run`` lists the candidates and what the cost model prunes, timing nothing;
+``--timings FILE`` writes every candidate's time as JSON beside the cache entry.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import dataclasses
 import json
 import sys
 
-from jattn.command_line import Parser, UsageError, add_verbose, run_tool
+import jax
+
+from jattn.command_line import (Parser, UsageError, add_verbose, atomic_output, run_tool,
+                                writable_destination)
 from jattn.core.device import gpu_info, shared_memory_limit
 from jattn.core.op import OPS
 from jattn.core.cache import cache_path, load_cache, writable_cache_path
@@ -74,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="any other field of the op's problem")
   parser.add_argument("--reps", type=int, default=10, help="timed calls per candidate")
   parser.add_argument("--max-candidates", type=int, help="time at most this many per stage")
+  parser.add_argument("--timings", metavar="FILE",
+                      help="also write every candidate's time (JSON) to FILE")
   parser.add_argument("--dry-run", action="store_true",
                       help="list the candidates and the pruned ones, time nothing")
   listing = parser.add_mutually_exclusive_group()
@@ -164,9 +170,11 @@ def _run(args) -> int:
       raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   if not args.dry_run:
     try:
-      writable_cache_path()  # where the result goes, checked before the search
+      writable_cache_path()  # where the results go, checked before the search
     except ValueError as e:
       raise UsageError(str(e)) from None
+    if args.timings is not None:
+      writable_destination("--timings", args.timings)
   info = gpu_info()
   unusable = impl.supported_on(info)
   if unusable is not None:
@@ -185,8 +193,15 @@ def _run(args) -> int:
         print(f"  {verdict} {fields_text(c.config, stage.space)}"
               + ("" if c.reason is None else f"  [{c.reason}]"))
     return 0
+  timings = []
   best = tune(op_name, args.backend, problem, reps=args.reps, info=info,
-              max_candidates=args.max_candidates)
+              max_candidates=args.max_candidates, timings=timings)
+  if args.timings is not None:
+    record = {"key": str(tuning_key(op_name, args.backend, problem, info)), "device": info.name,
+              "jax": jax.__version__, "problem": dataclasses.asdict(problem), "reps": args.reps,
+              "best": dataclasses.asdict(best), "timings": timings}
+    with atomic_output(args.timings) as tmp, open(tmp, "w") as f:
+      json.dump(record, f, indent=1, default=str)  # default: dtypes by name
   print(json.dumps(dataclasses.asdict(best)))
   return 0
 

@@ -17,6 +17,8 @@ import jattn
 from jattn.flex import bias_score
 from conftest import ON_GPU, rel_err
 
+pytestmark = pytest.mark.kernel  # the GPU suite runs its 2- and 4-GPU meshes
+
 BACKEND = "auto" if ON_GPU else "pallas_triton"  # the kernels, in interpret mode on a CPU
 
 

@@ -421,6 +421,21 @@ def test_search_takes_the_fastest_fitting_candidate_that_runs(toy, capsys):
   assert entry["ms"] == 6.0 and entry["mode"] == "fwd+bwd"
 
 
+def test_cli_writes_every_candidates_time(toy, tmp_path, capsys):
+  path = tmp_path / "out" / "timings.json"
+  assert cli.main(["--op", "toy", "--backend", "fake", "--dtype", "bfloat16",
+                   "--timings", str(path)]) == 0
+  record = json.loads(path.read_text())
+  assert record["key"].endswith("|toy/fake|toy") and record["best"] == {"a": 2, "b": 2}
+  assert [(t["stage"], t["config"], t["ms"]) for t in record["timings"]] == [
+      ("A", {"a": 1, "b": 1}, 9.0), ("A", {"a": 2, "b": 1}, 8.0),
+      ("B", {"a": 2, "b": 1}, 7.0), ("B", {"a": 2, "b": 2}, 6.0), ("B", {"a": 2, "b": 3}, None)]
+  assert record["problem"]["dtype"] == "bfloat16"
+  toy.clear()
+  assert cli.main(["--op", "toy", "--backend", "fake", "--timings", str(tmp_path)]) == 2
+  assert "error: --timings" in capsys.readouterr().err and toy == []  # refused before timing
+
+
 def test_search_limits_and_errors(toy, capsys):
   tune = lambda **kw: search.tune("toy", "fake", FlashProblem(), info=FAKE_H100, **kw)
   assert tune(max_candidates=1, save=False, progress=False) == Toy()

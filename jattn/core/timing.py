@@ -12,14 +12,26 @@ from jattn.core.op import Op, run
 from jattn.kernels.common.config import MODES
 
 
-def median_ms(fn, args, reps: int) -> float:
-  """Median wall time of ``fn(*args)`` over ``reps`` calls, after one that compiles."""
+def median_ms(fn, args, reps: int, *, inner: int = 5, warmup_s: float = 0.1) -> float:
+  """Median milliseconds per call of ``fn(*args)``: after one call that compiles, calls
+  for ``warmup_s`` seconds (a GPU idle through a compile runs its first calls at a lower
+  clock: an unwarmed first candidate timed up to 7% off), then ``reps`` samples of
+  ``inner`` calls queued between two syncs, to hide the dispatch (one call per sample
+  where a call takes 10 ms or more: nothing to hide)."""
   jax.block_until_ready(fn(*args))
+  start = last = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  one_call = time.perf_counter() - last
+  while time.perf_counter() - start < warmup_s:
+    jax.block_until_ready(fn(*args))
+  inner = inner if one_call < 0.01 else 1
   samples = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - t0)
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / inner)
   return statistics.median(samples) * 1e3
 
 

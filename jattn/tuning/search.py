@@ -121,13 +121,16 @@ def _reason_counts(pruned: list[Candidate]) -> str:
 
 
 def tune(op_name: str, backend: str, problem, *, reps: int = 10, info: GPUInfo | None = None,
-         progress: bool = True, save: bool = True, max_candidates: int | None = None):
+         progress: bool = True, save: bool = True, max_candidates: int | None = None,
+         timings: list | None = None):
   """Times the candidates stage by stage on this device and returns the fastest config.
 
   Each timing is the median of ``reps`` calls. Candidates that fail to compile or
   run are skipped. ``max_candidates`` caps how many are timed per stage (the
-  current best comes first). With ``save``, the winner goes to the user cache (a
-  ``ValueError`` before any timing if it cannot be written).
+  current best comes first: the first stage's first is the heuristic config). With
+  ``save``, the winner goes to the user cache (a ``ValueError`` before any timing if
+  it cannot be written). ``timings``: a list that gets one ``{"stage", "mode",
+  "config", "ms"}`` per candidate timed, in order (``ms`` None where it failed).
   """
   op, impl = tunable(op_name, backend)
   if not (isinstance(reps, int) and reps >= 1):
@@ -167,6 +170,9 @@ def tune(op_name: str, backend: str, problem, *, reps: int = 10, info: GPUInfo |
           stage_errors.append(f"{fields_text(config, stage.space)}: {type(e).__name__}: "
                               f"{first_line}")
       ms = timed[(config, stage.mode)]
+      if timings is not None:
+        timings.append({"stage": stage.name, "mode": stage.mode,
+                        "config": dataclasses.asdict(config), "ms": ms})
       if ms is not None and (stage_best is None or ms < stage_best[1]):
         stage_best = (config, ms)
       if bar:
