@@ -13,18 +13,21 @@ from jattn.kernels.common.config import MODES
 
 
 def median_ms(fn, args, reps: int, *, inner: int = 5, warmup_s: float = 0.1) -> float:
-  """Median milliseconds per call of ``fn(*args)``: after one call that compiles, calls
-  for ``warmup_s`` seconds (a GPU idle through a compile runs its first calls at a lower
-  clock: an unwarmed first candidate timed up to 7% off), then ``reps`` samples of
-  ``inner`` calls queued between two syncs, to hide the dispatch (one call per sample
-  where a call takes 10 ms or more: nothing to hide)."""
+  """Median milliseconds per call of ``fn(*args)`` over ``reps`` samples, after one
+  call that compiles. On a GPU, calls for ``warmup_s`` seconds first (a GPU idle
+  through a compile runs its first calls at a lower clock: an unwarmed first candidate
+  timed up to 7% off), and a sample queues ``inner`` calls between two syncs, to hide
+  the dispatch (one call where a call takes 10 ms or more: nothing to hide). Elsewhere
+  (kernels interpreted, times that say nothing of a GPU's) one call per sample."""
   jax.block_until_ready(fn(*args))
-  start = last = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  one_call = time.perf_counter() - last
-  while time.perf_counter() - start < warmup_s:
+  if jax.default_backend() == "gpu":
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-  inner = inner if one_call < 0.01 else 1
+    inner = inner if time.perf_counter() - start < 0.01 else 1
+    while time.perf_counter() - start < warmup_s:
+      jax.block_until_ready(fn(*args))
+  else:
+    inner = 1
   samples = []
   for _ in range(reps):
     t0 = time.perf_counter()
