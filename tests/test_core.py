@@ -398,3 +398,24 @@ def test_only_flags_jaxlib_defines_are_taken(tmp_path, monkeypatch):
   spec.submodule_search_locations = [str(tmp_path)]
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
   assert device._flags_defined_by_jaxlib(["xla_defined", "xla_removed"]) == {"xla_defined"}
+
+
+@pytest.mark.parametrize("platform, call_s, calls", [
+    ("cpu", 1 / 512, 1 + 3),  # the compile call, then one per sample
+    ("gpu", 1 / 512, 1 + 64 + 3 * 5),  # warm-up calls for 0.125 s, then 5 queued per sample
+    ("gpu", 1 / 32, 1 + 4 + 3),  # calls of 10 ms or more: warm-up, then one per sample
+])
+def test_median_ms_warms_a_gpu_up_and_queues_short_calls(monkeypatch, platform, call_s, calls):
+  from jattn.core import timing
+  clock, made = [0.0], []
+  done = jnp.zeros(())
+
+  def fn():
+    made.append(None)
+    clock[0] += call_s
+    return done
+
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+  monkeypatch.setattr(timing.jax, "default_backend", lambda: platform)
+  assert timing.median_ms(fn, (), 3, warmup_s=0.125) == pytest.approx(call_s * 1e3)
+  assert len(made) == calls
