@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--dilation-rates", type=_ints, help="dilated attention: r1,r2,...")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="any other field of the op's problem")
-  parser.add_argument("--reps", type=int, default=10, help="timed calls per candidate")
+  parser.add_argument("--reps", type=int, default=10, help="timed samples per candidate")
   parser.add_argument("--max-candidates", type=int, help="time at most this many per stage")
   parser.add_argument("--timings", metavar="FILE",
                       help="also write every candidate's time (JSON) to FILE")

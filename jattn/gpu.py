@@ -71,9 +71,9 @@ def benchmark_backends(op: str = "flash_attention", *, mode: str = "fwd+bwd", re
                        **problem) -> list[dict]:
   """Times every backend of ``op`` that can run ``problem`` here; rows, fastest first.
 
-  Each row: ``backend``, ``ms`` (median of ``reps`` jitted calls on random inputs),
-  ``speedup`` over the slowest. ``mode``: ``"fwd"`` or ``"fwd+bwd"`` (the gradients
-  of the output's sum). Without ``dtype``, the device's ``recommended_dtype``. The
+  Each row: ``backend``, ``ms`` (``median_ms`` over ``reps`` samples of the jitted
+  call on random inputs), ``speedup`` over the slowest. ``mode``: ``"fwd"`` or
+  ``"fwd+bwd"`` (the gradients of the output's sum). Without ``dtype``, the device's ``recommended_dtype``. The
   timing runs on this machine; ``info`` (default: its description) says which
   backends to try. ``save=True`` (on a GPU) stores the times in the user cache
   (``jattn.core.cache``), so that ``"auto"`` takes the fastest backend for
