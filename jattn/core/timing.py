@@ -16,7 +16,7 @@ def median_ms(fn, args, reps: int, *, inner: int = 5, warmup_s: float = 0.1) -> 
   """Median milliseconds per call of ``fn(*args)`` over ``reps`` samples, after one
   call that compiles. On a GPU, calls for ``warmup_s`` seconds first (a GPU idle
   through a compile runs its first calls at a lower clock: an unwarmed first candidate
-  timed up to 7% off), and a sample queues ``inner`` calls between two syncs, to hide
+  timed up to 9% off on an H200), and a sample queues ``inner`` calls between two syncs, to hide
   the dispatch (one call where a call takes 10 ms or more: nothing to hide). Elsewhere
   (kernels interpreted, times that say nothing of a GPU's) one call per sample."""
   jax.block_until_ready(fn(*args))
