@@ -60,18 +60,19 @@ def jax_impls(causal, config=None, mosaic_config=None):
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
                                  config=mosaic_config)
 
-  def ours_mosaic_heuristic(q, k, v):  # the untuned tiles, past any tuned table entry
-    config = mosaic_config or default_mosaic_config(q.shape[-1])
-    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic", config=config)
+  def tiles(q):  # the candidate, else the untuned tiles (past any tuned table entry)
+    return mosaic_config or default_mosaic_config(q.shape[-1])
+
+  def ours_mosaic_heuristic(q, k, v):
+    return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
+                                 config=tiles(q))
 
   def ours_mosaic_persistent(q, k, v):  # the forward on one CTA per SM
-    config = dataclasses.replace(mosaic_config or default_mosaic_config(q.shape[-1]),
-                                 persistent=True)
+    config = dataclasses.replace(tiles(q), persistent=True)
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic", config=config)
 
   def ours_mosaic_fused_dq(q, k, v):  # deterministic=False: dQ atomics in the dK/dV kernel
-    config = dataclasses.replace(mosaic_config or default_mosaic_config(q.shape[-1]),
-                                 fused_dq=True)
+    config = dataclasses.replace(tiles(q), fused_dq=True)
     return jattn.flash_attention(q, k, v, causal=causal, backend="pallas_mosaic",
                                  config=config, deterministic=False)
 

@@ -15,10 +15,10 @@ from jattn.kernels.common.config import MODES
 def median_ms(fn, args, reps: int, *, inner: int = 5, warmup_s: float = 0.1) -> float:
   """Median milliseconds per call of ``fn(*args)`` over ``reps`` samples, after one
   call that compiles. On a GPU, calls for ``warmup_s`` seconds first (a GPU idle
-  through a compile runs its first calls at a lower clock: an unwarmed first candidate
-  timed up to 9% off on an H200), and a sample queues ``inner`` calls between two syncs, to hide
-  the dispatch (one call where a call takes 10 ms or more: nothing to hide). Elsewhere
-  (kernels interpreted, times that say nothing of a GPU's) one call per sample."""
+  through a compile runs its first calls at a lower clock; docs/backends.md), and a
+  sample queues ``inner`` calls between two syncs, to hide the dispatch (one call
+  where a call takes 10 ms or more: nothing to hide). Elsewhere (kernels interpreted,
+  times that say nothing of a GPU's) one call per sample."""
   jax.block_until_ready(fn(*args))
   if jax.default_backend() == "gpu":
     start = time.perf_counter()

@@ -125,8 +125,8 @@ def tune(op_name: str, backend: str, problem, *, reps: int = 10, info: GPUInfo |
          timings: list | None = None):
   """Times the candidates stage by stage on this device and returns the fastest config.
 
-  Each timing is ``median_ms``'s over ``reps`` samples. Candidates that fail to compile or
-  run are skipped. ``max_candidates`` caps how many are timed per stage (the
+  Each timing is ``median_ms``'s over ``reps`` samples. Candidates that fail to
+  compile or run are skipped. ``max_candidates`` caps how many are timed per stage (the
   current best comes first: the first stage's first is the heuristic config). With
   ``save``, the winner goes to the user cache (a ``ValueError`` before any timing if
   it cannot be written). ``timings``: a list that gets one ``{"stage", "mode",
