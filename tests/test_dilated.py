@@ -332,7 +332,8 @@ def test_hopper_backward_host_code_with_an_emulated_kernel(monkeypatch, kv_heads
   q, k, v, do = _inputs(1, 512, 4, kv_heads, 40, seed=kv_heads)
   kw = dict(segment_lengths=[w for w, _ in pairs], dilation_rates=[r for _, r in pairs],
             causal=causal)
-  (o, lse), pull = jax.vjp(lambda q, k, v: dilated_attention_reference(q, k, v, **kw), q, k, v)
+  (o, lse), pull = jax.vjp(jax.jit(lambda q, k, v: dilated_attention_reference(q, k, v, **kw)),
+                           q, k, v)
   grads = mosaic.dilated_mosaic_backward(
       q, k, v, o, lse, do, pairs=pairs, causal=causal, scale=40 ** -0.5,
       config=jattn.MosaicBlockConfig(block_q=64, block_kv=64, **backward_tiles))
@@ -377,7 +378,8 @@ def test_flash_pairs_backward_gives_the_reference_gradients(backend, kv_heads, c
   kw = dict(segment_lengths=[16, 64], dilation_rates=[2, 4], causal=causal)
   p = DilatedProblem(batch=2, seq=64, heads=4, kv_heads=kv_heads, head_dim=16,
                      dtype=jnp.float32, scale=0.25, **kw)
-  (o, lse), pull = jax.vjp(lambda q, k, v: dilated_attention_reference(q, k, v, **kw), q, k, v)
+  (o, lse), pull = jax.vjp(jax.jit(lambda q, k, v: dilated_attention_reference(q, k, v, **kw)),
+                           q, k, v)
   grads = jax.jit(lambda q, k, v, o, lse, do: flash_pairs_backward(
       p, ((q, k, v), o, lse), do, backend))(q, k, v, o, lse, do)
   for name, g, g_ref in zip("qkv", grads, pull((do, jnp.zeros_like(lse)))):

@@ -23,10 +23,10 @@ def both(q, k, v, implementation="xla", **options):
   def loss(f):
     return lambda q, k, v, bias: jnp.sum(jnp.sin(f(q, k, v, bias=bias, **options)))
 
-  ours = jax.value_and_grad(loss(lambda *a, **o: jattn.dot_product_attention(
-      *a, implementation=implementation, **o)), argnums=(0, 1, 2, 3))(q, k, v, bias)
-  theirs = jax.value_and_grad(loss(lambda *a, **o: jax.nn.dot_product_attention(
-      *a, implementation="xla", **o)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  ours = jax.jit(jax.value_and_grad(loss(lambda *a, **o: jattn.dot_product_attention(
+      *a, implementation=implementation, **o)), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  theirs = jax.jit(jax.value_and_grad(loss(lambda *a, **o: jax.nn.dot_product_attention(
+      *a, implementation="xla", **o)), argnums=(0, 1, 2, 3)))(q, k, v, bias)
   return ours, theirs
 
 

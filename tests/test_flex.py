@@ -32,7 +32,8 @@ def _out_and_grads(f, q, k, v, do, *extra):
     o, lse = f(*args)
     return jnp.sum(o * do) + jnp.sum(jnp.where(lse > -1e29, lse, 0.0) * 0.1), (o, lse)
   argnums = tuple(range(3 + len(extra)))
-  (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q, k, v, *extra)
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
+      q, k, v, *extra)
   return out, grads
 
 

@@ -354,7 +354,7 @@ def check_nonfinite(form, backend, normalize=None, *, shape=(18, 21, 8, 6), bad=
   grads = pull(cot.astype(o.dtype))
   with jax.enable_x64(True):
     f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, state, cot)]
-    o_ref, pull_ref = jax.vjp(oracle, *f64[:4])
+    o_ref, pull_ref = jax.vjp(jax.jit(oracle), *f64[:4])
     grads_ref = pull_ref(f64[4])
   o, o_ref = np.asarray(o, np.float64), np.asarray(o_ref)
   np.testing.assert_array_equal(~np.isfinite(o).all(-1), seen)
@@ -632,8 +632,8 @@ def test_packed_sequences_match_the_reference_with_gradients(form, backend):
     return out, pull((cot[0], None if out[1] is None else cot[1]))
 
   for seed, cu in enumerate([EDGE_PACKING, _random_packing(56, 9, seed=1)]):
-    (o_ref, finals_ref), pull_ref = jax.vjp(lambda q, k, v: retention_recurrent_reference(
-        q, k, v, decay=DECAY, cu_seqlens=cu), q, k, v)
+    (o_ref, finals_ref), pull_ref = jax.vjp(jax.jit(lambda q, k, v: retention_recurrent_reference(
+        q, k, v, decay=DECAY, cu_seqlens=cu)), q, k, v)
     keys = jax.random.split(jax.random.PRNGKey(seed), 2)
     cot = (jax.random.normal(keys[0], o_ref.shape), jax.random.normal(keys[1], finals_ref.shape))
     (o, finals), grads = run(q, k, v, cu, cot)
@@ -670,7 +670,7 @@ def test_packed_abs_sum_normalisation():
   kw = dict(decay=DECAY, scale=0.1, normalize="abs_sum", cu_seqlens=EDGE_PACKING)
   o, pull = jax.vjp(jax.jit(lambda q, k, v: RETENTION_PARALLEL(
       q, k, v, backend="pallas_triton", config=SMALL_TILES_MIXED, **kw)), q, k, v)
-  o_ref, pull_ref = jax.vjp(lambda q, k, v: retention_reference(q, k, v, **kw), q, k, v)
+  o_ref, pull_ref = jax.vjp(jax.jit(lambda q, k, v: retention_reference(q, k, v, **kw)), q, k, v)
   assert rel_err(o, o_ref) < 1e-5
   cot = jax.random.normal(jax.random.PRNGKey(8), o.shape)
   for name, g, g_ref in zip("qkv", pull(cot), pull_ref(cot)):
