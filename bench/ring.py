@@ -10,7 +10,8 @@ Weak scaling: on the first P GPUs (P in --devices), one sequence of P x --local 
 sharded over the mesh axis; ``ring_attention`` runs inside ``shard_map`` on inputs
 already in the layout (contiguous, or zig-zag for balanced causal), as a model would
 keep them. Per-device TFLOP/s = attention FLOPs / time / P; efficiency = that over
-single-GPU ``flash_attention`` on --local tokens (same mode, causal or not).
+single-GPU ``flash_attention`` on --local tokens (same mode, causal or not; the backend the
+ring blocks run).
 
 Documents: the same rings with the sequence packed with --documents documents of random
 lengths (multiples of 2P; segment ids, laid out as q and k, in the plain layout and in
@@ -43,6 +44,7 @@ from bench.dilated import RATES, SEGMENTS, dilated_flops  # noqa: E402
 import jattn  # noqa: E402
 from jattn.parallel import (dilated_ring_attention, ring_attention,  # noqa: E402
                             segment_zigzag_order, zigzag_order)
+from jattn.parallel.blocks import ring_backend  # noqa: E402
 
 SPEC = PartitionSpec(None, "sp", None, None)
 
@@ -59,9 +61,26 @@ def sharded_inputs(mesh, shape, dtype, seed=0):
   return make()
 
 
-def step_fn(attend, mesh, mode):
-  """jit of the sharded forward, or of the forward and its VJP."""
-  fn = jax.shard_map(attend, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC,
+def stacked(attend, layers: int):
+  """``attend`` applied ``layers`` times, each layer's output the next one's q, k and v:
+  the layers of a model in one program, which pays a program's own costs (its launch
+  on every device, the collectives' first rendezvous) once for all its layers."""
+  if layers == 1:
+    return attend
+
+  def run(q, k, v, *rest):
+    o = attend(q, k, v, *rest)
+    for _ in range(layers - 1):
+      o = attend(o, o, o, *rest)
+    return o
+
+  return run
+
+
+def step_fn(attend, mesh, mode, layers: int = 1):
+  """jit of the sharded forward (``layers`` of them, ``stacked``), or of the forward
+  and its VJP."""
+  fn = jax.shard_map(stacked(attend, layers), mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC,
                      check_vma=False)
   if mode == "fwd":
     return jax.jit(fn), 3
@@ -78,13 +97,18 @@ def weak_scaling(args, env):
   for causal, mode in itertools.product((False, True), args.modes.split(",")):
     mesh1 = Mesh(np.array(jax.devices()[:1]), ("sp",))
     q, k, v, do = sharded_inputs(mesh1, shape1, jnp.bfloat16)
-    flash = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend=args.backend)
-    fn, n = step_fn(flash, mesh1, mode)
+    # The yardstick runs the ring blocks' kernels ("auto" may take cuDNN, no ring block).
+    backend = ring_backend(q, k, v, causal=causal, scale=args.head_dim ** -0.5,
+                           backend=args.backend)
+    flash = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, backend=backend)
+    fn, n = step_fn(flash, mesh1, mode, args.layers)
     seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
-    base = attention_flops(1, args.local, args.local, args.heads, args.head_dim, causal, mode)
+    base = args.layers * attention_flops(1, args.local, args.local, args.heads, args.head_dim,
+                                         causal, mode)
     base_tflops = base / seconds / 1e12
-    rows.append(dict(impl="flash (1 GPU)", devices=1, seq=args.local, causal=causal, mode=mode,
-                     ms=seconds * 1e3, tflops_per_device=base_tflops, efficiency=1.0))
+    rows.append(dict(impl=f"flash (1 GPU, {backend})", devices=1, seq=args.local, causal=causal,
+                     mode=mode, layers=args.layers, ms=seconds * 1e3,
+                     tflops_per_device=base_tflops, efficiency=1.0))
     print(rows[-1], flush=True)
     layouts = args.causal_layouts.split(",") if causal else ("contiguous",)
     for devices, layout, exchange in itertools.product(
@@ -96,13 +120,13 @@ def weak_scaling(args, env):
       q, k, v, do = sharded_inputs(mesh, (1, seq, args.heads, args.head_dim), jnp.bfloat16)
       ring = functools.partial(ring_attention, axis_name="sp", causal=causal, layout=layout,
                                backend=args.backend, kv_exchange=exchange)
-      fn, n = step_fn(ring, mesh, mode)
+      fn, n = step_fn(ring, mesh, mode, args.layers)
       seconds = _time(fn, (q, k, v, do)[:n], args.reps, args.inner)
-      flops = attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode)
+      flops = args.layers * attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode)
       per_device = flops / seconds / devices / 1e12
       rows.append(dict(impl=_impl(exchange, layout), devices=devices, seq=seq, causal=causal,
-                       mode=mode, ms=seconds * 1e3, tflops_per_device=per_device,
-                       efficiency=per_device / base_tflops))
+                       mode=mode, layers=args.layers, ms=seconds * 1e3,
+                       tflops_per_device=per_device, efficiency=per_device / base_tflops))
       print(rows[-1], flush=True)
       write_results(args.out, args.stem, {"env": env, "rows": rows}, _markdown(rows, env, args))
   return rows
@@ -115,10 +139,16 @@ def _impl(exchange: str, layout: str) -> str:
 def _markdown(rows, env, args):
   return _table(rows, env, "Ring attention weak scaling",
                 f"{args.local} tokens per GPU, batch 1, {args.heads} heads, head dim "
-                f"{args.head_dim}, bf16, backend {args.backend}. Per-device TFLOP/s = attention "
-                "FLOPs / time / GPUs; efficiency = that / single-GPU flash_attention on the "
-                "per-GPU length.",
+                f"{args.head_dim}, bf16, backend {args.backend}, {_layers(args)}. Per-device "
+                "TFLOP/s = attention FLOPs / time / GPUs; efficiency = that / single-GPU "
+                "flash_attention on the per-GPU length (as many layers), on the ring blocks' "
+                "backend.",
                 "efficiency", lambda r: f"{100 * r['efficiency']:.0f}%")
+
+
+def _layers(args) -> str:
+  return ("one attention call per timed program" if args.layers == 1 else
+          f"{args.layers} layers per timed program (`stacked`), ms for all of them")
 
 
 def _table(rows, env, title: str, note: str, last: str, last_cell) -> str:
@@ -187,19 +217,20 @@ def documents(args, env):
         return ring_attention(q, k, v, axis_name="sp", causal=causal, layout=layout or plain,
                               backend=args.backend, kv_exchange=exchange, **segments)
 
-      fn = jax.shard_map(attend, mesh=mesh, in_specs=(SPEC,) * 3 + (ids_spec,), out_specs=SPEC,
-                         check_vma=False)
+      fn = jax.shard_map(stacked(attend, args.layers), mesh=mesh,
+                         in_specs=(SPEC,) * 3 + (ids_spec,), out_specs=SPEC, check_vma=False)
       if mode == "fwd":
         step, call_args = jax.jit(fn), (q, k, v, laid)
       else:
         step = jax.jit(lambda q, k, v, ids, do: jax.vjp(lambda *a: fn(*a, ids), q, k, v)[1](do))
         call_args = (q, k, v, laid, do)
       seconds = _time(step, call_args, args.reps, args.inner)
-      flops = (document_flops(ids, args.heads, args.head_dim, causal, mode) if layout
-               else attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode))
+      flops = args.layers * (
+          document_flops(ids, args.heads, args.head_dim, causal, mode) if layout
+          else attention_flops(1, seq, seq, args.heads, args.head_dim, causal, mode))
       row = dict(impl=_impl(exchange, layout or plain) + (
           f" {args.documents} documents" if layout else ""), devices=devices, seq=seq,
-          causal=causal, mode=mode, ms=seconds * 1e3,
+          causal=causal, mode=mode, layers=args.layers, ms=seconds * 1e3,
           tflops_per_device=flops / seconds / devices / 1e12, backend=args.backend)
       if layout:
         dense = next(r for r in reversed(rows) if "ratio" not in r)
@@ -218,7 +249,8 @@ def _documents_markdown(rows, env, args):
   return _table(rows, env, "Ring attention on packed sequences",
                 f"{args.local} tokens per GPU, {args.documents} documents of random lengths per "
                 f"sequence, batch 1, {args.heads} heads, head dim {args.head_dim}, bf16, "
-                f"backend {args.backend}. TFLOP/s per GPU count real FLOPs (within documents); "
+                f"backend {args.backend}, {_layers(args)}. TFLOP/s per GPU count real FLOPs "
+                "(within documents); "
                 "ratio = with ids / without; split = the best ratio the documents' split over "
                 "the devices allows (mean over busiest device's real work).", "ratio", ratio)
 
@@ -319,6 +351,9 @@ def main():
   parser.add_argument("--heads", type=int, default=8)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--modes", default="fwd,fwd+bwd")
+  parser.add_argument("--layers", type=int, default=1,
+                      help="attention layers per timed program (weak scaling, documents): "
+                           "each layer's output the next one's q, k, v (stacked)")
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--inner", type=int, default=2)
   parser.add_argument("--causal-layouts", default="zigzag,contiguous",
