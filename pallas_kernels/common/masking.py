@@ -89,6 +89,28 @@ class MaskSpec:
   def offset(self) -> int:
     return self.kv_len - self.q_len
 
+  @property
+  def masked_kv_runs(self) -> tuple[bool, bool]:
+    """Whether ``kv_block_range`` can give masked key blocks before its unmasked ones
+    and after them. A loop over its result leaves out a side that cannot (the code of
+    a masked step is the largest part of a kernel); this reads the fields that
+    function reads, and tests check the two against each other."""
+    if self.every_tile_masked:
+      return False, True  # (lo, lo, lo, hi): every block after the empty unmasked run
+    bound = not self.unbound_lengths  # (unbound: the padded grid, no rows' bounds)
+    return (bound and self.left is not None,
+            self.kv_padded or (bound and (self.right is not None or self.lengths)))
+
+  @property
+  def masked_q_runs(self) -> tuple[bool, bool]:
+    """``masked_kv_runs`` of ``q_block_range``: masked query blocks before and after
+    its unmasked ones."""
+    if self.every_tile_masked:
+      return False, True
+    bound = not self.unbound_lengths
+    return (bound and self.right is not None,
+            self.kv_padded or (bound and (self.left is not None or self.lengths)))
+
   @staticmethod
   def build(q_len, kv_len, *, causal, local_window, kv_padded, segments,
             lengths: bool = False) -> "MaskSpec":

@@ -71,6 +71,13 @@ def _own_blocks(block_range, ranges_ref, batch, head, tile, wg):
   return narrow(block_range, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS + wg, 1))
 
 
+def _masked_runs(spec_runs, ranges_ref):
+  """``visit_blocks``' masked runs of a range ``_own_blocks`` gives: the spec's
+  (``MaskSpec.masked_kv_runs`` / ``masked_q_runs``), both sides where given ranges
+  narrow it."""
+  return spec_runs if ranges_ref is None else (True, True)
+
+
 def _slot_vectors(positions: PositionInputs, smem: dict, kind: str, masked: bool, slot) -> tuple:
   """The ``kind`` vectors streamed with the other operand, from ring slot ``slot``, where
   the step reads them (``PositionInputs.needs``); they lie along the score tile's columns."""
@@ -224,7 +231,8 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
                       tile, wg)
     if ds_out is not None:
       ds_out.zero_outside(mp.clamp_own(own, c_lo, c_hi), k_ref.shape[1] // block_kv)
-    dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)))
+    dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)),
+                         masked_runs=_masked_runs(spec.masked_kv_runs, ranges_ref))
     my(q_smem)[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(my(q_smem), dq_ref.at[rows])
@@ -615,7 +623,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         grads.skip(g, j, q_head, shape)
 
       own = _own_blocks(static_own, ranges_ref, batch, q_head, tile, wg)
-      return mp.visit_blocks((c_lo, c_hi), own, step, skip, carry, stream.descending)
+      return mp.visit_blocks((c_lo, c_hi), own, step, skip, carry, stream.descending,
+                             _masked_runs(spec.masked_q_runs, ranges_ref))
 
     dk, dv = lax.fori_loop(0, group, over_head, (_zeros((block_kv, head_dim)),
                                                  _zeros((block_kv, v_ref.shape[-1]))))

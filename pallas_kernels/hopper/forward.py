@@ -50,7 +50,7 @@ from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV
 from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES, THREADS_PER_WARPGROUP
 from jattn.kernels.hopper.inputs import PositionInputs, Tile, copy_bias_tiles, given_range
-from jattn.kernels.hopper.work import QueryTiles
+from jattn.kernels.hopper.work import BoundQueryTiles, QueryTiles
 
 
 # Rows of the ones tile a rule's ``mma_row_sums`` multiplies its weights with: the
@@ -287,10 +287,16 @@ class _Forward:
     scalars = self.positions.read_scalars(self.refs["scalars"], it.batch, it.head)
     if self.persistent and self.q_buffers == 2:
       self.load_next_q(t, 1 - buf)
-    own = self.items.own_range(self.spec_of(it.batch, it.head), q_start, block_kv)
+    spec = self.spec_of(it.batch, it.head)
+    own = self.items.own_range(spec, q_start, block_kv)
+    # Query tiles' ranges are kv_block_range's (decode's packed rows and given ranges
+    # narrow them further): the spec says which masked runs they can have.
+    masked_runs = (spec.masked_kv_runs if isinstance(self.items, BoundQueryTiles)
+                   else (True, True))
     if self.refs["ranges"] is not None:
       own = narrow(own, given_range(self.refs["ranges"], it.batch, it.head,
                                     it.tile * mp.CONSUMERS + wg, 1))
+      masked_runs = (True, True)
     own = mp.clamp_own(own, c_lo, c_hi)
     row_rule = self.rule.bind(self.refs["rule"], ConsumerRows(
         it.batch, it.head, q_start, own, block_q, block_kv, self.refs["q"].dtype))
@@ -307,7 +313,8 @@ class _Forward:
                                         plgpu.Layout.WGMMA)
     acc = (zeros(width),) + ((zeros(ONES_ROWS),) if self.mma_sums else ())
     acc, stats = mp.visit_blocks((c_lo, c_hi), own, functools.partial(self.step, rows),
-                                 functools.partial(self.skip, rows), (acc, row_rule.init))
+                                 functools.partial(self.skip, rows), (acc, row_rule.init),
+                                 masked_runs=masked_runs)
     pl.when(wg == 0)(self.take_turn)
     sums = (acc[1].max(axis=1),) if self.mma_sums else ()  # its columns are equal
     self.write(rows, buf, *row_rule.finish(acc[0], stats, *sums))

@@ -203,7 +203,8 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, barriers, *, batch, head, group: in
            (copy_from(v_ref, v_smem, addressing.v_tile), v_ready, v_free)], first_slot_use)
 
 
-def visit_blocks(cta_range, own_range, step, skip, carry, descending: bool = False):
+def visit_blocks(cta_range, own_range, step, skip, carry, descending: bool = False,
+                 masked_runs: tuple[bool, bool] = (True, True)):
   """Consumer loop over blocks ``[c_lo, c_hi)`` of the CTA, in order (from ``c_hi - 1``
   down with ``descending``; the producer must stream the blocks in the same order).
 
@@ -211,6 +212,9 @@ def visit_blocks(cta_range, own_range, step, skip, carry, descending: bool = Fal
   ``q_block_range``) says which blocks this consumer needs, and which of those
   need the element mask. ``step(j, carry, masked)`` computes block ``j``;
   ``skip(j)`` keeps the barriers in step for a block this consumer does not need.
+  ``masked_runs``: whether masked blocks can come before / after the unmasked ones
+  (``MaskSpec.masked_kv_runs``); a side that cannot has no loop, so no copy of the
+  masked step's code.
   """
   c_lo, c_hi = cta_range
   lo, full_lo, full_hi, hi = clamp_own(own_range, c_lo, c_hi)
@@ -219,9 +223,11 @@ def visit_blocks(cta_range, own_range, step, skip, carry, descending: bool = Fal
     skip(j)
     return carry
 
-  runs = [(c_lo, lo, skipped), (lo, full_lo, lambda j, c: step(j, c, True)),
+  masked = lambda j, c: step(j, c, True)
+  runs = [(c_lo, lo, skipped), (lo, full_lo, masked if masked_runs[0] else None),
           (full_lo, full_hi, lambda j, c: step(j, c, False)),
-          (full_hi, hi, lambda j, c: step(j, c, True)), (hi, c_hi, skipped)]
+          (full_hi, hi, masked if masked_runs[1] else None), (hi, c_hi, skipped)]
+  runs = [run for run in runs if run[2] is not None]
   for start, stop, body in reversed(runs) if descending else runs:
     if descending:
       carry = lax.fori_loop(0, stop - start, lambda i, c, stop=stop, body=body:
