@@ -287,6 +287,12 @@ def with_segment_range(spec: MaskSpec, block_range, range_ref):
   return narrow(block_range, tuple(range_ref[i] for i in range(4)))
 
 
+def segment_masked_runs(spec: MaskSpec, masked_runs: tuple[bool, bool]) -> tuple[bool, bool]:
+  """``masked_runs`` of a block range after ``with_segment_range``: both sides where the
+  segment range narrows it."""
+  return (True, True) if spec.segments and spec.segment_tiles else masked_runs
+
+
 def split_block_range(block_range, split, split_blocks: int):
   """``block_range`` restricted to split ``split`` of the key blocks: blocks
   ``[split * split_blocks, (split + 1) * split_blocks)``."""
@@ -328,10 +334,12 @@ def q_block_range(spec: MaskSpec, k_start, block_k: int, block_q: int):
   return lo, full_lo, full_hi, hi
 
 
-def range_tiles(lo, full_lo, full_hi, hi):
+def range_tiles(lo, full_lo, full_hi, hi, masked_runs: tuple[bool, bool] = (True, True)):
   """The loop schedule of a ``kv_block_range`` / ``q_block_range`` result: masked,
-  unmasked, masked runs of consecutive tiles, as ``[(lo, hi, index, masked)]``."""
-  return [(lo, full_lo, None, True), (full_lo, full_hi, None, False), (full_hi, hi, None, True)]
+  unmasked, masked runs of consecutive tiles, as ``[(lo, hi, index, masked)]``; without
+  the masked run of a side ``masked_runs`` (``MaskSpec.masked_kv_runs``) rules out."""
+  runs = [(lo, full_lo, None, True), (full_lo, full_hi, None, False), (full_hi, hi, None, True)]
+  return [run for run, kept in zip(runs, (masked_runs[0], True, masked_runs[1])) if kept]
 
 
 def run_tiles(schedule, body, carry):

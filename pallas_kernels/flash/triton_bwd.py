@@ -29,8 +29,8 @@ from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, last_first, row
                                          whole_array_spec, whole_sequence_spec)
 from jattn.kernels.common.masking import (MaskSpec, element_mask, kv_block_range,
                                           q_block_range, range_tiles, run_tiles,
-                                          segment_block_ranges, split_extra_refs,
-                                          with_segment_range)
+                                          segment_block_ranges, segment_masked_runs,
+                                          split_extra_refs, with_segment_range)
 from jattn.kernels.common.nonfinite import clear_nonfinite_rows, guard_values
 from jattn.kernels.common.softmax import backward_probs, dot, log2_logits, logit_grad
 from jattn.kernels.flash.triton_rows import BATCH_ROWS, PackedRows
@@ -91,7 +91,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_s
 
   if not lists:
     ranges = range_tiles(*with_segment_range(
-        spec, q_block_range(spec, k_start, block_k, block_q), seg_range_ref))
+        spec, q_block_range(spec, k_start, block_k, block_q), seg_range_ref),
+        segment_masked_runs(spec, spec.masked_q_runs))
   # Read here: interpret mode has no program ids inside loops.
   key_tile = pl.program_id(0) if lists else None
 
@@ -158,7 +159,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     schedule = listed_tiles(tile_lists, tile)
   else:
     schedule = range_tiles(*with_segment_range(
-        spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref))
+        spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref),
+        segment_masked_runs(spec, spec.masked_kv_runs))
   dq = run_tiles(schedule, body, jnp.zeros(q.shape, jnp.float32))
   rows_at.store(dq_ref, q_start, (dq * scale).astype(dq_ref.dtype))
 

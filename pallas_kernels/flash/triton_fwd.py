@@ -29,8 +29,8 @@ from jattn.kernels.common.launch import (LENGTHS, SEGMENT_RANGE, last_first, row
                                          whole_array_spec, whole_sequence_spec)
 from jattn.kernels.common.element_functions import kernel_array
 from jattn.kernels.common.masking import (MaskSpec, apply_mask, kv_block_range, range_tiles,
-                                          run_tiles, segment_block_ranges, split_extra_refs,
-                                          with_segment_range)
+                                          run_tiles, segment_block_ranges, segment_masked_runs,
+                                          split_extra_refs, with_segment_range)
 from jattn.kernels.common.nonfinite import guard_values
 from jattn.kernels.common.softmax import (dot, log2_logits, log2_units, online_softmax_finish,
                                           online_softmax_init, online_softmax_step)
@@ -67,7 +67,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, seg_range_ref, s
     schedule = listed_tiles(tile_lists, tile)
   else:
     schedule = range_tiles(*with_segment_range(
-        spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref))
+        spec, kv_block_range(spec, q_start, block_q, block_k), seg_range_ref),
+        segment_masked_runs(spec, spec.masked_kv_runs))
   sink = None if sink_ref is None else sink_ref[bh[1]]
   c = log2_units(scale, score is not None)
   carry = run_tiles(schedule, body, online_softmax_init(block_q, v_ref.shape[-1], sink, c))
