@@ -75,10 +75,11 @@ def benchmark_backends(op: str = "flash_attention", *, mode: str = "fwd+bwd", re
   call on random inputs), ``speedup`` over the slowest. ``mode``: ``"fwd"`` or
   ``"fwd+bwd"`` (the gradients of the output's sum). Without ``dtype``, the device's
   ``recommended_dtype``. The timing runs on this machine; ``info`` (default: its
-  description) says which backends to try. ``save=True`` (on a GPU) stores the times in the user cache
-  (``jattn.core.cache``), so that ``"auto"`` takes the fastest backend for
-  problems with the same key (e.g. flash attention's dtype, head dim, causal and
-  length bucket); to include cuDNN for flash attention, pass ``deterministic=False``.
+  description) says which backends to try. ``save=True`` (on a GPU) stores the times
+  in the user cache (``jattn.core.cache``), so that ``"auto"`` takes the fastest
+  backend for problems with the same key (e.g. flash attention's dtype, head dim,
+  causal and length bucket); to include cuDNN for flash attention, pass
+  ``deterministic=False``.
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

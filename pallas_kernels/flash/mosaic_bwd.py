@@ -24,7 +24,7 @@ composes: the Q/dO stream with its walk order (``_QStream``), who fills that rin
 (``_ProducerFeed``, ``_SelfFeed``), where lse and delta enter the scores
 (``_LoadedStats``, ``_FoldedStats``) and what a block pair's dS feeds (``_DkvOnly``,
 ``_FusedDq``). Both kernels share the steps of a block pair's arithmetic
-(``_masked_logits``, ``_probs_and_grad``) and of the block ranges (``_own_blocks``).
+(``_masked_logits``, ``_probs_and_grad``) and of the block ranges (``own_blocks``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from jattn.kernels.common.softmax import LOG2E, backward_probs, logit_grad
 from jattn.kernels.hopper.budget import MOSAIC_MODELLED_BWD_WIDTH, fused_dq_columns
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV, ContiguousQ
-from jattn.kernels.hopper.inputs import PositionInputs, Tile, copy_bias_tiles, given_range
+from jattn.kernels.hopper.inputs import (PositionInputs, Tile, copy_bias_tiles, given_range,
+                                         own_blocks)
 
 
 def _wgmma_pair(acc_a, a1, b1, acc_b, a2, b2):
@@ -62,21 +63,6 @@ def _zeros(shape):
 
 
 # --- pieces of both kernels ------------------------------------------------------------------
-
-def _own_blocks(block_range, ranges_ref, batch, head, tile, wg):
-  """A consumer's block range of the other axis, narrowed (where the kernel reads ranges)
-  by the given range of its own row block, ``tile * CONSUMERS + wg``."""
-  if ranges_ref is None:
-    return block_range
-  return narrow(block_range, given_range(ranges_ref, batch, head, tile * mp.CONSUMERS + wg, 1))
-
-
-def _masked_runs(spec_runs, ranges_ref):
-  """``visit_blocks``' masked runs of a range ``_own_blocks`` gives: the spec's
-  (``MaskSpec.masked_kv_runs`` / ``masked_q_runs``), both sides where given ranges
-  narrow it."""
-  return spec_runs if ranges_ref is None else (True, True)
-
 
 def _slot_vectors(positions: PositionInputs, smem: dict, kind: str, masked: bool, slot) -> tuple:
   """The ``kind`` vectors streamed with the other operand, from ring slot ``slot``, where
@@ -227,12 +213,12 @@ def _dq_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, s
       plgpu.barrier_arrive(v_free.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
 
-    own = _own_blocks(kv_block_range(spec, q_start, block_q, block_kv), ranges_ref, batch, head,
-                      tile, wg)
+    own, masked_runs = own_blocks(kv_block_range(spec, q_start, block_q, block_kv),
+                                  spec.masked_kv_runs, ranges_ref, batch, head, tile, wg)
     if ds_out is not None:
       ds_out.zero_outside(mp.clamp_own(own, c_lo, c_hi), k_ref.shape[1] // block_kv)
     dq = mp.visit_blocks((c_lo, c_hi), own, step, skip, _zeros((block_q, head_dim)),
-                         masked_runs=_masked_runs(spec.masked_kv_runs, ranges_ref))
+                         masked_runs=masked_runs)
     my(q_smem)[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(my(q_smem), dq_ref.at[rows])
@@ -622,9 +608,10 @@ def _dkv_kernel(*refs, spec: MaskSpec, positions: PositionInputs, scale: float, 
         stream.release(slot)
         grads.skip(g, j, q_head, shape)
 
-      own = _own_blocks(static_own, ranges_ref, batch, q_head, tile, wg)
+      own, masked_runs = own_blocks(static_own, spec.masked_q_runs, ranges_ref, batch, q_head,
+                                    tile, wg)
       return mp.visit_blocks((c_lo, c_hi), own, step, skip, carry, stream.descending,
-                             _masked_runs(spec.masked_q_runs, ranges_ref))
+                             masked_runs)
 
     dk, dv = lax.fori_loop(0, group, over_head, (_zeros((block_kv, head_dim)),
                                                  _zeros((block_kv, v_ref.shape[-1]))))

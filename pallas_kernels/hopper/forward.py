@@ -49,8 +49,9 @@ from jattn.kernels.common.masking import MaskSpec, narrow
 from jattn.kernels.hopper import pipeline as mp
 from jattn.kernels.hopper.addressing import ContiguousKV
 from jattn.kernels.hopper.budget import HOPPER_SMEM_BYTES, THREADS_PER_WARPGROUP
-from jattn.kernels.hopper.inputs import PositionInputs, Tile, copy_bias_tiles, given_range
-from jattn.kernels.hopper.work import BoundQueryTiles, QueryTiles
+from jattn.kernels.hopper.inputs import (PositionInputs, Tile, copy_bias_tiles, given_range,
+                                         own_blocks)
+from jattn.kernels.hopper.work import QueryTiles
 
 
 # Rows of the ones tile a rule's ``mma_row_sums`` multiplies its weights with: the
@@ -288,15 +289,9 @@ class _Forward:
     if self.persistent and self.q_buffers == 2:
       self.load_next_q(t, 1 - buf)
     spec = self.spec_of(it.batch, it.head)
-    own = self.items.own_range(spec, q_start, block_kv)
-    # Query tiles' ranges are kv_block_range's (decode's packed rows and given ranges
-    # narrow them further): the spec says which masked runs they can have.
-    masked_runs = (spec.masked_kv_runs if isinstance(self.items, BoundQueryTiles)
-                   else (True, True))
-    if self.refs["ranges"] is not None:
-      own = narrow(own, given_range(self.refs["ranges"], it.batch, it.head,
-                                    it.tile * mp.CONSUMERS + wg, 1))
-      masked_runs = (True, True)
+    own, masked_runs = own_blocks(self.items.own_range(spec, q_start, block_kv),
+                                  self.items.own_masked_runs(spec), self.refs["ranges"],
+                                  it.batch, it.head, it.tile, wg)
     own = mp.clamp_own(own, c_lo, c_hi)
     row_rule = self.rule.bind(self.refs["rule"], ConsumerRows(
         it.batch, it.head, q_start, own, block_q, block_kv, self.refs["q"].dtype))

@@ -282,6 +282,17 @@ def given_range(ranges_ref, b, heads, first_block, n_blocks: int):
   return lo, lo, lo, jnp.maximum(hi, lo)
 
 
+def own_blocks(block_range, masked_runs, ranges_ref, batch, head, tile, wg):
+  """A consumer's block range of the other axis and its ``visit_blocks`` masked runs
+  (``masked_runs``: the spec's for ``block_range``), narrowed where the kernel reads
+  given ranges by that of its row block ``tile * CONSUMERS + wg``: a narrowed range may
+  have masked blocks on both sides."""
+  if ranges_ref is None:
+    return block_range, masked_runs
+  given = given_range(ranges_ref, batch, head, tile * mp.CONSUMERS + wg, 1)
+  return narrow(block_range, given), (True, True)
+
+
 # --- host side -------------------------------------------------------------------------------
 
 def segment_ranges(row_seg, col_seg, row_len: int, col_len: int, row_block: int,

@@ -129,6 +129,10 @@ class BoundQueryTiles(NamedTuple):
   def own_range(self, spec, q_start, block_kv: int):
     return kv_block_range(spec, q_start, self.kind.block_q, block_kv)
 
+  def own_masked_runs(self, spec) -> tuple[bool, bool]:
+    """``visit_blocks``' masked runs of ``own_range``'s ranges."""
+    return spec.masked_kv_runs
+
 
 @dataclasses.dataclass(frozen=True)
 class DilatedTiles(QueryTiles):
@@ -244,3 +248,8 @@ class BoundDecodeItems(NamedTuple):
 
   def own_range(self, spec, q_start, block_kv: int):
     return self._range(spec, q_start, self.kind.block_q, block_kv)
+
+  def own_masked_runs(self, spec) -> tuple[bool, bool]:
+    """Both sides: packed rows take the union of their positions' ranges."""
+    del spec
+    return True, True
